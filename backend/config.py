@@ -1,0 +1,45 @@
+"""Engine settings. In Triton they come from the `llm` model's config.pbtxt parameters (see README's table)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    device: str = "auto"                  # auto: cuda when available, else cpu
+    dtype: str = "auto"                   # auto: the checkpoint's dtype on GPU, float32 on CPU
+    block_size: int = 16                  # tokens per KV block
+    kv_cache_bytes: int = 512 << 20       # KV pool on CPU
+    gpu_memory_utilization: float = 0.9   # KV pool on GPU: this fraction of the memory free after loading weights
+    num_kv_blocks: int = 0                # >0: exactly this many KV blocks, overriding both budgets above
+    max_num_seqs: int = 64                # most requests running at once
+    max_num_batched_tokens: int = 2048    # token budget of one step (prefill chunks + decodes)
+    max_model_len: int = 0                # 0: the model's max_position_embeddings (or sliding window)
+    enable_chunked_prefill: bool = True
+
+    @classmethod
+    def from_strings(cls, values: dict[str, str]) -> "EngineConfig":
+        """Build from string values (Triton parameters), converting each by its field's type; unknown keys are
+        an error so a typo in config.pbtxt does not go unnoticed."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown engine parameter(s) {unknown}; known: {sorted(known)}")
+        kwargs = {}
+        for key, raw in values.items():
+            default = known[key].default
+            try:
+                if isinstance(default, bool):
+                    if raw.lower() not in ("true", "false", "1", "0"):
+                        raise ValueError(raw)
+                    kwargs[key] = raw.lower() in ("true", "1")
+                elif isinstance(default, int):
+                    kwargs[key] = int(raw)
+                elif isinstance(default, float):
+                    kwargs[key] = float(raw)
+                else:
+                    kwargs[key] = raw
+            except ValueError:
+                raise ValueError(f"engine parameter {key}={raw!r} is not a valid {type(default).__name__}") from None
+        return cls(**kwargs)

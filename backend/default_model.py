@@ -1,0 +1,131 @@
+"""Build the project's default model: a small Llama-architecture Hugging Face folder made here, deterministically.
+
+No model hub is reachable, so the tokenizer is trained with `tokenizers` on text every Python install carries
+(the help topics in `pydoc_data`), and the weights come from a fixed seed followed by a short, single-threaded
+training run on the same text, so the demo prints words rather than noise. The result is an ordinary folder
+(config.json, model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json with a chat
+template) that goes through the same loading path as any downloaded checkpoint.
+
+    python -m trellm_backend.default_model hf_models/tiny-llama
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def corpus_text() -> str:
+    """English prose shipped with CPython: the interactive help topics."""
+    from pydoc_data.topics import topics
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def build_tokenizer(text: str, vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    chunks = text.split("\n\n")
+    tok.train_from_iterator(chunks, trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    return tok
+
+
+def train(model, ids, steps: int, seq_len: int = 128, batch: int = 16, lr: float = 3e-3):
+    import torch
+    g = torch.Generator().manual_seed(0)
+    data = torch.tensor(ids, dtype=torch.long)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    model.train()
+    for step in range(steps):
+        starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=g)
+        x = torch.stack([data[s:s + seq_len] for s in starts])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == steps - 1:
+            print(f"[default-model] step {step}/{steps} loss {loss.item():.3f}", file=sys.stderr)
+    model.eval()
+
+
+def build(out_dir: str, train_steps: int = 300, vocab_size: int = 4096) -> str:
+    """Write the default model folder to `out_dir` (replacing nothing that is already complete)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if os.path.isfile(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # single-threaded reductions: the same bytes on every machine
+    try:
+        text = corpus_text()
+        tok = build_tokenizer(text, vocab_size)
+        hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                         pad_token="<pad>", chat_template=CHAT_TEMPLATE)
+        ids = tok.encode(text).ids
+
+        torch.manual_seed(0)
+        eos = [tok.token_to_id("</s>"), tok.token_to_id("<|end|>")]
+        config = LlamaConfig(
+            vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+            rope_theta=10000.0, bos_token_id=tok.token_to_id("<s>"), eos_token_id=eos,
+            pad_token_id=tok.token_to_id("<pad>"), tie_word_embeddings=False, torch_dtype="float32")
+        model = LlamaForCausalLM(config)
+        if train_steps:
+            train(model, ids, train_steps)
+        model.generation_config.eos_token_id = eos
+        model.generation_config.bos_token_id = config.bos_token_id
+        model.generation_config.pad_token_id = config.pad_token_id
+        tmp = out_dir + ".tmp"
+        model.save_pretrained(tmp, safe_serialization=True)
+        hf_tok.save_pretrained(tmp)
+        _portable_tokenizer_config(tmp)
+        for name in os.listdir(tmp):
+            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+        os.rmdir(tmp)
+    finally:
+        torch.set_num_threads(threads)
+    return out_dir
+
+
+def _portable_tokenizer_config(folder: str) -> None:
+    """Keep the chat template inside tokenizer_config.json and name a tokenizer class that transformers 4.x
+    (the NGC container's) knows too; transformers 5 would write a separate chat_template.jinja instead."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        os.remove(jinja)
+    cfg.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE)
+    cfg.pop("backend", None)
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir")
+    ap.add_argument("--train-steps", type=int, default=300)
+    args = ap.parse_args()
+    print(build(args.out_dir, args.train_steps))
+
+
+if __name__ == "__main__":
+    main()

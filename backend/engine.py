@@ -1,0 +1,126 @@
+"""The engine: requests in, token deltas out, one `step()` at a time. Not thread-safe; see engine_loop.py."""
+from __future__ import annotations
+
+import logging
+
+from trellm_backend.block_manager import BlockManager
+from trellm_backend.config import EngineConfig
+from trellm_backend.model_config import load_model_config
+from trellm_backend.model_runner import ModelRunner
+from trellm_backend.request import Request, RequestOutput, SamplingParams, Status
+from trellm_backend.scheduler import Scheduler
+
+log = logging.getLogger("trellm")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = mc = load_model_config(config.model_path)
+        limit = mc.max_position_embeddings
+        if mc.sliding_window:   # attention here is full-context: stay where that equals sliding-window attention
+            limit = min(limit, mc.sliding_window)
+        if config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds what {mc.path}/config.json allows "
+                             f"({limit})")
+        self.max_model_len = config.max_model_len or limit
+        self.runner = ModelRunner(config, mc, self.max_model_len)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.pool_tokens = self.blocks.num_blocks * config.block_size
+        self.num_preemptions = 0
+
+    # -- requests in ---------------------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Validate and build a request without touching engine state (safe from any thread)."""
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens but the context length (max_model_len) is "
+                             f"{self.max_model_len}: it must be at most {self.max_model_len - 1} to leave room "
+                             "for one generated token")
+        if n + 1 > self.pool_tokens:
+            raise ValueError(f"the prompt has {n} tokens but the whole KV cache holds {self.pool_tokens} "
+                             f"({self.blocks.num_blocks} blocks of {self.config.block_size}); it can never fit")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return Request(request_id, list(prompt_token_ids), params, max_len=min(self.max_model_len, self.pool_tokens))
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already running")
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.add(self.make_request(request_id, prompt_token_ids, params))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks now. Returns its final output, or None if it is not known."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self._output(req, [])
+
+    # -- stepping ------------------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample; returns an output for each request that got a token."""
+        sched = self.scheduler.schedule()
+        self.num_preemptions += len(sched.preempted)
+        if not sched.chunks:
+            return []
+        sampled = iter(self.runner.execute(sched))
+        outputs = []
+        for chunk in sched.chunks:
+            req = chunk.request
+            samples = chunk.samples
+            req.num_computed_tokens += chunk.num_new_tokens
+            if not samples:
+                continue
+            token = next(sampled)
+            req.token_ids.append(token)
+            reason = self._finish_reason(req, token)
+            if reason:
+                self.scheduler.finish(req, reason)
+                del self.requests[req.request_id]
+            outputs.append(self._output(req, [token]))
+        return outputs
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            return "stop"
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _output(req: Request, new_tokens: list[int]) -> RequestOutput:
+        return RequestOutput(req.request_id, new_tokens, finished=req.status is Status.FINISHED,
+                             finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
+                             num_output_tokens=req.num_output_tokens)
+
+    # -- convenience ---------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run prompts to completion (all admitted at once); returns each one's generated token ids."""
+        ids = [f"generate-{i}" for i in range(len(prompts))]
+        for rid, p in zip(ids, prompts):
+            self.add_request(rid, p, params)
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                out[o.request_id].extend(o.new_token_ids)
+        return [out[rid] for rid in ids]
+
+    def kv_blocks_used(self) -> int:
+        return self.blocks.num_used

@@ -1,0 +1,194 @@
+"""Start a real tritonserver on a model repository, wait until its models are ready, stop it cleanly.
+
+    python -m trellm_backend.launch [--model-repository model_repository] [--http-port 8000] ...
+
+The server binary is `tritonserver` from PATH (the NGC container) or, without Docker, the Triton 2.51 that the
+`nvidia-pytriton` wheel carries: that copy is prepared once next to the virtual environment (the wheel's folder
+holds one Python-backend stub per Python version; the backend wants one at a fixed place). The server runs in its
+own process group, which also holds its Python-backend stubs, so stopping the group leaves no process behind.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_REPOSITORY = os.path.join(REPO_ROOT, "model_repository")
+
+
+def _pytriton_dirs() -> tuple[str, str]:
+    import pytriton
+    site = os.path.dirname(os.path.dirname(pytriton.__file__))
+    return os.path.join(os.path.dirname(pytriton.__file__), "tritonserver"), os.path.join(site, "nvidia_pytriton.libs")
+
+
+def prepare_server() -> tuple[list[str], dict[str, str]]:
+    """The tritonserver command prefix and the environment additions it needs."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return [on_path], {}
+    src, libs = _pytriton_dirs()
+    dest = os.path.join(sys.prefix, "trellm-tritonserver")
+    stub_src = os.path.join(src, "python_backend_stubs", f"{sys.version_info.major}.{sys.version_info.minor}",
+                            "triton_python_backend_stub")
+    stub = os.path.join(dest, "backends", "python", "triton_python_backend_stub")
+    if not os.path.isfile(stub):
+        if not os.path.isfile(stub_src):
+            raise RuntimeError(f"nvidia-pytriton has no Python-backend stub for Python {sys.version.split()[0]}")
+        tmp = dest + f".tmp{os.getpid()}"
+        shutil.copytree(src, tmp, symlinks=True, ignore=shutil.ignore_patterns("python_backend_stubs"))
+        shutil.copy2(stub_src, os.path.join(tmp, "backends", "python", "triton_python_backend_stub"))
+        os.chmod(os.path.join(tmp, "backends", "python", "triton_python_backend_stub"), 0o755)
+        try:
+            os.rename(tmp, dest)
+        except OSError:   # another process prepared it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    # The stub links libpython3.X.so: it must be this interpreter's, whose standard library the stub then imports
+    # (a distribution's libpython of another patch release fails on extension modules such as _ssl).
+    py_libdir = sysconfig.get_config_var("LIBDIR") if sysconfig.get_config_var("Py_ENABLE_SHARED") else None
+    env = {
+        "LD_LIBRARY_PATH": os.pathsep.join(p for p in (py_libdir, libs, os.environ.get("LD_LIBRARY_PATH")) if p),
+        # The stub runs the first `python` on PATH: make it this environment's.
+        "PATH": os.pathsep.join((os.path.dirname(sys.executable), os.environ.get("PATH", ""))),
+    }
+    return [os.path.join(dest, "bin", "tritonserver"), f"--backend-directory={os.path.join(dest, 'backends')}"], env
+
+
+class TritonServer:
+    """A tritonserver process. Use as a context manager, or call start() and stop()."""
+
+    def __init__(self, model_repository: str = DEFAULT_REPOSITORY, http_port: int = 8000, grpc_port: int = 8001,
+                 metrics_port: int = 8002, log_path: str | None = None, extra_args: list[str] | None = None):
+        self.model_repository = os.path.abspath(model_repository)
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.log_path = log_path
+        self.extra_args = extra_args or []
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    def start(self, timeout: float = 300.0) -> "TritonServer":
+        cmd, env_add = prepare_server()
+        cmd = cmd + [
+            f"--model-repository={self.model_repository}", f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}", "--exit-timeout-secs=10",
+            *self.extra_args]
+        env = {**os.environ, **env_add}
+        self._log = open(self.log_path, "ab") if self.log_path else None
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=self._log,
+                                     stderr=subprocess.STDOUT if self._log else None)
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until /v2/health/ready answers 200 (every model loaded), or raise."""
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.proc.returncode} while starting"
+                                   + (f"; see {self.log_path}" if self.log_path else ""))
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s" +
+                           (f"; see {self.log_path}" if self.log_path else ""))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL whatever is left after `timeout` seconds."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        try:   # stubs that outlived the server, or a server that did not stop
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc = None
+        if self._log:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Start tritonserver on the model repository and keep it running.")
+    ap.add_argument("--model-repository", default=DEFAULT_REPOSITORY)
+    ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--grpc-port", type=int, default=8001)
+    ap.add_argument("--metrics-port", type=int, default=8002)
+    ap.add_argument("--demo-prompt", default=None, help="once ready, stream an answer to this prompt")
+    ap.add_argument("--exit-after-demo", action="store_true", help="stop the server after the demo answer")
+    args, extra = ap.parse_known_args(argv)
+
+    server = TritonServer(args.model_repository, args.http_port, args.grpc_port, args.metrics_port, extra_args=extra)
+    stop = {"now": False}
+
+    def on_signal(signum, frame):
+        stop["now"] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        server.start()
+        print(f"\ntritonserver is ready\n  HTTP    http://localhost:{args.http_port}  (POST /v2/models/ensemble/generate"
+              f"_stream)\n  gRPC    localhost:{args.grpc_port}\n  metrics http://localhost:{args.metrics_port}/metrics"
+              f"\nStop with Ctrl-C.\n", flush=True)
+        if args.demo_prompt:
+            from trellm_client.client import LLMClient
+            print(f"> {args.demo_prompt}", flush=True)
+            with LLMClient(server.grpc_url) as client:
+                for delta in client.stream(args.demo_prompt, max_tokens=64):
+                    print(delta, end="", flush=True)
+            print("\n", flush=True)
+            if args.exit_after_demo:
+                return 0
+        while server.proc.poll() is None:
+            time.sleep(0.5)
+        print(f"tritonserver exited with code {server.proc.returncode}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping tritonserver ...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Owns the model weights and the KV cache tensor; turns a scheduler output into one forward pass and samples.
+
+Batch preparation works on whole tensors: Python touches each scheduled sequence once, never each token.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from trellm_backend.config import EngineConfig
+from trellm_backend.model_config import ModelConfig
+from trellm_backend.models.llama import AttentionMetadata, LlamaModel
+from trellm_backend.sampler import sample
+from trellm_backend.scheduler import SchedulerOutput
+from trellm_backend.weights import load_state_dict
+
+log = logging.getLogger("trellm")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if cfg.device == "auto" else cfg.device))
+    if cfg.dtype == "auto":
+        dtype = model_cfg.torch_dtype if device.type == "cuda" else torch.float32
+    elif cfg.dtype in _DTYPES:
+        dtype = _DTYPES[cfg.dtype]
+    else:
+        raise ValueError(f"dtype={cfg.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+    return device, dtype
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int):
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.device, self.dtype = resolve_device_dtype(cfg, model_cfg)
+        state = load_state_dict(model_cfg.path, self.dtype)
+        self.model = LlamaModel(model_cfg, state, self.device, self.dtype, max_model_len)
+        self.block_size = cfg.block_size
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_cache = torch.zeros(model_cfg.num_layers, 2, self.num_blocks, self.block_size,
+                                    model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype, device=self.device)
+        log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB, %s on %s", self.num_blocks,
+                 self.block_size, self.num_blocks * self.block_size, self.kv_cache.numel() *
+                 self.kv_cache.element_size() / 2**20, str(self.dtype).removeprefix("torch."), self.device)
+
+    def bytes_per_block(self) -> int:
+        m = self.model_cfg
+        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def _num_kv_blocks(self) -> int:
+        if self.cfg.num_kv_blocks > 0:
+            return self.cfg.num_kv_blocks
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.cfg.gpu_memory_utilization)
+        else:
+            budget = self.cfg.kv_cache_bytes
+        n = budget // self.bytes_per_block()
+        if n < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {self.bytes_per_block()} bytes; "
+                             "raise kv_cache_bytes (CPU) or gpu_memory_utilization (GPU)")
+        return n
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> list[int]:
+        """Run the scheduled chunks; return the sampled token of each chunk that samples, in chunk order."""
+        chunks = sched.chunks
+        ids: list[int] = []
+        starts, q_lens, tables = [], [], []
+        for c in chunks:
+            r, s = c.request, c.request.num_computed_tokens
+            ids.extend(r.token_ids[s:s + c.num_new_tokens])
+            starts.append(s)
+            q_lens.append(c.num_new_tokens)
+            tables.append(r.block_ids)
+        B, T = len(chunks), len(ids)
+        max_blocks = max(len(t) for t in tables)
+        dev = self.device
+        block_tables = torch.tensor([t + [-1] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
+        starts_t = torch.tensor(starts, dtype=torch.int32)
+        cu = torch.zeros(B + 1, dtype=torch.int32)
+        torch.cumsum(q_lens_t, 0, out=cu[1:])
+        seq_of_tok = torch.repeat_interleave(torch.arange(B), q_lens_t, output_size=T)
+        positions = torch.arange(T, dtype=torch.int32) - cu[:-1][seq_of_tok] + starts_t[seq_of_tok]
+        slots = (block_tables[seq_of_tok, positions // self.block_size] * self.block_size
+                 + positions % self.block_size)
+        seq_lens = starts_t + q_lens_t
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        logits_indices = (cu[1:] - 1)[sampling]
+        meta = AttentionMetadata(
+            positions=positions.to(dev), slot_mapping=slots.to(dev), cu_seqlens_q=cu.to(dev),
+            seq_lens=seq_lens.to(dev), block_tables=block_tables.to(dev),
+            max_seqlen_q=max(q_lens), max_seqlen_k=int(seq_lens.max()))
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev)
+        logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices.to(dev))
+        if not sampling:
+            return []
+        return sample(logits, [chunks[i].request for i in sampling]).tolist()

@@ -1,0 +1,139 @@
+"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3) over a flat batch of tokens and a paged KV cache.
+
+Tokens of all sequences in a step are concatenated ([T, hidden]); attention finds each sequence's keys and
+values through its block table, so prefill chunks and single-token decodes share one forward.
+q/k/v and gate/up are merged into one matrix each, so a layer costs four matmuls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trellm_backend.model_config import ModelConfig, ModelConfigError, cos_sin_cache
+from trellm_kernels.activation import silu_and_mul
+from trellm_kernels.attention import paged_attention
+from trellm_kernels.kv_cache import write_kv
+from trellm_kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from trellm_kernels.rotary import apply_rotary
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the flat batch sits. B sequences, T tokens in all."""
+    positions: torch.Tensor      # [T] position of each token in its sequence
+    slot_mapping: torch.Tensor   # [T] KV slot each new token is written to
+    cu_seqlens_q: torch.Tensor   # [B+1] offsets of each sequence's tokens in the flat batch
+    seq_lens: torch.Tensor       # [B] context length of each sequence after this step
+    block_tables: torch.Tensor   # [B, max_blocks] block ids, -1 padded
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+class LlamaModel:
+    """Weights and forward. Not an nn.Module: there is nothing to train, and plain tensors keep it explicit."""
+
+    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 max_positions: int):
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        source = cfg.path
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            t = state.pop(name, None)
+            if t is None:
+                if required:
+                    raise ModelConfigError(f"{source}: weight {name!r} missing from the safetensors files")
+                return None
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        def cat(*ts):
+            return None if any(t is None for t in ts) else torch.cat(ts, dim=0).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        if self.embed.shape != (cfg.vocab_size, cfg.hidden_size):
+            raise ModelConfigError(f"{source}: model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
+                                   f"config.json says vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}")
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            qkv_bias = cfg.qkv_bias
+            self.layers.append(LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=cat(take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")),
+                qkv_bias=cat(take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias"))
+                if qkv_bias else None,
+                o=take(a + "o_proj.weight"),
+                o_bias=take(a + "o_proj.bias") if cfg.o_bias else None,
+                q_norm=take(a + "q_norm.weight") if cfg.qk_norm else None,
+                k_norm=take(a + "k_norm.weight") if cfg.qk_norm else None,
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=cat(take(m + "gate_proj.weight"), take(m + "up_proj.weight")),
+                gate_up_bias=cat(take(m + "gate_proj.bias"), take(m + "up_proj.bias")) if cfg.mlp_bias else None,
+                down=take(m + "down_proj.weight"),
+                down_bias=take(m + "down_proj.bias") if cfg.mlp_bias else None,
+            ))
+        self.norm = take("model.norm.weight")
+        lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
+        self.lm_head = self.embed if cfg.tie_word_embeddings or lm_head is None else lm_head
+        self.cos_sin = cos_sin_cache(cfg, max_positions).to(device)
+        self.scale = cfg.head_dim ** -0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> logits [len(logits_indices), vocab] (fp32) of the selected tokens.
+
+        kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; new K/V are written into it.
+        """
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        h = self.embed[input_ids]
+        residual = None
+        for i, w in enumerate(self.layers):
+            if residual is None:
+                residual = h
+                x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
+            else:
+                x, residual = fused_add_rms_norm(h, residual, w.input_norm, cfg.rms_norm_eps)
+            qkv = torch.nn.functional.linear(x, w.qkv, w.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            if w.q_norm is not None:  # Qwen3: RMSNorm of each head before rotary
+                q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+            q, k = apply_rotary(q.contiguous(), k.contiguous(), meta.positions, self.cos_sin)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                                   self.scale, meta.max_seqlen_q, meta.max_seqlen_k)
+            h = torch.nn.functional.linear(attn.reshape(T, self.q_size), w.o, w.o_bias)
+            x, residual = fused_add_rms_norm(h, residual, w.post_norm, cfg.rms_norm_eps)
+            gu = torch.nn.functional.linear(x, w.gate_up, w.gate_up_bias)
+            h = torch.nn.functional.linear(silu_and_mul(gu), w.down, w.down_bias)
+        # Only the rows that will be sampled go through the final norm and the vocabulary projection.
+        h = h[logits_indices]
+        residual = residual[logits_indices]
+        x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
+        return torch.nn.functional.linear(x, self.lm_head).float()

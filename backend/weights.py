@@ -1,0 +1,39 @@
+"""Read a Hugging Face safetensors folder (single file or sharded with an index) into a name -> tensor dict."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from trellm_backend.model_config import ModelConfigError
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, s) for s in shards]
+    else:
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelConfigError(f"{path}: no *.safetensors weights found")
+    for f in files:
+        if not os.path.isfile(f):
+            raise ModelConfigError(f"{f}: listed in model.safetensors.index.json but missing")
+    return files
+
+
+def load_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """All tensors of the folder, cast to `dtype`, on CPU."""
+    state = {}
+    for file in safetensors_files(path):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    state[name] = f.get_tensor(name).to(dtype)
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+            raise ModelConfigError(f"{file}: cannot read weights ({e})") from None
+    return state

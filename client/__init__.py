@@ -1,0 +1,1 @@
+"""Client of the repository's LLM service over tritonclient gRPC and HTTP."""

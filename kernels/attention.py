@@ -1,0 +1,55 @@
+"""Paged attention over a mixed batch: prefill chunks that continue a cached prefix and single-token decodes.
+
+Sequence b owns the flat query rows cu_seqlens_q[b]:cu_seqlens_q[b+1]; its keys/values are the first
+seq_lens[b] slots reached through block_tables[b]. Query row i of b sits at position seq_lens[b] - q_len + i and
+attends causally. Query heads are grouped onto their KV head (GQA).
+"""
+import torch
+
+from trellm_kernels.dispatch import use_triton
+
+
+def paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                              max_seqlen_q: int, max_seqlen_k: int):
+    """q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; cu_seqlens_q: [B+1]; seq_lens: [B];
+    block_tables: [B, max_blocks] (-1 padded). Returns [T, H, D] in q's dtype.
+
+    Batched: sequences are padded to (max_seqlen_q, max_seqlen_k) so the whole step is a few tensor ops."""
+    T, H, D = q.shape
+    B = seq_lens.shape[0]
+    block_size, KVH = k_cache.shape[1], k_cache.shape[2]
+    G = H // KVH
+    n_blocks = (max_seqlen_k + block_size - 1) // block_size
+    bt = block_tables[:, :n_blocks].clamp(min=0).long()
+    k = k_cache[bt].reshape(B, n_blocks * block_size, KVH, D)[:, :max_seqlen_k]
+    v = v_cache[bt].reshape(B, n_blocks * block_size, KVH, D)[:, :max_seqlen_k]
+
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    seq_of_row = torch.repeat_interleave(torch.arange(B, device=q.device), q_lens, output_size=T)
+    row_in_seq = torch.arange(T, device=q.device) - cu_seqlens_q[:-1].long()[seq_of_row]
+    qp = q.new_zeros(B, max_seqlen_q, H, D)
+    qp[seq_of_row, row_in_seq] = q
+
+    q_pos = (seq_lens - q_lens).long()[:, None] + torch.arange(max_seqlen_q, device=q.device)[None, :]
+    k_pos = torch.arange(max_seqlen_k, device=q.device)
+    allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens.long()[:, None, None])
+
+    qg = qp.view(B, max_seqlen_q, KVH, G, D).permute(0, 2, 3, 1, 4).float()   # [B, KVH, G, Lq, D]
+    kg = k.permute(0, 2, 1, 3)[:, :, None].float()                             # [B, KVH, 1, Lk, D]
+    vg = v.permute(0, 2, 1, 3)[:, :, None].float()
+    scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale                    # [B, KVH, G, Lq, Lk]
+    scores.masked_fill_(~allowed[:, None, None], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), vg)                      # [B, KVH, G, Lq, D]
+    out = out.permute(0, 3, 1, 2, 4).reshape(B, max_seqlen_q, H, D)
+    return out[seq_of_row, row_in_seq].to(q.dtype)
+
+
+def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                    max_seqlen_q: int, max_seqlen_k: int):
+    """Attention of each query row over its sequence's cached keys/values; see the module docstring."""
+    if use_triton(q):
+        from trellm_kernels.triton_attention import paged_attention_triton
+        return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                                      max_seqlen_q, max_seqlen_k)
+    return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                                     max_seqlen_q, max_seqlen_k)

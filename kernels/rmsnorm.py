@@ -1,0 +1,34 @@
+"""RMSNorm, alone and fused with the residual add, in Hugging Face Llama's rounding order:
+the variance in fp32, the normalised value cast back to the input dtype before the weight multiply."""
+import torch
+
+from trellm_kernels.dispatch import use_triton
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def fused_add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Returns (rms_norm(x + residual), x + residual)."""
+    residual = x + residual
+    return rms_norm_reference(residual, weight, eps), residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension."""
+    if use_triton(x):
+        from trellm_kernels.triton_rmsnorm import rms_norm_triton
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual): the residual stream and the next block's input in one pass."""
+    if use_triton(x):
+        from trellm_kernels.triton_rmsnorm import fused_add_rms_norm_triton
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    return fused_add_rms_norm_reference(x, residual, weight, eps)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs what is missing, idempotently: Debian's libb64 for perf_analyzer, then a project-local virtual
+# environment with the pinned Python packages and this project (editable). Safe to run again: a stamp file
+# records the pyproject.toml it installed, so a second run costs about a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if ! ldconfig -p 2>/dev/null | grep -q 'libb64.so.0d'; then
+  echo "[setup] installing libb64-0d (perf_analyzer needs it)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libb64-0d >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+
+stamp="$VENV/.trellm-installed"
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "[setup] installing the pinned Python packages into $VENV (first run: a few minutes)"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  # torch first and alone, so that no other requirement pulls a CUDA build of it.
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q -e ".[test]"
+  echo "$want" > "$stamp"
+fi

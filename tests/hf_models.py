@@ -1,0 +1,72 @@
+"""Small Hugging Face checkpoints of the Llama-family configurations the engine must cover, made with transformers
+itself (random weights, fixed seed) and saved as ordinary folders, plus transformers' greedy output as the oracle."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+# name -> (transformers config class, kwargs). Each differs from the default model in something the forward
+# must get right.
+VARIANTS = {
+    # Qwen2: q/k/v biases, GQA ratio 4, large rope theta, tied embeddings
+    "qwen2-bias-gqa4": ("Qwen2Config", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                            num_attention_heads=8, num_key_value_heads=2, rope_theta=1e6,
+                                            tie_word_embeddings=True, max_position_embeddings=512)),
+    # Qwen3: per-head q/k RMSNorm, explicit head_dim 8 (tiny heads), GQA ratio 3
+    "qwen3-qknorm-hd8": ("Qwen3Config", dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                             num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                                             max_position_embeddings=512)),
+    # Llama 3.x: llama3 rope scaling, attention and MLP biases, no GQA
+    "llama3-rope-bias": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=4, attention_bias=True,
+                                             mlp_bias=True, max_position_embeddings=512,
+                                             rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                               high_freq_factor=4.0,
+                                                               original_max_position_embeddings=64))),
+    # Mistral: GQA ratio 2, linear rope scaling
+    "mistral-linear-rope": ("MistralConfig", dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2,
+                                                  max_position_embeddings=512, sliding_window=None,
+                                                  rope_scaling=dict(rope_type="linear", factor=2.0))),
+}
+
+
+def make_variant(name: str, out_dir: str, vocab_size: int = 320) -> str:
+    import transformers
+    cls_name, kwargs = VARIANTS[name]
+    config = getattr(transformers, cls_name)(vocab_size=vocab_size, eos_token_id=vocab_size - 1,
+                                             bos_token_id=0, **kwargs)
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    # Random biases and norm weights (defaults are 0 and 1) so that a forward that ignored them would differ.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (one at a time: no padding effects), EOS ignored."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = []
+    for p in prompts:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def random_prompts(seed: int, vocab_size: int, lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab_size - 1, (n,), generator=g).tolist() for n in lengths]
+
+
+def model_dir_for(tmp_root: str, name: str) -> str:
+    d = os.path.join(tmp_root, name)
+    if not os.path.isfile(os.path.join(d, "model.safetensors")):
+        make_variant(name, d)
+    return d

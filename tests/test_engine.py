@@ -1,0 +1,132 @@
+"""The engine against Hugging Face transformers on the same weights: greedy tokens must be identical, with
+requests arriving at different steps (so batches mix prefill chunks and decodes, and sequences join and leave),
+for the default model and for other Llama-family configurations. Also the KV block bookkeeping."""
+from __future__ import annotations
+
+import pytest
+
+from hf_models import VARIANTS, hf_greedy, model_dir_for, random_prompts
+from trellm_backend.config import EngineConfig
+from trellm_backend.engine import LLMEngine
+from trellm_backend.request import SamplingParams
+
+LENGTHS = [1, 7, 16, 17, 45, 90]       # one token, around a block boundary, several blocks
+ARRIVALS = [0, 0, 2, 3, 5, 9]          # engine step at which each request is added
+MAX_TOKENS = 20
+
+
+def run_staggered(engine: LLMEngine, prompts, arrivals, params) -> list[list[int]]:
+    """Add prompt i at step arrivals[i]; step until all finish; return each one's tokens."""
+    out = {i: [] for i in range(len(prompts))}
+    order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    step = 0
+    while order or engine.has_unfinished():
+        while order and arrivals[order[0]] <= step:
+            i = order.pop(0)
+            engine.add_request(str(i), prompts[i], params)
+        for o in engine.step():
+            out[int(o.request_id)].extend(o.new_token_ids)
+        step += 1
+        assert step < 10_000
+    return [out[i] for i in range(len(prompts))]
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def variant_dirs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("hf"))
+    return {name: model_dir_for(root, name) for name in VARIANTS}
+
+
+def check_parity(model_dir, vocab, **engine_kwargs):
+    prompts = random_prompts(0, vocab, LENGTHS)
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    engine = LLMEngine(EngineConfig(model_path=model_dir, **engine_kwargs))
+    got = run_staggered(engine, prompts, ARRIVALS, GREEDY)
+    for i, (e, g) in enumerate(zip(expected, got)):
+        assert g == e, f"prompt {i} (length {LENGTHS[i]}): engine {g} != transformers {e}"
+    assert engine.kv_blocks_used() == 0, "blocks still held after every request finished"
+    return engine
+
+
+def test_default_model_matches_transformers(default_model_path):
+    # A 32-token budget: long prompts are prefilled in chunks while earlier requests decode.
+    check_parity(default_model_path, 4096, max_num_batched_tokens=32, kv_cache_bytes=32 << 20)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variant_matches_transformers(variant_dirs, name):
+    check_parity(variant_dirs[name], 320, max_num_batched_tokens=48, block_size=16, kv_cache_bytes=8 << 20)
+
+
+def test_block_size_32_and_no_chunking(default_model_path):
+    check_parity(default_model_path, 4096, block_size=32, max_num_batched_tokens=256, enable_chunked_prefill=False,
+                 kv_cache_bytes=32 << 20)
+
+
+def test_preemption_keeps_outputs_identical(default_model_path):
+    # 14 blocks of 16 tokens cannot hold all six sequences (up to 110 tokens each): some are preempted and
+    # recomputed, and their tokens must not change.
+    engine = check_parity(default_model_path, 4096, num_kv_blocks=14, max_num_batched_tokens=64)
+    assert engine.num_preemptions > 0
+
+
+def test_abort_frees_blocks_at_once(default_model_path):
+    engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20))
+    for i, p in enumerate(random_prompts(1, 4096, [40, 33, 5])):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_blocks_used() > 0
+    out = engine.abort("0")
+    assert out.finished and out.finish_reason == "abort"
+    engine.abort("2")
+    assert engine.abort("unknown") is None
+    assert engine.kv_blocks_used() == 3   # request 1: 33 prompt tokens + 3 generated = 36 tokens in 3 blocks
+    engine.abort("1")
+    assert engine.kv_blocks_used() == 0 and not engine.has_unfinished()
+
+
+def test_stops_on_every_eos_id_and_max_tokens(default_model_path):
+    engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20))
+    assert sorted(engine.eos_token_ids) == [2, 7]     # </s> and <|end|> from generation_config.json
+    prompt = random_prompts(2, 4096, [10])[0]
+    free_run = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert len(free_run) == 8
+    # Declare the third generated token a stop token: generation ends right there.
+    stop = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[free_run[2]])
+    assert engine.generate([prompt], stop)[0] == free_run[:free_run.index(free_run[2]) + 1]
+
+
+def test_bad_requests_are_refused_with_the_numbers(default_model_path):
+    engine = LLMEngine(EngineConfig(model_path=default_model_path, max_model_len=64, num_kv_blocks=3))
+    with pytest.raises(ValueError, match="empty"):
+        engine.make_request("a", [], SamplingParams())
+    with pytest.raises(ValueError, match="64"):
+        engine.make_request("b", [5] * 64, SamplingParams())
+    with pytest.raises(ValueError, match="holds 48"):
+        engine.make_request("c", [5] * 50, SamplingParams())
+    with pytest.raises(ValueError, match=r"\[0, 4096\)"):
+        engine.make_request("d", [5, 4096], SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.make_request("e", [5], SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="top_p"):
+        engine.make_request("f", [5], SamplingParams(top_p=0.0))
+
+
+def test_seeded_sampling_does_not_depend_on_batch_mates(default_model_path):
+    engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20))
+    p = random_prompts(3, 4096, [12, 30, 3])
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=42, ignore_eos=True)
+    alone = engine.generate([p[0]], seeded)[0]
+    engine.add_request("x", p[1], SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True))
+    engine.add_request("y", p[0], seeded)
+    engine.add_request("z", p[2], SamplingParams(max_tokens=30, temperature=0.7, seed=7, ignore_eos=True))
+    got = []
+    while engine.has_unfinished():
+        got += [t for o in engine.step() if o.request_id == "y" for t in o.new_token_ids]
+    assert got == alone
+    other_seed = engine.generate([p[0]], SamplingParams(**{**seeded.__dict__, "seed": 43}))[0]
+    assert other_seed != alone

@@ -1,0 +1,131 @@
+"""End to end on a real tritonserver: client -> ensemble (preprocess -> llm -> postprocess) -> engine.
+
+The text that comes back is compared with what Hugging Face transformers generates greedily from the same
+weights, decoded by the same tokenizer."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import urllib.error
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from trellm_client.client import LLMClient, http_generate
+
+PROMPTS = ["The Python language", "A function definition", "Exceptions are raised when",
+           "The import statement", "Lists", "class", "for loops iterate over the items of any sequence",
+           "with statement"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def expected(default_model_path):
+    """transformers' greedy text for each prompt (stopping at EOS like the engine does)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
+    out = {}
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+        out[p] = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+    assert any(out.values()), "the reference produced no text at all"
+    return out
+
+
+def stream_deltas(url, prompt, **params):
+    with LLMClient(url) as c:
+        return list(c.stream(prompt, max_tokens=MAX_TOKENS, **params))
+
+
+def test_grpc_stream_matches_transformers(triton_server, expected):
+    deltas = stream_deltas(triton_server.grpc_url, PROMPTS[0])
+    assert len(deltas) > 1, "a stream must arrive in several responses"
+    assert "".join(deltas) == expected[PROMPTS[0]]
+    assert not deltas[0].startswith(PROMPTS[0]), "the prompt must not be echoed in a stream"
+
+
+def test_grpc_non_streaming_echoes_prompt_unless_excluded(triton_server, expected):
+    with LLMClient(triton_server.grpc_url) as c:
+        assert c.generate(PROMPTS[1], max_tokens=MAX_TOKENS, exclude_input_in_output=True) == expected[PROMPTS[1]]
+        full = c.generate(PROMPTS[1], max_tokens=MAX_TOKENS)
+    assert full == PROMPTS[1] + expected[PROMPTS[1]]
+
+
+def test_eight_concurrent_streams(triton_server, expected):
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: "".join(stream_deltas(triton_server.grpc_url, p)), PROMPTS))
+    for p, text in zip(PROMPTS, results):
+        assert text == expected[p], p
+
+
+def test_http_generate_and_generate_stream(triton_server, expected):
+    p = PROMPTS[2]
+    one = http_generate(triton_server.http_url, p, max_tokens=MAX_TOKENS, exclude_input_in_output=True)
+    assert len(one) == 1 and one[0]["text_output"] == expected[p]
+    events = http_generate(triton_server.http_url, p, stream=True, max_tokens=MAX_TOKENS)
+    assert len(events) > 1
+    assert "".join(e.get("text_output", "") for e in events) == expected[p]
+
+
+def _infer_error(url, inputs) -> str:
+    """Send one streamed ensemble request; return the error message it gets."""
+    errors = []
+    client = grpcclient.InferenceServerClient(url)
+    import queue
+    q = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    client.async_stream_infer("ensemble", inputs)
+    result, error = q.get(timeout=60)
+    client.stop_stream()
+    client.close()
+    assert error is not None, "a malformed request must get an error"
+    errors.append(str(error))
+    return errors[0]
+
+
+def _input(name, value, dtype, triton_type):
+    i = grpcclient.InferInput(name, [1, 1], triton_type)
+    i.set_data_from_numpy(np.array([[value]], dtype=dtype))
+    return i
+
+
+def _text(prompt):
+    return _input("text_input", prompt.encode(), np.object_, "BYTES")
+
+
+@pytest.mark.parametrize("inputs, message", [
+    (lambda: [_input("max_tokens", 5, np.int32, "INT32")], "text_input"),
+    (lambda: [_input("text_input", 3, np.int32, "INT32")], "text_input"),
+    (lambda: [_text("hello"), _input("max_tokens", 0, np.int32, "INT32")], "max_tokens"),
+    (lambda: [_text("hello"), _input("max_tokens", -3, np.int32, "INT32")], "max_tokens"),
+    (lambda: [_text("")], "empty"),
+    (lambda: [_text("hello " * 3000)], "context length"),
+    (lambda: [_text("hello"), _input("top_p", 1.5, np.float32, "FP32")], "top_p"),
+])
+def test_malformed_requests_get_named_errors_while_others_stream(triton_server, expected, inputs, message):
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        healthy = pool.submit(lambda: "".join(stream_deltas(triton_server.grpc_url, PROMPTS[3])))
+        err = _infer_error(triton_server.grpc_url, inputs())
+        assert message in err, err
+        assert healthy.result(timeout=120) == expected[PROMPTS[3]]
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    assert client.is_server_live() and client.is_model_ready("ensemble")
+
+
+def test_http_error_is_a_clean_400(triton_server):
+    with pytest.raises(urllib.error.HTTPError) as e:
+        http_generate(triton_server.http_url, "hello", max_tokens=0)
+    assert e.value.code == 400 and "max_tokens" in json.loads(e.value.read())["error"]
+
+
+def test_client_reports_a_server_that_is_down():
+    from trellm_client.client import ServerUnavailable
+    from conftest import free_ports
+    with pytest.raises((ServerUnavailable, InferenceServerException)):
+        with LLMClient(f"localhost:{free_ports(1)[0]}") as c:
+            list(c.stream("hello"))

@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             from trellm_client.client import LLMClient
             print(f"> {args.demo_prompt}", flush=True)
             with LLMClient(server.grpc_url) as client:
-                for delta in client.stream(args.demo_prompt, max_tokens=64):
+                # Seeded sampling: deterministic, and more readable than greedy from a model this small.
+                for delta in client.stream(args.demo_prompt, max_tokens=64, temperature=0.7, top_p=0.9, seed=0):
                     print(delta, end="", flush=True)
             print("\n", flush=True)
             if args.exit_after_demo:

@@ -5,6 +5,12 @@ import os
 import socket
 
 import pytest
+import torch
+
+# Without a GPU, Triton-lang kernels run in Triton's interpreter. The flag must be set before anything imports
+# triton (transformers and torch may), so it is set here, first; a GPU host compiles the kernels for real.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(REPO, "hf_models", "tiny-llama")

@@ -4,6 +4,7 @@ for the default model and for other Llama-family configurations. Also the KV blo
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hf_models import VARIANTS, hf_greedy, model_dir_for, random_prompts
 from trellm_backend.config import EngineConfig
@@ -130,3 +131,28 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(default_model_path):
     assert got == alone
     other_seed = engine.generate([p[0]], SamplingParams(**{**seeded.__dict__, "seed": 43}))[0]
     assert other_seed != alone
+
+
+@pytest.mark.parametrize("name, splits", [("default", None), ("qwen3-qknorm-hd8", "3"), ("qwen2-bias-gqa4", None)])
+def test_triton_kernels_match_transformers(monkeypatch, default_model_path, variant_dirs, name, splits):
+    """The same parity with every hot-path op running as a Triton-lang kernel (interpreted on CPU); for Qwen3
+    the decode steps take the split-sequence attention path."""
+    monkeypatch.setenv("TRELLM_FORCE_TRITON", "1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"   # interpreted on CPU (conftest), compiled on GPU
+    if splits:
+        monkeypatch.setenv("TRELLM_ATTN_SPLITS", splits)
+    import trellm_kernels.triton_attention as ta
+    calls = []
+    monkeypatch.setattr(ta, "paged_attention_triton", _counting(ta.paged_attention_triton, calls))
+    if name == "default":
+        check_parity(default_model_path, 4096, device=device, max_num_batched_tokens=32, kv_cache_bytes=32 << 20)
+    else:
+        check_parity(variant_dirs[name], 320, device=device, max_num_batched_tokens=48, kv_cache_bytes=8 << 20)
+    assert calls, "the Triton attention kernel was never called"
+
+
+def _counting(fn, calls):
+    def wrapper(*a, **k):
+        calls.append(1)
+        return fn(*a, **k)
+    return wrapper

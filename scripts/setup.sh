@@ -28,3 +28,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q -e ".[test]"
   echo "$want" > "$stamp"
 fi
+
+# locust pins a geventhttpclient newer than tritonclient[http] 2.51 allows, so it lives in its own environment
+# with the gRPC client only (perf/ load tests run it from there).
+LOCUST_VENV=${LOCUST_VENV:-.venv-locust}
+if [ ! -x "$LOCUST_VENV/bin/locust" ]; then
+  echo "[setup] installing locust into $LOCUST_VENV"
+  "$PY" -m venv "$LOCUST_VENV"
+  "$LOCUST_VENV/bin/python" -m pip install -q "locust==2.47.0" "tritonclient[grpc]==2.51.0" "numpy<2"
+fi

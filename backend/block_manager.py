@@ -22,10 +22,6 @@ class BlockManager:
         self.free_ids: deque[int] = deque(range(num_blocks))
 
     @property
-    def num_free(self) -> int:
-        return len(self.free_ids)
-
-    @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_ids)
 

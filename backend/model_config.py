@@ -54,7 +54,7 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _as_list(x) -> list[int]:
@@ -110,8 +110,8 @@ def load_model_config(path: str) -> ModelConfig:
     partial = float(rope_params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
 
     dtype_name = c.get("dtype") or c.get("torch_dtype") or "float32"
-    if dtype_name not in _DTYPES:
-        raise ModelConfigError(f"{cfg_file}: dtype {dtype_name!r} is not supported ({sorted(_DTYPES)})")
+    if dtype_name not in DTYPES:
+        raise ModelConfigError(f"{cfg_file}: dtype {dtype_name!r} is not supported ({sorted(DTYPES)})")
 
     sliding = c.get("sliding_window")
     if family == "qwen2" and not c.get("use_sliding_window", False):
@@ -147,7 +147,7 @@ def load_model_config(path: str) -> ModelConfig:
         rope_scaling=rope_scaling,
         partial_rotary_factor=partial,
         sliding_window=int(sliding) if sliding else None,
-        torch_dtype=_DTYPES[dtype_name],
+        torch_dtype=DTYPES[dtype_name],
         eos_token_ids=eos,
     )
 

@@ -9,7 +9,7 @@ import logging
 import torch
 
 from trellm_backend.config import EngineConfig
-from trellm_backend.model_config import ModelConfig
+from trellm_backend.model_config import DTYPES, ModelConfig
 from trellm_backend.models.llama import AttentionMetadata, LlamaModel
 from trellm_backend.sampler import sample
 from trellm_backend.scheduler import SchedulerOutput
@@ -17,18 +17,16 @@ from trellm_backend.weights import load_state_dict
 
 log = logging.getLogger("trellm")
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 def resolve_device_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> tuple[torch.device, torch.dtype]:
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if cfg.device == "auto" else cfg.device))
     if cfg.dtype == "auto":
         dtype = model_cfg.torch_dtype if device.type == "cuda" else torch.float32
-    elif cfg.dtype in _DTYPES:
-        dtype = _DTYPES[cfg.dtype]
+    elif cfg.dtype in DTYPES:
+        dtype = DTYPES[cfg.dtype]
     else:
-        raise ValueError(f"dtype={cfg.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        raise ValueError(f"dtype={cfg.dtype!r} is not one of auto, {', '.join(DTYPES)}")
     return device, dtype
 
 

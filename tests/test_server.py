@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import queue
 import urllib.error
 
 import numpy as np
@@ -74,9 +75,7 @@ def test_http_generate_and_generate_stream(triton_server, expected):
 
 def _infer_error(url, inputs) -> str:
     """Send one streamed ensemble request; return the error message it gets."""
-    errors = []
     client = grpcclient.InferenceServerClient(url)
-    import queue
     q = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     client.async_stream_infer("ensemble", inputs)
@@ -84,8 +83,7 @@ def _infer_error(url, inputs) -> str:
     client.stop_stream()
     client.close()
     assert error is not None, "a malformed request must get an error"
-    errors.append(str(error))
-    return errors[0]
+    return str(error)
 
 
 def _input(name, value, dtype, triton_type):

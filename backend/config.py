@@ -17,6 +17,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048    # token budget of one step (prefill chunks + decodes)
     max_model_len: int = 0                # 0: the model's max_position_embeddings (or sliding window)
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 512   # most prompt tokens of one request per step (0: the whole budget)
+    enable_prefix_caching: bool = True    # reuse the KV blocks of prompt prefixes seen before
+    enable_metrics: bool = True           # the Triton model reports vLLM-named metrics (backend/metrics.py)
+    max_queue_size: int = 512             # waiting requests beyond this are refused with UNAVAILABLE (backpressure)
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> "EngineConfig":

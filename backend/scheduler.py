@@ -1,10 +1,13 @@
 """Iteration-level scheduling (continuous batching) under a token budget.
 
 Each step hands out at most `max_num_batched_tokens` tokens: running requests first (a decode costs one token,
-an unfinished prefill the next chunk of its prompt), then waiting requests in arrival order, up to
+an unfinished prefill the next chunk of its prompt, at most `long_prefill_token_threshold` of it), then waiting
+requests in arrival order, up to
 `max_num_seqs` running. Prefill and decode tokens share a step. When blocks run out, the most recently admitted
 running request is preempted (its blocks freed, its computed count reset) and put back at the head of the
-waiting queue; it is recomputed when readmitted. Waiting requests are not admitted in a step that preempted.
+waiting queue; it is recomputed when readmitted (mostly from the prefix cache, which keeps its freed blocks).
+Waiting requests are not admitted in a step that preempted. A waiting request starts after the longest cached
+prefix of its tokens (block_manager.py).
 
 The output is plain data for the model runner: which requests, how many new tokens each.
 """
@@ -36,11 +39,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        # Most prompt tokens one request may prefill in a step (0: no cap), so a long prompt leaves room in each
+        # step for the prompts that arrive behind it. Only with chunked prefill.
+        capped = enable_chunked_prefill and long_prefill_token_threshold > 0
+        self.prefill_cap = long_prefill_token_threshold if capped else max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -58,7 +65,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self.prefill_cap)
             target = req.num_computed_tokens + n
             while not self.blocks.can_grow(req, target):
                 victim = self.running.pop()
@@ -74,17 +81,21 @@ class Scheduler:
             i += 1
 
         # Then waiting requests, in order, while budget, sequence slots and blocks allow.
+        # A cached prefix costs no budget: only the tokens after it are computed.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            remaining = req.num_tokens - req.num_computed_tokens
-            if remaining > budget and not self.enable_chunked_prefill:
+            hit = self.blocks.find_cached_prefix(req)
+            computed = len(hit) * self.blocks.block_size
+            remaining = req.num_tokens - computed
+            # Without chunked prefill a prompt waits for a step with room for all of it; one longer than a whole
+            # step's budget (a long prompt, or a preempted request's prompt plus output) is chunked regardless.
+            if not self.enable_chunked_prefill and budget < remaining <= self.max_num_batched_tokens:
                 break
-            n = min(remaining, budget)
-            target = req.num_computed_tokens + n
-            if not self.blocks.can_grow(req, target):
+            n = min(remaining, budget, self.prefill_cap)
+            if not self.blocks.can_admit(req, hit, computed + n):
                 break
             self.waiting.popleft()
-            self.blocks.grow(req, target)
+            self.blocks.admit(req, hit, computed + n)
             req.status = Status.RUNNING
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, n))

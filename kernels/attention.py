@@ -9,12 +9,65 @@ import torch
 from trellm_kernels.dispatch import use_triton
 
 
+DECODE_GROUPS = 4
+
+
 def paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                               max_seqlen_q: int, max_seqlen_k: int):
     """q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; cu_seqlens_q: [B+1]; seq_lens: [B];
     block_tables: [B, max_blocks] (-1 padded). Returns [T, H, D] in q's dtype.
 
-    Batched: sequences are padded to (max_seqlen_q, max_seqlen_k) so the whole step is a few tensor ops."""
+    All decodes (one query row each) run as one padded batch; each prefill chunk runs alone, so a 512-token chunk
+    does not pad every decode in the step to 512 rows."""
+    B = seq_lens.shape[0]
+    if B == 1 and max_seqlen_q > 1:
+        return _padded_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                                 max_seqlen_q, max_seqlen_k)
+    out = torch.empty_like(q)
+    starts, lens, kv_lens = cu_seqlens_q[:-1].tolist(), (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), \
+        seq_lens.tolist()
+    # Decodes sorted by length and cut into a few groups, each padded only to its own longest sequence: with
+    # mixed lengths, padding everything to the longest would gather and multiply mostly padding.
+    decodes = sorted((b for b in range(B) if lens[b] == 1), key=kv_lens.__getitem__)
+    groups = DECODE_GROUPS if len(decodes) >= 4 * DECODE_GROUPS else 1
+    for g in range(groups):
+        group = decodes[g * len(decodes) // groups:(g + 1) * len(decodes) // groups]
+        if not group:
+            continue
+        rows = torch.tensor([starts[b] for b in group], device=q.device)
+        sel = torch.tensor(group, device=q.device)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, seq_lens[sel], block_tables[sel], scale,
+                                      kv_lens[group[-1]])
+    for b in range(B):
+        if lens[b] > 1:
+            s, n = starts[b], lens[b]
+            cu = torch.tensor([0, n], device=q.device, dtype=cu_seqlens_q.dtype)
+            out[s:s + n] = _padded_attention(q[s:s + n], k_cache, v_cache, cu, seq_lens[b:b + 1],
+                                             block_tables[b:b + 1], scale, n, kv_lens[b])
+    return out
+
+
+def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seqlen_k: int):
+    """One query row per sequence (q: [B, H, D]). Keys and values are gathered once, block by block, straight into
+    [B, blocks, KVH, block_size, D], the layout both products read as it is; softmax runs over (blocks, slots)."""
+    B, H, D = q.shape
+    block_size, KVH = k_cache.shape[1], k_cache.shape[2]
+    n_blocks = (max_seqlen_k + block_size - 1) // block_size
+    bt = block_tables[:, :n_blocks].clamp(min=0).long()
+    k = k_cache.permute(0, 2, 1, 3)[bt].float()                              # [B, nb, KVH, bs, D]
+    v = v_cache.permute(0, 2, 1, 3)[bt].float()
+    qg = q.float().view(B, 1, KVH, H // KVH, D)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale                   # [B, nb, KVH, G, bs]
+    pos = torch.arange(n_blocks * block_size, device=q.device).view(1, n_blocks, 1, 1, block_size)
+    scores.masked_fill_(pos >= seq_lens.long().view(B, 1, 1, 1, 1), float("-inf"))
+    scores = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True))
+    out = torch.matmul(scores, v).sum(dim=1) / scores.sum(dim=(1, 4))[..., None]   # [B, KVH, G, D]
+    return out.reshape(B, H, D).to(q.dtype)
+
+
+def _padded_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                      max_seqlen_q: int, max_seqlen_k: int):
+    """The reference on sequences padded to (max_seqlen_q, max_seqlen_k): a few tensor ops for the batch."""
     T, H, D = q.shape
     B = seq_lens.shape[0]
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]

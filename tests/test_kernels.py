@@ -92,6 +92,15 @@ MIXED = [  # q_lens, ctx_lens, H, KVH, D, block_size, dtype
 ]
 
 
+def test_reference_grouping_equals_one_padded_batch():
+    """The CPU reference runs decodes in length-sorted groups and each prefill alone; that must equal attention
+    over the whole batch padded at once."""
+    q_lens = [1] * 20 + [9, 0, 17, 1]
+    ctx_lens = [3, 70, 15, 1, 44, 16, 0, 90, 31, 5, 8, 64, 2, 17, 33, 50, 12, 7, 29, 81] + [20, 4, 0, 6]
+    args = paged_case(q_lens, ctx_lens, 8, 2, 16, 16, F32)
+    close(attention.paged_attention_reference(*args), attention._padded_attention(*args))
+
+
 @pytest.mark.parametrize("q_lens,ctx_lens,h,kvh,d,bs,dtype", MIXED)
 def test_attention_mixed_batch_single_launch(q_lens, ctx_lens, h, kvh, d, bs, dtype):
     check_attention(paged_case(q_lens, ctx_lens, h, kvh, d, bs, dtype), num_splits=1)

@@ -1,0 +1,118 @@
+"""LLM metrics for Triton's metrics endpoint (Prometheus), under vLLM's names so existing dashboards work.
+
+Families are created once at load through the Python backend's custom-metrics API (`pb_utils.MetricFamily`,
+passed in so this module imports without Triton). Every metric update is an IPC to the server, so none happens
+on the stepping thread: the engine loop only appends finished outputs to a queue, and a reporter thread turns
+them into histogram and counter updates and samples the gauges a few times a second.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from trellm_backend.request import RequestOutput
+
+log = logging.getLogger("trellm")
+
+LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0]
+TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5]
+
+HISTOGRAMS = {   # name: (description, buckets)
+    "vllm:time_to_first_token_seconds": ("Time from arrival to the first generated token", LATENCY_BUCKETS),
+    "vllm:request_time_per_output_token_seconds": ("Mean time between output tokens, per request", TPOT_BUCKETS),
+    "vllm:e2e_request_latency_seconds": ("Time from arrival to the last token", LATENCY_BUCKETS),
+    "vllm:request_queue_time_seconds": ("Time from arrival to first being scheduled", LATENCY_BUCKETS),
+}
+COUNTERS = {
+    "vllm:prompt_tokens_total": "Prompt tokens of finished requests",
+    "vllm:generation_tokens_total": "Generated tokens of finished requests",
+    "vllm:request_success_total": "Finished requests, by finished_reason (stop, length, abort)",
+    "vllm:num_preemptions_total": "Requests preempted (their KV blocks freed, to be recomputed)",
+    "vllm:prefix_cache_queries_total": "Prompt blocks looked up in the prefix cache",
+    "vllm:prefix_cache_hits_total": "Prompt blocks found in the prefix cache",
+}
+GAUGES = {
+    "vllm:num_requests_running": "Requests in the running batch",
+    "vllm:num_requests_waiting": "Requests waiting to be scheduled",
+    "vllm:kv_cache_usage_perc": "Fraction of KV cache blocks in use (0-1)",
+    "trellm:kv_cache_used_blocks": "KV cache blocks referenced by requests",
+    "trellm:kv_cache_total_blocks": "KV cache blocks in the pool",
+}
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class MetricsReporter:
+    """Owns the metric families of one model and the thread that updates them."""
+
+    def __init__(self, pb_utils, loop, labels: dict[str, str], interval_s: float = 0.1):
+        self.loop, self.engine, self.interval_s = loop, loop.engine, interval_s
+        loop.finished = queue.Queue()
+        kind = pb_utils.MetricFamily
+        self._families = []   # kept alive: a family that is garbage-collected leaves the endpoint
+
+        def family(name, description, k):
+            f = kind(name=name, description=description, kind=k)
+            self._families.append(f)
+            return f
+        self.hist = {n: family(n, d, kind.HISTOGRAM).Metric(labels=labels, buckets=b)
+                     for n, (d, b) in HISTOGRAMS.items()}
+        counters = {n: family(n, d, kind.COUNTER) for n, d in COUNTERS.items()}
+        self.success = {r: counters["vllm:request_success_total"].Metric(labels={**labels, "finished_reason": r})
+                        for r in FINISH_REASONS}
+        self.counter = {n: f.Metric(labels=labels) for n, f in counters.items() if n != "vllm:request_success_total"}
+        self.gauge = {n: family(n, d, kind.GAUGE).Metric(labels=labels) for n, d in GAUGES.items()}
+        self.gauge["trellm:kv_cache_total_blocks"].set(self.engine.blocks.num_blocks)
+        self._reported = {"vllm:num_preemptions_total": 0, "vllm:prefix_cache_queries_total": 0,
+                          "vllm:prefix_cache_hits_total": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trellm-metrics", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.update()
+            except Exception:  # metrics must never take serving down
+                log.exception("updating metrics failed")
+
+    def update(self) -> None:
+        """Record every finished request since the last call and sample the gauges."""
+        while True:
+            try:
+                out = self.loop.finished.get_nowait()
+            except queue.Empty:
+                break
+            self.record_finished(out)
+        e = self.engine
+        running, waiting, used = len(e.scheduler.running), self.loop.num_waiting(), e.blocks.num_used
+        self.gauge["vllm:num_requests_running"].set(running)
+        self.gauge["vllm:num_requests_waiting"].set(waiting)
+        self.gauge["trellm:kv_cache_used_blocks"].set(used)
+        self.gauge["vllm:kv_cache_usage_perc"].set(used / max(1, e.blocks.num_blocks))
+        for name, now in (("vllm:num_preemptions_total", e.num_preemptions),
+                          ("vllm:prefix_cache_queries_total", e.blocks.num_queries),
+                          ("vllm:prefix_cache_hits_total", e.blocks.num_hits)):
+            if now > self._reported[name]:
+                self.counter[name].increment(now - self._reported[name])
+                self._reported[name] = now
+
+    def record_finished(self, out: RequestOutput) -> None:
+        arrival, scheduled, first, last = out.metrics
+        self.counter["vllm:prompt_tokens_total"].increment(out.num_prompt_tokens)
+        self.counter["vllm:generation_tokens_total"].increment(out.num_output_tokens)
+        self.success.get(out.finish_reason or "abort", self.success["abort"]).increment(1)
+        if scheduled:
+            self.hist["vllm:request_queue_time_seconds"].observe((scheduled - arrival) / 1e9)
+        if first:
+            self.hist["vllm:time_to_first_token_seconds"].observe((first - arrival) / 1e9)
+            self.hist["vllm:e2e_request_latency_seconds"].observe((last - arrival) / 1e9)
+        if out.num_output_tokens > 1 and last > first:
+            self.hist["vllm:request_time_per_output_token_seconds"].observe(
+                (last - first) / 1e9 / (out.num_output_tokens - 1))

@@ -1,0 +1,81 @@
+"""The engine loop without Triton: cancellation seen through a sink, aborts by client id, and the bounded queue."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from trellm_backend.config import EngineConfig
+from trellm_backend.engine import LLMEngine
+from trellm_backend.engine_loop import EngineLoop, QueueFull
+from trellm_backend.request import SamplingParams
+
+LONG = SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True)
+
+
+class Sink:
+    def __init__(self):
+        self.outputs, self.errors = [], []
+        self.cancelled = False
+        self.done = threading.Event()
+
+    def send(self, output):
+        self.outputs.append(output)
+        if output.finished:
+            self.done.set()
+
+    def fail(self, message):
+        self.errors.append(message)
+        self.done.set()
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+@pytest.fixture
+def loop(default_model_path):
+    engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20, max_num_seqs=1,
+                                    max_queue_size=2))
+    loop = EngineLoop(engine)
+    yield loop
+    loop.stop()
+
+
+def wait_until(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def submit(loop, rid, client_id=None):
+    sink = Sink()
+    loop.submit(loop.engine.make_request(rid, [1, 50, 60, 70], LONG), sink, client_id=client_id)
+    return sink
+
+
+def test_cancelled_sink_is_aborted_and_frees_blocks(loop):
+    sink = submit(loop, "a")
+    wait_until(lambda: len(sink.outputs) >= 3)
+    assert loop.engine.kv_blocks_used() > 0
+    sink.cancelled = True
+    assert sink.done.wait(5), "a cancelled request was not aborted"
+    assert sink.outputs[-1].finish_reason == "abort"
+    wait_until(lambda: loop.engine.kv_blocks_used() == 0, timeout=5)
+
+
+def test_abort_by_client_id_and_bounded_queue(loop):
+    running = submit(loop, "r", client_id="job-1")
+    wait_until(lambda: len(running.outputs) >= 1)
+    waiting = [submit(loop, f"w{i}", client_id="job-2") for i in range(2)]
+    with pytest.raises(QueueFull, match=r"max_queue_size=2"):
+        submit(loop, "too-many")
+    loop.abort_client_id("job-2")                      # both waiting requests share this client id
+    for s in waiting:
+        assert s.done.wait(5) and s.outputs[-1].finish_reason == "abort"
+    loop.abort_client_id("job-1")
+    assert running.done.wait(5) and running.outputs[-1].finish_reason == "abort"
+    wait_until(lambda: loop.engine.kv_blocks_used() == 0 and loop.num_waiting() == 0, timeout=5)
+    accepted = submit(loop, "after")                    # room again once the queue drained
+    wait_until(lambda: len(accepted.outputs) >= 1)

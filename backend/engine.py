@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from trellm_backend.block_manager import BlockManager
 from trellm_backend.config import EngineConfig
 from trellm_backend.model_config import load_model_config
 from trellm_backend.model_runner import ModelRunner
+from trellm_backend.output_processor import OutputProcessor, bad_words_ids
 from trellm_backend.request import Request, RequestOutput, SamplingParams, Status
 from trellm_backend.scheduler import Scheduler
 
@@ -14,8 +16,9 @@ log = logging.getLogger("trellm")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tokenizer=None):
         self.config = config
+        self.tokenizer = tokenizer   # with one, outputs carry text and stop strings work; without, token ids only
         self.model_config = mc = load_model_config(config.model_path)
         limit = mc.max_position_embeddings
         if mc.sliding_window:   # attention here is full-context: stay where that equals sliding-window attention
@@ -25,9 +28,9 @@ class LLMEngine:
                              f"({limit})")
         self.max_model_len = config.max_model_len or limit
         self.runner = ModelRunner(config, mc, self.max_model_len)
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.long_prefill_token_threshold)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.pool_tokens = self.blocks.num_blocks * config.block_size
@@ -50,7 +53,17 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        return Request(request_id, list(prompt_token_ids), params, max_len=min(self.max_model_len, self.pool_tokens))
+        bad_ids = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_ids:
+            raise ValueError(f"stop token ids (end_id, stop_token_ids) must be in [0, {vocab}), got {bad_ids}")
+        if (params.stop or params.bad_words) and self.tokenizer is None:
+            raise ValueError("stop strings and bad words need the engine's tokenizer")
+        if params.bad_words:
+            params.bad_words_ids = bad_words_ids(self.tokenizer, params.bad_words)
+        req = Request(request_id, list(prompt_token_ids), params, max_len=min(self.max_model_len, self.pool_tokens))
+        if self.tokenizer is not None:
+            req.output_processor = OutputProcessor(self.tokenizer, req.prompt_token_ids, params)
+        return req
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -87,13 +100,24 @@ class LLMEngine:
             req.num_computed_tokens += chunk.num_new_tokens
             if not samples:
                 continue
-            token = next(sampled)
+            s = next(sampled)
+            token = s.token_id
             req.token_ids.append(token)
+            req.last_token_time_ns = time.time_ns()
+            req.first_token_time_ns = req.first_token_time_ns or req.last_token_time_ns
+            if s.logprob is not None:
+                req.cumulative_logprob += s.logprob
             reason = self._finish_reason(req, token)
+            text = ""
+            if req.output_processor is not None:
+                # Like EOS, stop strings count only once min_tokens are out.
+                text, stopped = req.output_processor.add([token], reason is not None,
+                                                         req.num_output_tokens >= req.params.min_tokens)
+                reason = "stop" if stopped else reason
             if reason:
                 self.scheduler.finish(req, reason)
                 del self.requests[req.request_id]
-            outputs.append(self._output(req, [token]))
+            outputs.append(self._output(req, [token], text, s.logprob, None if s.top is None else (s.rank, s.top)))
         return outputs
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
@@ -105,10 +129,15 @@ class LLMEngine:
         return None
 
     @staticmethod
-    def _output(req: Request, new_tokens: list[int]) -> RequestOutput:
+    def _output(req: Request, new_tokens: list[int], text: str = "", logprob: float | None = None,
+                top: tuple[int, list[tuple[int, float]]] | None = None) -> RequestOutput:
         return RequestOutput(req.request_id, new_tokens, finished=req.status is Status.FINISHED,
                              finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
-                             num_output_tokens=req.num_output_tokens)
+                             num_output_tokens=req.num_output_tokens, text=text,
+                             logprobs=None if logprob is None else [logprob],
+                             top_logprobs=None if top is None else [top], cumulative_logprob=req.cumulative_logprob,
+                             metrics=(req.arrival_time_ns, req.first_scheduled_time_ns, req.first_token_time_ns,
+                                      req.last_token_time_ns), num_cached_tokens=req.num_cached_tokens)
 
     # -- convenience ---------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

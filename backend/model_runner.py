@@ -5,13 +5,14 @@ Batch preparation works on whole tensors: Python touches each scheduled sequence
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from trellm_backend.config import EngineConfig
 from trellm_backend.model_config import DTYPES, ModelConfig
 from trellm_backend.models.llama import AttentionMetadata, LlamaModel
-from trellm_backend.sampler import sample
+from trellm_backend.sampler import SampledToken, sample
 from trellm_backend.scheduler import SchedulerOutput
 from trellm_backend.weights import load_state_dict
 
@@ -64,13 +65,16 @@ class ModelRunner:
         return n
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> list[int]:
+    def execute(self, sched: SchedulerOutput) -> list[SampledToken]:
         """Run the scheduled chunks; return the sampled token of each chunk that samples, in chunk order."""
         chunks = sched.chunks
         ids: list[int] = []
         starts, q_lens, tables = [], [], []
+        now = time.time_ns()
         for c in chunks:
             r, s = c.request, c.request.num_computed_tokens
+            if not r.first_scheduled_time_ns:
+                r.first_scheduled_time_ns = now
             ids.extend(r.token_ids[s:s + c.num_new_tokens])
             starts.append(s)
             q_lens.append(c.num_new_tokens)
@@ -98,4 +102,4 @@ class ModelRunner:
         logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices.to(dev))
         if not sampling:
             return []
-        return sample(logits, [chunks[i].request for i in sampling]).tolist()
+        return sample(logits, [chunks[i].request for i in sampling], self.model_cfg.eos_token_ids)

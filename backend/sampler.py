@@ -1,42 +1,124 @@
-"""Turn a batch of logits into next tokens: greedy, temperature, top-k, top-p, per-request seeds.
+"""Turn a batch of logits into next tokens, with every sampling control applied to the whole batch at once.
 
-All rows are handled as one tensor. Random rows use the exponential-race trick (argmax of p / Exp(1) noise,
-equivalent to drawing from p); a seeded request draws its noise row from its own generator, so its output does
-not depend on which other requests share the batch.
+Order (vLLM's): penalties (repetition on prompt + output, presence and frequency on the output), token bans
+(EOS and stop ids before min_tokens, bad words), then greedy rows take the argmax; the others get temperature,
+top-k, top-p and min-p, and draw with the exponential-race trick (argmax of p / Exp(1) noise, equivalent to
+drawing from p). A seeded request draws its noise row from its own generator and every control depends only on
+its own tokens, so its output does not depend on which other requests share the batch. Logprobs are the
+log-softmax of the final processed logits, computed only for the rows that asked.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from trellm_backend.request import Request
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """logits [B, V] fp32 -> token ids [B] (int64, on CPU)."""
-    greedy_ids = logits.argmax(dim=-1)
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None                    # when the request asked for logprobs
+    top: list[tuple[int, float]] | None = None      # the top-k alternatives (token id, logprob), best first
+    rank: int | None = None                         # 1 + how many tokens were more likely than the sampled one
+
+
+def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids=()) -> list[SampledToken]:
+    """logits [B, V] fp32 -> one SampledToken per row."""
+    logits = apply_penalties(logits, requests)
+    logits = apply_bans(logits, requests, eos_token_ids)
     temps = [r.params.temperature for r in requests]
     if all(t == 0.0 for t in temps):
-        return greedy_ids.cpu()
-    device = logits.device
+        token_ids = logits.argmax(dim=-1)
+        processed = logits
+    else:
+        token_ids, processed = _draw(logits, requests, temps)
+    return _with_logprobs(token_ids, processed, requests)
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties for the rows that set any (counts built only for those)."""
+    rows = [i for i, r in enumerate(requests) if r.params.needs_penalties]
+    if not rows:
+        return logits
+    dev, V = logits.device, logits.shape[1]
+    reqs = [requests[i] for i in rows]
+    # Token ids padded with V (a dummy column) into [R, L], then counted per row with one scatter_add.
+    seqs = torch.nn.utils.rnn.pad_sequence([torch.tensor(r.token_ids) for r in reqs], batch_first=True,
+                                           padding_value=V)
+    n_prompt = torch.tensor([r.num_prompt_tokens for r in reqs])
+    is_output = torch.arange(seqs.shape[1])[None, :] >= n_prompt[:, None]
+    seqs, is_output = seqs.to(dev), is_output.to(dev)
+    ones = torch.ones_like(seqs, dtype=logits.dtype)
+    output_counts = torch.zeros(len(rows), V + 1, dtype=logits.dtype, device=dev)
+    output_counts.scatter_add_(1, seqs, ones * is_output)
+    seen = torch.zeros(len(rows), V + 1, dtype=torch.bool, device=dev)
+    seen.scatter_(1, seqs, True)
+    output_counts, seen = output_counts[:, :V], seen[:, :V]
+
+    def col(values):
+        return torch.tensor(values, dtype=logits.dtype, device=dev)[:, None]
+
+    rep = col([r.params.repetition_penalty for r in reqs])
+    sub = logits[rows]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - col([r.params.frequency_penalty for r in reqs]) * output_counts
+    sub = sub - col([r.params.presence_penalty for r in reqs]) * (output_counts > 0).to(logits.dtype)
+    logits = logits.clone()
+    logits[rows] = sub
+    return logits
+
+
+def apply_bans(logits: torch.Tensor, requests: list[Request], eos_token_ids=()) -> torch.Tensor:
+    """-inf for EOS and stop ids while a row is below min_tokens, and for the last token of each bad word whose
+    earlier tokens end the sequence so far (single-token bad words always)."""
+    banned_rows, banned_ids = [], []
+    for i, r in enumerate(requests):
+        p = r.params
+        if r.num_output_tokens < p.min_tokens:
+            ids = [*p.stop_token_ids, *([] if p.ignore_eos else eos_token_ids)]
+            banned_rows += [i] * len(ids)
+            banned_ids += ids
+        for word in p.bad_words_ids:
+            head = word[:-1]
+            if not head or r.token_ids[-len(head):] == head:
+                banned_rows.append(i)
+                banned_ids.append(word[-1])
+    if not banned_rows:
+        return logits
+    logits = logits.clone()
+    logits[torch.tensor(banned_rows, device=logits.device), torch.tensor(banned_ids, device=logits.device)] = \
+        float("-inf")
+    return logits
+
+
+def _draw(logits: torch.Tensor, requests: list[Request], temps: list[float]):
+    """Greedy rows: argmax of the penalized logits; random rows: temperature, top-k/top-p/min-p, then a draw.
+    Returns the token ids and the logits each row's token was finally chosen from."""
+    device, V = logits.device, logits.shape[1]
+    greedy_ids = logits.argmax(dim=-1)
     temp = torch.tensor([t if t > 0 else 1.0 for t in temps], device=device, dtype=torch.float32)
-    logits = logits / temp[:, None]
-
-    top_k = [r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in requests]
+    scaled = logits / temp[:, None]
+    top_k = [r.params.top_k if r.params.top_k > 0 else V for r in requests]
     top_p = [r.params.top_p for r in requests]
-    if any(k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _apply_top_k_top_p(logits, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+    if any(k < V for k in top_k) or any(p < 1.0 for p in top_p):
+        scaled = _apply_top_k_top_p(scaled, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+    min_p = [r.params.min_p for r in requests]
+    if any(m > 0 for m in min_p):
+        scaled = _apply_min_p(scaled, torch.tensor(min_p, device=device, dtype=torch.float32))
 
-    probs = torch.softmax(logits, dim=-1)
+    probs = torch.softmax(scaled, dim=-1)
     noise = torch.empty_like(probs)
     seeded = [i for i, r in enumerate(requests) if r.generator is not None]
     if len(seeded) < len(requests):
         noise.exponential_()
     for i in seeded:
         # Drawn on CPU from the request's own generator: reproducible on any device and in any batch.
-        noise[i] = torch.empty(probs.shape[1]).exponential_(generator=requests[i].generator).to(device)
+        noise[i] = torch.empty(V).exponential_(generator=requests[i].generator).to(device)
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([t == 0.0 for t in temps], device=device)
-    return torch.where(is_greedy, greedy_ids, sampled).cpu()
+    return torch.where(is_greedy, greedy_ids, sampled), torch.where(is_greedy[:, None], logits, scaled)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -50,3 +132,30 @@ def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the row's top probability (p_i < min_p * p_max, i.e.
+    logit_i < logit_max + log(min_p))."""
+    threshold = logits.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _with_logprobs(token_ids: torch.Tensor, processed: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+    ids = token_ids.cpu().tolist()
+    out = [SampledToken(t) for t in ids]
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if not rows:
+        return out
+    logprobs = torch.log_softmax(processed[rows].float(), dim=-1)
+    chosen_t = logprobs.gather(1, token_ids[rows][:, None])
+    ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).cpu().tolist()
+    chosen = chosen_t.squeeze(1).cpu().tolist()
+    k = max(requests[i].params.logprobs for i in rows)
+    top_vals, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
+    top_vals, top_ids = top_vals.cpu().tolist(), top_ids.cpu().tolist()
+    for j, i in enumerate(rows):
+        n = requests[i].params.logprobs
+        out[i].logprob, out[i].rank = chosen[j], ranks[j]
+        out[i].top = [(t, v) for t, v in zip(top_ids[j][:n], top_vals[j][:n]) if v != float("-inf")]
+    return out

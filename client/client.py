@@ -1,27 +1,105 @@
-"""A Python client for the repository's `ensemble` over tritonclient gRPC (streaming) and HTTP (generate).
+"""Python clients of the repository's `ensemble` (TRT-LLM-shaped contract): sync and asyncio over tritonclient
+gRPC streaming, and HTTP generate / generate_stream.
 
     with LLMClient("localhost:8001") as c:
         for delta in c.stream("Hello", max_tokens=32):
             print(delta, end="")
+
+    async with AsyncLLMClient("localhost:8001") as c:
+        print(await c.generate("Hello", max_tokens=32))
+
+Request fields are the ensemble's inputs (README: "The ensemble contract"); `stop_words` and `bad_words` take a
+list of strings, `messages` a list of {"role", "content"} dicts.
 """
 from __future__ import annotations
 
 import json
 import queue
+import urllib.error
 import urllib.request
-from typing import Iterator
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator
 
 import numpy as np
 
-# Types of the ensemble's optional inputs; the value a caller passes is converted to this numpy type.
+# numpy type of each ensemble input (tests/test_api.py checks this against backend/api.py FIELDS).
 INPUT_TYPES = {
-    "max_tokens": np.int32, "stream": np.bool_, "exclude_input_in_output": np.bool_, "temperature": np.float32,
-    "top_k": np.int32, "top_p": np.float32, "seed": np.uint64, "random_seed": np.uint64, "end_id": np.int32,
+    "max_tokens": np.int32, "min_tokens": np.int32, "min_length": np.int32, "temperature": np.float32,
+    "top_k": np.int32, "top_p": np.float32, "min_p": np.float32, "repetition_penalty": np.float32,
+    "presence_penalty": np.float32, "frequency_penalty": np.float32, "seed": np.uint64, "random_seed": np.uint64,
+    "end_id": np.int32, "pad_id": np.int32, "stop_words": np.object_, "bad_words": np.object_,
+    "num_return_sequences": np.int32, "return_log_probs": np.bool_, "beam_width": np.int32,
+    "length_penalty": np.float32, "stream": np.bool_, "exclude_input_in_output": np.bool_,
+    "return_num_input_tokens": np.bool_, "return_num_output_tokens": np.bool_, "return_perf_metrics": np.bool_,
 }
+LIST_INPUTS = {"stop_words", "bad_words"}
+TRITON_DTYPES = {np.int32: "INT32", np.float32: "FP32", np.uint64: "UINT64", np.bool_: "BOOL", np.object_: "BYTES"}
 
 
 class ServerUnavailable(ConnectionError):
     """No Triton server answers at the given address."""
+
+
+@dataclass
+class Chunk:
+    """One response of a stream."""
+    text: str
+    sequence_index: int = 0
+    finish_reason: str = ""          # set on the last response of a sequence: stop, length or abort
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    cum_log_probs: float = 0.0
+    output_log_probs: list[float] | None = None
+    final: bool = False              # the request's last response
+
+
+def build_inputs(grpc_module, prompt: str | None, params: dict, messages: list[dict] | None = None) -> list:
+    """InferInput objects for the ensemble ([1, 1] tensors; [1, n] for word lists)."""
+    inputs = []
+
+    def add(name, array, dtype):
+        i = grpc_module.InferInput(name, list(array.shape), TRITON_DTYPES[dtype])
+        i.set_data_from_numpy(array)
+        inputs.append(i)
+
+    if prompt is not None:
+        add("text_input", np.array([[prompt.encode("utf-8")]], dtype=np.object_), np.object_)
+    if messages is not None:
+        add("messages", np.array([[json.dumps(messages).encode("utf-8")]], dtype=np.object_), np.object_)
+    for name, value in params.items():
+        if value is None:
+            continue
+        if name not in INPUT_TYPES:
+            raise ValueError(f"unknown request field {name!r}; known: {', '.join(sorted(INPUT_TYPES))}")
+        dtype = INPUT_TYPES[name]
+        if name in LIST_INPUTS:
+            words = [value] if isinstance(value, str) else list(value)
+            add(name, np.array([[w.encode("utf-8") for w in words]], dtype=np.object_), dtype)
+        else:
+            add(name, np.array([[value]], dtype=dtype), dtype)
+    return inputs
+
+
+def chunk_from_result(result) -> Chunk:
+    def scalar(name, default):
+        a = result.as_numpy(name)
+        if a is None or a.size == 0:
+            return default
+        v = a.reshape(-1)[0]
+        return v.item() if isinstance(v, np.generic) else v
+
+    text = result.as_numpy("text_output")
+    reason = scalar("finish_reason", b"")
+    lps = result.as_numpy("output_log_probs")
+    response = result.get_response()
+    final = response.parameters.get("triton_final_response")
+    return Chunk(text=_text(text) if text is not None else "", sequence_index=scalar("sequence_index", 0),
+                 finish_reason=reason.decode() if isinstance(reason, bytes) else str(reason),
+                 num_input_tokens=scalar("num_input_tokens", 0), num_output_tokens=scalar("num_output_tokens", 0),
+                 cum_log_probs=scalar("cum_log_probs", 0.0),
+                 output_log_probs=None if lps is None else lps.reshape(-1).tolist(),
+                 final=bool(final and final.bool_param))
 
 
 class LLMClient:
@@ -30,6 +108,7 @@ class LLMClient:
         self._grpc = grpcclient
         self.url, self.model = url, model
         self.client = grpcclient.InferenceServerClient(url)
+        self._engine_model: str | None = None    # an ensemble's decoupled step, found on first use
 
     def __enter__(self):
         return self
@@ -40,48 +119,77 @@ class LLMClient:
     def close(self):
         self.client.close()
 
-    def _inputs(self, prompt: str, params: dict):
-        g = self._grpc
-        t = g.InferInput("text_input", [1, 1], "BYTES")
-        t.set_data_from_numpy(np.array([[prompt.encode("utf-8")]], dtype=np.object_))
-        inputs = [t]
-        for name, value in params.items():
-            if name not in INPUT_TYPES:
-                raise ValueError(f"unknown request field {name!r}; known: {sorted(INPUT_TYPES)}")
-            arr = np.array([[value]], dtype=INPUT_TYPES[name])
-            i = g.InferInput(name, [1, 1], {np.bool_: "BOOL", np.int32: "INT32", np.float32: "FP32",
-                                            np.uint64: "UINT64"}[INPUT_TYPES[name]])
-            i.set_data_from_numpy(arr)
-            inputs.append(i)
-        return inputs
-
-    def stream(self, prompt: str, **params) -> Iterator[str]:
-        """Yield text deltas as the server produces them (gRPC bidirectional stream)."""
+    def stream_chunks(self, prompt: str | None = None, messages: list[dict] | None = None,
+                      **params) -> Iterator[Chunk]:
+        """Every response of one request as a Chunk (gRPC bidirectional stream), until the final one."""
         from tritonclient.utils import InferenceServerException
         responses: queue.Queue = queue.Queue()
         try:
             self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
         except InferenceServerException as e:
             raise ServerUnavailable(f"no Triton server at {self.url}: {e}") from None
+        request_id = uuid.uuid4().hex
+        finished = False
         try:
-            self.client.async_stream_infer(self.model, self._inputs(prompt, {"stream": True, **params}),
-                                           enable_empty_final_response=True)
+            try:
+                self.client.async_stream_infer(self.model, build_inputs(self._grpc, prompt, params, messages),
+                                               request_id=request_id, enable_empty_final_response=True)
+            except InferenceServerException as e:
+                # The stream broke before the request went out (nothing listening): the cause is in the queue.
+                try:
+                    raise _as_error(responses.get(timeout=5)[1], self.url) from None
+                except queue.Empty:
+                    raise _as_error(e, self.url) from None
             while True:
                 result, error = responses.get(timeout=600)
                 if error is not None:
                     raise _as_error(error, self.url)
-                response = result.get_response()
-                if result.as_numpy("text_output") is not None:
-                    yield _text(result.as_numpy("text_output"))
-                if response.parameters.get("triton_final_response") and \
-                        response.parameters["triton_final_response"].bool_param:
+                chunk = chunk_from_result(result)
+                finished = chunk.final
+                yield chunk
+                if chunk.final:
                     return
         finally:
             self.client.stop_stream(cancel_requests=True)
+            if not finished:
+                self._stop_engine_request(request_id)
 
-    def generate(self, prompt: str, **params) -> str:
+    def _stop_engine_request(self, request_id: str) -> None:
+        """A stream left early. A cancel does not reach the running engine step of an ensemble on Triton 2.51,
+        so send that step a TRT-LLM-style stop request (`stop`=true, the same request_id); it frees the blocks."""
+        from tritonclient.utils import InferenceServerException
+        try:
+            if self._engine_model is None:
+                self._engine_model = _decoupled_step(self.client, self.model) or ""
+            if not self._engine_model:
+                return   # not an ensemble: the cancel above reached the model itself
+            stop = self._grpc.InferInput("stop", [1, 1], "BOOL")
+            stop.set_data_from_numpy(np.array([[True]]))
+            done: queue.Queue = queue.Queue()
+            self.client.start_stream(callback=lambda result, error: done.put(error))
+            try:
+                self.client.async_stream_infer(self._engine_model, [stop], request_id=request_id)
+                done.get(timeout=10)
+            finally:
+                self.client.stop_stream()
+        except (InferenceServerException, queue.Empty):
+            pass   # the server is gone, or the request already ended: nothing left to free
+
+    def stream(self, prompt: str | None = None, **params) -> Iterator[str]:
+        """Yield text deltas as the server produces them."""
+        for chunk in self.stream_chunks(prompt, **{"stream": True, **params}):
+            if chunk.text:
+                yield chunk.text
+
+    def generate(self, prompt: str | None = None, **params) -> str:
         """The whole answer in one response."""
         return "".join(self.stream(prompt, **{"stream": False, **params}))
+
+    def chat(self, messages: list[dict], **params) -> Iterator[str]:
+        """Stream the assistant's answer to a chat (rendered by the model's chat template on the server)."""
+        for chunk in self.stream_chunks(None, messages, **{"stream": True, **params}):
+            if chunk.text:
+                yield chunk.text
 
     def models(self) -> list[dict]:
         """Models in the repository with their state."""
@@ -93,14 +201,86 @@ class LLMClient:
         return index.get("models", [])
 
 
-def http_generate(url: str, prompt: str, model: str = "ensemble", stream: bool = False, **params) -> list[dict]:
-    """POST to Triton's /generate (one JSON response) or /generate_stream (SSE events); returns the JSON objects."""
+class AsyncLLMClient:
+    """The same over tritonclient.grpc.aio, for asyncio programs (one stream per request)."""
+
+    def __init__(self, url: str = "localhost:8001", model: str = "ensemble"):
+        import tritonclient.grpc.aio as aio
+        self._grpc = aio
+        self.url, self.model = url, model
+        self.client = aio.InferenceServerClient(url)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def close(self):
+        await self.client.close()
+
+    async def stream_chunks(self, prompt: str | None = None, messages: list[dict] | None = None,
+                            **params) -> AsyncIterator[Chunk]:
+        request = {"model_name": self.model, "inputs": build_inputs(self._grpc, prompt, params, messages),
+                   "request_id": uuid.uuid4().hex, "parameters": {"triton_enable_empty_final_response": True}}
+
+        async def one_request():
+            yield request
+
+        responses = self.client.stream_infer(one_request())
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise _as_error(error, self.url)
+                chunk = chunk_from_result(result)
+                yield chunk
+                if chunk.final:
+                    return
+        except Exception as e:
+            if "unavailable" in str(e).lower() or "failed to connect" in str(e).lower():
+                raise ServerUnavailable(f"no Triton server at {self.url}: {e}") from None
+            raise
+        finally:
+            responses.cancel()
+
+    async def stream(self, prompt: str | None = None, **params) -> AsyncIterator[str]:
+        async for chunk in self.stream_chunks(prompt, **{"stream": True, **params}):
+            if chunk.text:
+                yield chunk.text
+
+    async def generate(self, prompt: str | None = None, **params) -> str:
+        return "".join([c.text async for c in self.stream_chunks(prompt, **{"stream": False, **params})])
+
+
+def _decoupled_step(client, model: str) -> str | None:
+    """The decoupled step (the engine) of `model` if it is an ensemble, else None."""
+    config = client.get_model_config(model, as_json=True)["config"]
+    if config.get("platform") != "ensemble":
+        return None
+    for step in config.get("ensemble_scheduling", {}).get("step", []):
+        step_config = client.get_model_config(step["model_name"], as_json=True)["config"]
+        if step_config.get("model_transaction_policy", {}).get("decoupled"):
+            return step["model_name"]
+    return None
+
+
+def http_generate(url: str, prompt: str | None, model: str = "ensemble", stream: bool = False,
+                  **params) -> list[dict]:
+    """POST to Triton's /generate (one JSON response) or /generate_stream (SSE events); returns the JSON objects.
+    Raises urllib.error.HTTPError for an error status, ServerUnavailable when nothing listens."""
     endpoint = "generate_stream" if stream else "generate"
-    body = json.dumps({"text_input": prompt, "stream": stream, **params}).encode()
-    req = urllib.request.Request(f"http://{url}/v2/models/{model}/{endpoint}", data=body,
+    body = {"stream": stream, **params}
+    if prompt is not None:
+        body["text_input"] = prompt
+    req = urllib.request.Request(f"http://{url}/v2/models/{model}/{endpoint}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        raw = r.read().decode("utf-8")
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            raw = r.read().decode("utf-8")
+    except urllib.error.URLError as e:
+        if isinstance(e, urllib.error.HTTPError):
+            raise
+        raise ServerUnavailable(f"no Triton server at {url}: {e.reason}") from None
     if not stream:
         return [json.loads(raw)]
     return [json.loads(line[len("data: "):]) for line in raw.splitlines() if line.startswith("data: ")]

@@ -14,6 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from repository_helpers import greedy_texts
 from trellm_client.client import LLMClient, http_generate
 
 PROMPTS = ["The Python language", "A function definition", "Exceptions are raised when",
@@ -25,15 +26,7 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def expected(default_model_path):
     """transformers' greedy text for each prompt (stopping at EOS like the engine does)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(default_model_path)
-    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
-    out = {}
-    for p in PROMPTS:
-        ids = tok(p, return_tensors="pt").input_ids
-        gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
-        out[p] = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+    out = greedy_texts(default_model_path, PROMPTS, MAX_TOKENS)
     assert any(out.values()), "the reference produced no text at all"
     return out
 
@@ -103,7 +96,21 @@ def _text(prompt):
     (lambda: [_text("hello"), _input("max_tokens", -3, np.int32, "INT32")], "max_tokens"),
     (lambda: [_text("")], "empty"),
     (lambda: [_text("hello " * 3000)], "context length"),
-    (lambda: [_text("hello"), _input("top_p", 1.5, np.float32, "FP32")], "top_p"),
+    (lambda: [_text("hello"), _input("top_p", 1.5, np.float32, "FP32")], "top_p must be in (0, 1]"),
+    (lambda: [_text("hello"), _input("min_p", -0.1, np.float32, "FP32")], "min_p must be in [0, 1]"),
+    (lambda: [_text("hello"), _input("repetition_penalty", 0.0, np.float32, "FP32")],
+     "repetition_penalty must be in (0, 100]"),
+    (lambda: [_text("hello"), _input("presence_penalty", 9.0, np.float32, "FP32")], "presence_penalty must be in"),
+    (lambda: [_text("hello"), _input("min_length", -1, np.int32, "INT32")], "min_length must be in [0, 1048576]"),
+    (lambda: [_text("hello"), _input("num_return_sequences", 0, np.int32, "INT32")],
+     "num_return_sequences must be in [1, 16]"),
+    (lambda: [_text("hello"), _input("beam_width", 4, np.int32, "INT32")], "beam_width must be in [1, 1]"),
+    (lambda: [_text("hello"), _input("end_id", 99999, np.int32, "INT32")], "stop token ids"),
+    (lambda: [_text("hello"), _input("seed", 1, np.uint64, "UINT64"), _input("random_seed", 2, np.uint64, "UINT64")],
+     "aliases"),
+    (lambda: [_input("messages", b"[{\"role\": \"user\"}]", np.object_, "BYTES")], "messages[0]"),
+    (lambda: [_input("messages", b"not json", np.object_, "BYTES")], "messages is not valid JSON"),
+    (lambda: [_text("hello"), _input("messages", b"[]", np.object_, "BYTES")], "not both"),
 ])
 def test_malformed_requests_get_named_errors_while_others_stream(triton_server, expected, inputs, message):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -118,7 +125,10 @@ def test_malformed_requests_get_named_errors_while_others_stream(triton_server, 
 def test_http_error_is_a_clean_400(triton_server):
     with pytest.raises(urllib.error.HTTPError) as e:
         http_generate(triton_server.http_url, "hello", max_tokens=0)
-    assert e.value.code == 400 and "max_tokens" in json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and "max_tokens must be in [1, 1048576]" in json.loads(e.value.read())["error"]
+    with pytest.raises(urllib.error.HTTPError) as e:      # a misspelt field is reported, not ignored
+        http_generate(triton_server.http_url, "hello", max_tokns=5)
+    assert e.value.code == 400 and "unknown request field(s) max_tokns" in json.loads(e.value.read())["error"]
 
 
 def test_client_reports_a_server_that_is_down():

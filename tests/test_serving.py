@@ -1,38 +1,12 @@
-"""The llm step's request contract: one table of inputs, the same in code, config.pbtxt files and the client."""
-import os
+"""The llm step's contract without Triton: tensors -> requests, engine outputs -> responses of both contracts."""
+import json
 
 import numpy as np
 import pytest
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2
 
-from trellm_backend.request import RequestOutput
-from trellm_backend.serving import SCALAR_INPUTS, ResponsePlan, parse_llm_inputs
-from trellm_client.client import INPUT_TYPES
-
-REPO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_repository")
-
-
-def load_config(model: str) -> model_config_pb2.ModelConfig:
-    with open(os.path.join(REPO, model, "config.pbtxt")) as f:
-        return text_format.Parse(f.read(), model_config_pb2.ModelConfig())
-
-
-def test_tensor_lists_agree_everywhere():
-    llm, ens = load_config("llm"), load_config("ensemble")
-    assert [i.name for i in llm.input] == ["input_ids", "input_lengths", *SCALAR_INPUTS]
-    assert [i.name for i in ens.input] == ["text_input", *SCALAR_INPUTS]
-    assert all(i.optional for i in list(llm.input)[1:]) and all(i.optional for i in ens.input)
-    # The ensemble's inputs keep the llm's types, and the ensemble forwards each of them to the llm step.
-    llm_types = {i.name: i.data_type for i in llm.input}
-    assert all(llm_types[i.name] == i.data_type for i in list(ens.input)[1:])
-    llm_step = next(s for s in ens.ensemble_scheduling.step if s.model_name == "llm")
-    assert set(SCALAR_INPUTS) <= set(llm_step.input_map)
-    assert set(INPUT_TYPES) == set(SCALAR_INPUTS)
-    # Every output of the llm feeds postprocess under the same name.
-    post = load_config("postprocess")
-    assert [o.name for o in llm.output] == [i.name for i in post.input]
-    assert llm.model_transaction_policy.decoupled
+from trellm_backend.request import RequestOutput, SamplingParams
+from trellm_backend.serving import (ResponsePlan, fan_out, kv_block_counts, parse_llm_inputs, trtllm_outputs,
+                                    vllm_outputs)
 
 
 def arr(v, dtype):
@@ -45,21 +19,11 @@ def test_parse_defaults_to_greedy_and_reads_fields():
     spec = parse_llm_inputs({"input_ids": np.array([[5, 6, 0]], dtype=np.int32),
                              "input_lengths": arr(2, np.int32), "temperature": arr(0.5, np.float32),
                              "random_seed": arr(9, np.uint64), "stream": arr(True, np.bool_),
-                             "exclude_input_in_output": arr(True, np.bool_), "max_tokens": arr(7, np.int32)})
+                             "exclude_input_in_output": arr(True, np.bool_), "max_tokens": arr(7, np.int32),
+                             "end_id": arr(3, np.int32), "return_log_probs": arr(True, np.bool_)})
     assert spec.prompt_ids == [5, 6] and spec.params.temperature == 0.5 and spec.params.seed == 9
     assert spec.stream and not spec.echo_prompt and spec.params.max_tokens == 7
-
-
-@pytest.mark.parametrize("extra, message", [
-    ({"max_tokens": arr(0, np.int32)}, "max_tokens"),
-    ({"temperature": arr(float("nan"), np.float32)}, "temperature"),
-    ({"top_k": arr(-5, np.int32)}, "top_k"),
-    ({"stream": arr(1, np.int32)}, "stream"),
-    ({"max_tokens": np.array([[1, 2]], dtype=np.int32)}, "max_tokens"),
-])
-def test_parse_names_the_bad_field(extra, message):
-    with pytest.raises(ValueError, match=message):
-        parse_llm_inputs({"input_ids": np.array([[5]], dtype=np.int32), **extra})
+    assert spec.params.stop_token_ids == [3] and spec.params.logprobs == 0
 
 
 def test_parse_refuses_batches_and_non_integer_ids():
@@ -69,25 +33,62 @@ def test_parse_refuses_batches_and_non_integer_ids():
         parse_llm_inputs({"input_ids": np.zeros((1, 3), dtype=np.float32)})
 
 
-def out(tokens, finished=False):
-    return RequestOutput("r", tokens, finished, "length" if finished else None, 3, 0)
+def test_fan_out_gives_each_sample_its_own_seed():
+    assert fan_out(SamplingParams(n=1, seed=4)) == [SamplingParams(n=1, seed=4)]
+    samples = fan_out(SamplingParams(n=3, seed=10, temperature=0.7))
+    assert [s.seed for s in samples] == [10, 11, 12] and all(s.n == 1 and s.temperature == 0.7 for s in samples)
+    assert [s.seed for s in fan_out(SamplingParams(n=2))] == [None, None]
 
 
-def test_stream_plan_sends_deltas_with_context_first():
-    plan = ResponsePlan([1, 2, 3], stream=True, echo_prompt=True)   # echo never applies to streams
-    first = plan.on_output(out([10]))
-    assert first.token_ids == [1, 2, 3, 10] and first.num_context_tokens == 3
-    assert plan.on_output(out([11])).token_ids == [11]
-    last = plan.on_output(out([12], finished=True))
-    assert last.token_ids == [12] and last.finished
+def out(text, tokens, finished=False, logprobs=None):
+    return RequestOutput("r", tokens, finished, "length" if finished else None, 3, 0, text=text,
+                         logprobs=logprobs, top_logprobs=[(1, [(t, -0.5)]) for t in tokens] if logprobs else None)
+
+
+def test_stream_plan_holds_steps_without_text_and_sends_no_empty_chunk():
+    plan = ResponsePlan(stream=True, echo_text="the prompt")    # echo never applies to streams
+    assert plan.on_output(out("", [10], logprobs=[-1.0])) is None       # half a character: held
+    first = plan.on_output(out("é", [11], logprobs=[-2.0]))
+    assert first.text == "é" and first.token_ids == [10, 11] and first.logprobs == [-1.0, -2.0]
+    assert len(first.top_logprobs) == 2
+    last = plan.on_output(out("", [12], finished=True))                 # the final response may be empty
+    assert last.text == "" and last.finished and last.finish_reason == "length"
 
 
 def test_non_stream_plan_sends_once_with_prompt_when_echoed():
-    plan = ResponsePlan([1, 2, 3], stream=False, echo_prompt=True)
-    assert plan.on_output(out([10])) is None
-    p = plan.on_output(out([11], finished=True))
-    assert p.token_ids == [1, 2, 3, 10, 11] and p.num_context_tokens == 0 and p.finished
-    plan = ResponsePlan([1, 2, 3], stream=False, echo_prompt=False)
-    plan.on_output(out([10]))
-    p = plan.on_output(out([11], finished=True))
-    assert p.token_ids[p.num_context_tokens:] == [10, 11]
+    plan = ResponsePlan(stream=False, echo_text="Lists")
+    assert plan.on_output(out(" are", [10])) is None
+    p = plan.on_output(out(" mutable", [11], finished=True))
+    assert p.text == "Lists are mutable" and p.token_ids == [10, 11] and p.finished
+
+
+def test_outputs_of_both_contracts():
+    llm = {"text_output": np.array([["añb".encode()]], dtype=np.object_),
+           "finish_reason": np.array([[b"stop"]], dtype=np.object_),
+           "output_log_probs": np.array([[-0.25, -1.5]], dtype=np.float32),
+           "cum_log_probs": np.array([[-1.75]], dtype=np.float32),
+           "num_input_tokens": arr(4, np.int32), "num_output_tokens": arr(9, np.int32),
+           "sequence_index": arr(1, np.int32), "perf_metrics": np.array([[1, 2, 3, 4, 2, 1, 3]], dtype=np.int64),
+           "token_ids": np.array([[7, 8]], dtype=np.int32),
+           "top_logprobs": np.array([[json.dumps([[1, [[7, -0.25]]], [2, [[9, -1.0]]]]).encode()]],
+                                    dtype=np.object_)}
+    trt = trtllm_outputs(llm)
+    assert trt["output_log_probs"].shape == (1, 1, 2) and trt["cum_log_probs"].shape == (1, 1)
+    assert trt["sequence_index"].item() == 1 and trt["batch_index"].item() == 0
+    assert [trt[k].item() for k in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
+                                    "last_token_time_ns", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
+                                    "kv_cache_alloc_total_blocks")] == [1, 2, 3, 4, 2, 1, 3]
+    assert set(vllm_outputs(llm, {})) == {"text_output"}
+    v = vllm_outputs(llm, {k: True for k in ("return_finish_reason", "return_cumulative_logprob",
+                                             "return_logprobs", "return_num_input_tokens",
+                                             "return_num_output_tokens")}, prefix="P:")
+    assert v["text_output"][0].decode() == "P:añb" and v["finish_reason"][0] == b"stop"
+    assert v["num_output_tokens"].tolist() == [2] and v["num_input_tokens"].dtype == np.uint32
+    assert json.loads(v["logprobs"][0]) == [{"7": {"logprob": -0.25, "rank": 1}},
+                                            {"9": {"logprob": -1.0, "rank": 1}, "8": {"logprob": -1.5, "rank": 2}}]
+
+
+def test_kv_block_counts():
+    plan = ResponsePlan(stream=False)
+    p = plan.on_output(RequestOutput("r", [1], True, "length", 40, 10, num_cached_tokens=32))
+    assert kv_block_counts(p, 16) == (2, 2, 4)     # 50 tokens in 4 blocks, the first 2 from the prefix cache

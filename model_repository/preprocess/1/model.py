@@ -1,45 +1,44 @@
-"""Triton adapter: text_input -> input_ids (the model folder's tokenizer, special tokens such as BOS added)."""
+"""Triton adapter: text_input (or chat messages) -> input_ids with the model folder's tokenizer
+(backend/tokenization.py). Also reports request parameters that name no input (a typo in an HTTP generate body)."""
 import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from transformers import AutoTokenizer
 
+from trellm_backend.api import request_parameters_error
 from trellm_backend.serving import model_parameters, resolve_model_path
+from trellm_backend.tokenization import decode_utf8, encode_prompt, load_tokenizer
+from trellm_backend.validate import require_tokenizer_files
 
 
 class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(json.loads(args["model_config"]))
         path = resolve_model_path(params["model_path"], args["model_repository"])
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        require_tokenizer_files(path)   # names the folder, where AutoTokenizer's own error would not
+        self.tokenizer = load_tokenizer(path)
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            tensor = pb_utils.get_input_tensor_by_name(request, "text_input")
-            if tensor is None:
-                responses.append(_error("text_input is missing: every request needs a prompt"))
-                continue
-            texts = tensor.as_numpy().reshape(-1)
-            try:
-                prompts = [t.decode("utf-8") if isinstance(t, bytes) else str(t) for t in texts]
-            except UnicodeDecodeError as e:
-                responses.append(_error(f"text_input is not valid UTF-8: {e}"))
-                continue
-            if any(not p for p in prompts):
-                responses.append(_error("text_input is empty: send at least one character of prompt"))
-                continue
-            ids = [self.tokenizer(p).input_ids for p in prompts]
-            width = max(len(i) for i in ids)
-            padded = np.zeros((len(ids), width), dtype=np.int32)
-            for row, i in enumerate(ids):
-                padded[row, :len(i)] = i
-            lengths = np.array([[len(i)] for i in ids], dtype=np.int32)
-            responses.append(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("input_ids", padded), pb_utils.Tensor("input_lengths", lengths)]))
-        return responses
+        return [self._one(request) for request in requests]
+
+    def _one(self, request):
+        try:
+            error = request_parameters_error(request.parameters())
+            if error:
+                raise ValueError(error)
+            ids = encode_prompt(self.tokenizer, _string(request, "text_input"), _string(request, "messages"))
+        except ValueError as e:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32)),
+            pb_utils.Tensor("input_lengths", np.array([[len(ids)]], dtype=np.int32))])
 
 
-def _error(message):
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
+def _string(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    a = tensor.as_numpy()
+    if a.dtype != np.object_ or a.size != 1:
+        raise ValueError(f"{name} must be one STRING (BYTES) value, got {a.dtype} of shape {list(a.shape)}")
+    return decode_utf8(a.reshape(-1)[0], name)

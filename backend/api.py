@@ -1,0 +1,311 @@
+"""The request fields of both contracts in one table, and their parsing and validation.
+
+`FIELDS` is the single source: the `ensemble` (TRT-LLM tensor names), `llm` and `vllm_model` config.pbtxt input
+lists, the `sampling_parameters` JSON keys of the vLLM contract, the client's input types, the allowed ranges and
+the README's field table are all checked against it (tests/test_api.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from trellm_backend.request import SamplingParams
+
+U64_MAX = (1 << 64) - 1
+I32_MAX = (1 << 31) - 1
+TRITON_TYPES = {"int": "TYPE_INT32", "uint": "TYPE_UINT64", "float": "TYPE_FP32", "bool": "TYPE_BOOL",
+                "str_list": "TYPE_STRING", "int_list": "TYPE_INT32"}
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str                      # SamplingParams attribute, or a request-level setting
+    kind: str                      # int, uint, float, bool, str_list, int_list
+    default: object
+    lo: float | None = None        # allowed range, inclusive unless lo_open
+    hi: float | None = None
+    lo_open: bool = False
+    tensors: tuple[str, ...] = ()  # ensemble/llm tensor names, aliases after the first; () = llm only, as `name`
+    in_ensemble: bool = True       # declared by the TRT-LLM-shaped ensemble
+    json: tuple[str, ...] = ()     # keys of the vLLM contract's sampling_parameters
+    doc: str = ""
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return self.tensors or (self.name,)
+
+    @property
+    def dims(self) -> str:
+        return "-1" if self.kind.endswith("_list") else "1"
+
+    def range_text(self) -> str:
+        if self.kind == "bool" or self.kind == "str_list":
+            return ""
+        lo = "-inf" if self.lo is None else _num(self.lo)
+        hi = "inf" if self.hi is None else _num(self.hi)
+        return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi is None else ']'}"
+
+    def check(self, value, shown: str):
+        """Raise ValueError naming `shown` (the name the caller used) and the allowed range."""
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if self.kind in ("bool", "str_list") or v is None:
+                continue
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{shown} must be a finite number in {self.range_text()}, got {v}")
+            low_bad = self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo)
+            if low_bad or (self.hi is not None and v > self.hi):
+                raise ValueError(f"{shown} must be in {self.range_text()}, got {value}")
+
+
+def _num(x) -> str:
+    if x == U64_MAX:
+        return "2**64-1"
+    if x == I32_MAX:
+        return "2**31-1"
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+# Request-level settings (not SamplingParams attributes) are marked in `doc` by where they act.
+FIELDS: list[Field] = [
+    Field("max_tokens", "int", 16, 1, 1 << 20, tensors=("max_tokens",), json=("max_tokens",),
+          doc="most tokens to generate"),
+    Field("min_tokens", "int", 0, 0, 1 << 20, tensors=("min_tokens", "min_length"), json=("min_tokens",),
+          doc="EOS and stop token ids are masked (and stop strings not matched) until this many tokens are out"),
+    Field("temperature", "float", 1.0, 0, 100, tensors=("temperature",), json=("temperature",),
+          doc="0 = greedy. The ensemble is greedy unless temperature, top_k, top_p or min_p is given (then 1.0)"),
+    Field("top_k", "int", 0, -1, I32_MAX, tensors=("top_k",), json=("top_k",),
+          doc="sample among the k most likely tokens; 0 or -1 = off"),
+    Field("top_p", "float", 1.0, 0, 1, lo_open=True, tensors=("top_p",), json=("top_p",),
+          doc="sample in the smallest set holding this much probability"),
+    Field("min_p", "float", 0.0, 0, 1, tensors=("min_p",), json=("min_p",),
+          doc="drop tokens less likely than min_p times the most likely one"),
+    Field("repetition_penalty", "float", 1.0, 0, 100, lo_open=True, tensors=("repetition_penalty",),
+          json=("repetition_penalty",), doc="prompt and output tokens: positive logits divided, negative multiplied"),
+    Field("presence_penalty", "float", 0.0, -2, 2, tensors=("presence_penalty",), json=("presence_penalty",),
+          doc="subtracted from the logit of every token already generated"),
+    Field("frequency_penalty", "float", 0.0, -2, 2, tensors=("frequency_penalty",), json=("frequency_penalty",),
+          doc="subtracted once per earlier occurrence in the output"),
+    Field("seed", "uint", None, 0, U64_MAX, tensors=("seed", "random_seed"), json=("seed",),
+          doc="same seed, same text whatever shares the batch; sample i of n uses seed + i"),
+    Field("end_id", "int", None, 0, I32_MAX, tensors=("end_id",),
+          doc="an extra stop token id (every EOS id of generation_config.json stops anyway)"),
+    Field("pad_id", "int", None, 0, I32_MAX, tensors=("pad_id",),
+          doc="accepted for compatibility; outputs are never padded"),
+    Field("stop_token_ids", "int_list", [], 0, I32_MAX, in_ensemble=False, json=("stop_token_ids",),
+          doc="token ids that end the answer (kept in the output tokens)"),
+    Field("ignore_eos", "bool", False, in_ensemble=False, json=("ignore_eos",),
+          doc="keep generating past EOS tokens"),
+    Field("stop", "str_list", [], tensors=("stop_words",), json=("stop",),
+          doc="stop strings, matched on the text across tokens; cut from the output (finish_reason stop)"),
+    Field("bad_words", "str_list", [], tensors=("bad_words",), json=("bad_words",),
+          doc="words never generated (each as tokenized alone and after a space)"),
+    Field("n", "int", 1, 1, 16, tensors=("num_return_sequences",), json=("n",),
+          doc="parallel samples; responses carry sequence_index"),
+    Field("logprobs", "int", None, 0, 20, in_ensemble=False, json=("logprobs",),
+          doc="logprob of each sampled token plus this many top alternatives"),
+    Field("return_log_probs", "bool", False, tensors=("return_log_probs",),
+          doc="fill cum_log_probs and output_log_probs"),
+    Field("beam_width", "int", 1, 1, 1, tensors=("beam_width",), doc="beam search is not supported: 1 only"),
+    Field("length_penalty", "float", 1.0, tensors=("length_penalty",),
+          doc="accepted for compatibility; applies to beam search only"),
+    Field("stream", "bool", False, tensors=("stream",), doc="one response per new text (deltas) or one at the end"),
+    Field("exclude_input_in_output", "bool", False, tensors=("exclude_input_in_output",),
+          doc="non-streaming: without it the prompt is echoed before the answer"),
+    Field("return_num_input_tokens", "bool", False, tensors=("return_num_input_tokens",),
+          doc="accepted; the ensemble always returns num_input_tokens"),
+    Field("return_num_output_tokens", "bool", False, tensors=("return_num_output_tokens",),
+          doc="accepted; the ensemble always returns num_output_tokens"),
+    Field("return_perf_metrics", "bool", False, tensors=("return_perf_metrics",),
+          doc="accepted; the ensemble always returns the timing and KV-cache fields"),
+]
+BY_NAME = {f.name: f for f in FIELDS}
+BY_TENSOR = {t: f for f in FIELDS for t in f.tensor_names}
+BY_JSON = {k: f for f in FIELDS for k in f.json}
+SAMPLING_FIELDS = [f for f in FIELDS if f.name in SamplingParams.__dataclass_fields__]
+
+# Inputs of the llm step besides FIELDS: the prompt's token ids (from preprocess or vllm_model).
+LLM_PROMPT_INPUTS = ["input_ids", "input_lengths"]
+# Inputs of the ensemble besides FIELDS: the prompt as text, or chat messages (JSON list of {role, content}).
+ENSEMBLE_PROMPT_INPUTS = ["text_input", "messages"]
+# The vLLM-shaped contract: its tensors (besides text_input) and the output each return_* switch adds.
+VLLM_INPUTS = {"stream": "bool", "sampling_parameters": "str", "exclude_input_in_output": "bool",
+               "return_finish_reason": "bool", "return_cumulative_logprob": "bool", "return_logprobs": "bool",
+               "return_num_input_tokens": "bool", "return_num_output_tokens": "bool"}
+
+
+def llm_tensor_names() -> list[str]:
+    return [*LLM_PROMPT_INPUTS, *(t for f in FIELDS for t in f.tensor_names)]
+
+
+def ensemble_tensor_names() -> list[str]:
+    return [*ENSEMBLE_PROMPT_INPUTS, *(t for f in FIELDS if f.in_ensemble for t in f.tensor_names)]
+
+
+# -- values from tensors ---------------------------------------------------------------------------------------
+def _tensor_value(f: Field, shown: str, arr: np.ndarray):
+    a = np.asarray(arr)
+    if f.kind == "str_list":
+        if a.dtype != np.object_ and a.dtype.kind not in "SU":
+            raise ValueError(f"{shown} must be a STRING tensor, got {a.dtype}")
+        words = [w.decode("utf-8") if isinstance(w, bytes) else str(w) for w in a.reshape(-1)]
+        return [w for w in words if w]
+    ok = {"int": np.issubdtype(a.dtype, np.integer), "uint": np.issubdtype(a.dtype, np.integer),
+          "int_list": np.issubdtype(a.dtype, np.integer), "float": np.issubdtype(a.dtype, np.floating),
+          "bool": a.dtype == np.bool_}[f.kind]
+    if not ok:
+        raise ValueError(f"{shown} has dtype {a.dtype}; expected {TRITON_TYPES[f.kind].removeprefix('TYPE_')}")
+    if f.kind == "int_list":
+        return [int(x) for x in a.reshape(-1)]
+    if a.size != 1:
+        raise ValueError(f"{shown} must hold exactly one value per request, got shape {list(a.shape)}")
+    return a.reshape(-1)[0].item()
+
+
+def values_from_tensors(tensors: dict[str, np.ndarray]) -> dict[str, object]:
+    """{field name: value} from the tensors present (any of each field's tensor names; the first one given wins
+    over its aliases only if they agree). Raises ValueError naming the tensor at fault."""
+    values: dict[str, object] = {}
+    for name, arr in tensors.items():
+        f = BY_TENSOR.get(name)
+        if f is None:
+            continue
+        v = _tensor_value(f, name, arr)
+        f.check(v, name)
+        if f.name in values and values[f.name] != v:
+            raise ValueError(f"{' and '.join(f.tensor_names)} are aliases: give one, or the same value in each")
+        values[f.name] = v
+    return values
+
+
+# -- values from the vLLM contract's sampling_parameters JSON ----------------------------------------------
+def _coerce(f: Field, shown: str, v):
+    """A JSON value converted by the field's type; numbers given as strings are accepted ("256", "0.5")."""
+    try:
+        if f.kind == "bool":
+            if isinstance(v, bool):
+                return v
+            if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0"):
+                return v.strip().lower() in ("true", "1")
+            if isinstance(v, int) and v in (0, 1):
+                return bool(v)
+            raise ValueError
+        if f.kind in ("int", "uint"):
+            if isinstance(v, bool):
+                raise ValueError
+            x = float(v) if isinstance(v, (str, float)) else v
+            if not isinstance(x, int) and not (isinstance(x, float) and x.is_integer()):
+                raise ValueError
+            return int(x)
+        if f.kind == "float":
+            if isinstance(v, bool):
+                raise ValueError
+            return float(v)
+        if f.kind == "str_list":
+            v = [v] if isinstance(v, str) else v
+            if not isinstance(v, list) or not all(isinstance(w, str) for w in v):
+                raise ValueError
+            return [w for w in v if w]
+        if f.kind == "int_list":
+            v = [v] if not isinstance(v, list) else v
+            return [_coerce(Field(f.name, "int", None), shown, x) for x in v]
+    except (ValueError, TypeError):
+        pass
+    expected = {"bool": "true or false", "int": "an integer", "uint": "a non-negative integer",
+                "float": "a number", "str_list": "a string or a list of strings",
+                "int_list": "an integer or a list of integers"}[f.kind]
+    raise ValueError(f"{shown} must be {expected}, got {json.dumps(v)}")
+
+
+def values_from_sampling_json(text: str) -> dict[str, object]:
+    """{field name: value} from the vLLM contract's `sampling_parameters` (a JSON object); unknown keys and bad
+    values raise ValueError naming them."""
+    try:
+        obj = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"sampling_parameters is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError("sampling_parameters must be a JSON object of sampling fields")
+    unknown = sorted(k for k in obj if k not in BY_JSON)
+    if unknown:
+        raise ValueError(f"sampling_parameters has unknown field(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(BY_JSON))}")
+    values = {}
+    for key, raw in obj.items():
+        if raw is None:
+            continue
+        f = BY_JSON[key]
+        shown = f"sampling_parameters.{key}"
+        v = _coerce(f, shown, raw)
+        f.check(v, shown)
+        values[f.name] = v
+    return values
+
+
+def tensors_from_values(values: dict[str, object]) -> dict[str, np.ndarray]:
+    """The llm step's tensors ([1, ...] batched) for field values (what vllm_model sends over BLS)."""
+    out = {}
+    for name, v in values.items():
+        f = BY_NAME[name]
+        t = f.tensor_names[0]
+        if f.kind == "str_list":
+            out[t] = np.array([[w.encode("utf-8") for w in v]], dtype=np.object_)
+        elif f.kind == "int_list":
+            out[t] = np.array([v], dtype=np.int32)
+        else:
+            dtype = {"int": np.int32, "uint": np.uint64, "float": np.float32, "bool": np.bool_}[f.kind]
+            out[t] = np.array([[v]], dtype=dtype)
+    return out
+
+
+# -- values -> engine settings ---------------------------------------------------------------------------
+def sampling_params(values: dict[str, object]) -> SamplingParams:
+    """SamplingParams from field values. With none of temperature, top_k, top_p, min_p given, decoding is greedy
+    (TRT-LLM's default; the vLLM-shaped entry point always sends a temperature, vLLM's default being 1)."""
+    kwargs = {f.name: values[f.name] for f in SAMPLING_FIELDS if f.name in values}
+    if not any(k in values for k in ("temperature", "top_k", "top_p", "min_p")):
+        kwargs["temperature"] = 0.0
+    if values.get("end_id") is not None:
+        kwargs["stop_token_ids"] = [*kwargs.get("stop_token_ids", []), values["end_id"]]
+    if values.get("return_log_probs") and kwargs.get("logprobs") is None:
+        kwargs["logprobs"] = 0
+    params = SamplingParams(**kwargs)
+    params.validate()
+    return params
+
+
+def validate_sampling_params(p: SamplingParams) -> None:
+    """Range checks of every SamplingParams field against FIELDS (engine-level callers included)."""
+    for f in SAMPLING_FIELDS:
+        f.check(getattr(p, f.name), f.name)
+
+
+def request_parameters_error(parameters_json: str) -> str | None:
+    """A message naming unknown Triton request parameters (HTTP generate turns unknown top-level JSON keys into
+    parameters), or None. Triton's own `triton_*` parameters are fine."""
+    try:
+        params = json.loads(parameters_json or "{}")
+    except json.JSONDecodeError:
+        return None
+    unknown = sorted(k for k in params if not k.startswith("triton_"))
+    if not unknown:
+        return None
+    return (f"unknown request field(s) {', '.join(unknown)}; this model's inputs are listed by "
+            "GET /v2/models/<model>/config (see the README's field tables)")
+
+
+def fields_markdown() -> str:
+    """The README's table of request fields (tests/test_api.py checks the README holds exactly this)."""
+    rows = ["| field | `ensemble` input(s) | `sampling_parameters` key | type | default | allowed | meaning |",
+            "|---|---|---|---|---|---|---|"]
+    for f in FIELDS:
+        ens = " / ".join(f"`{t}`" for t in f.tensor_names) if f.in_ensemble else "-"
+        js = " / ".join(f"`{k}`" for k in f.json) or "-"
+        kind = TRITON_TYPES[f.kind].removeprefix("TYPE_") + (" list" if f.kind.endswith("_list") else "")
+        default = "none" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) \
+            else "[]" if isinstance(f.default, list) else str(f.default)
+        rows.append(f"| {f.name} | {ens} | {js} | {kind} | {default} | {f.range_text() or '-'} | {f.doc} |")
+    return "\n".join(rows)

@@ -1,0 +1,103 @@
+"""Triton adapter for the vLLM-shaped contract: parse (backend/serving.py parse_vllm_request), tokenize
+(backend/tokenization.py), stream from the llm model over BLS, reshape (serving.vllm_outputs). Each request is
+served by its own thread so that execute returns at once and requests run concurrently in the engine."""
+import json
+import threading
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from trellm_backend.api import VLLM_INPUTS, request_parameters_error, tensors_from_values
+from trellm_backend.serving import (POSTPROCESS_INPUTS, model_parameters, parse_vllm_request, resolve_model_path,
+                                    vllm_outputs)
+from trellm_backend.tokenization import decode_utf8, encode_prompt, load_tokenizer
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+LLM_OUTPUTS = [*POSTPROCESS_INPUTS, "token_ids", "top_logprobs"]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(json.loads(args["model_config"]))
+        self.llm_model = params["llm_model"]
+        self.tokenizer = load_tokenizer(resolve_model_path(params["model_path"], args["model_repository"]))
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                error = request_parameters_error(request.parameters())
+                if error:
+                    raise ValueError(error)
+                strings = {n: _one(request, n, decode_utf8) for n in ("text_input", "sampling_parameters")}
+                bools = {n: _one(request, n, _as_bool) for n, kind in VLLM_INPUTS.items() if kind == "bool"}
+                spec = parse_vllm_request(strings, {k: v for k, v in bools.items() if v is not None})
+                ids = encode_prompt(self.tokenizer, spec.prompt)
+            except ValueError as e:
+                _fail(sender, str(e))
+                continue
+            threading.Thread(target=self._serve, args=(sender, spec, ids), daemon=True).start()
+        return None
+
+    def _serve(self, sender, spec, ids):
+        request_id = uuid.uuid4().hex    # also names this request in a stop request
+        tensors = {"input_ids": np.array([ids], dtype=np.int32),
+                   "input_lengths": np.array([[len(ids)]], dtype=np.int32), **tensors_from_values(spec.values)}
+        inputs = [pb_utils.Tensor(name, value) for name, value in tensors.items()]
+        llm_request = pb_utils.InferenceRequest(model_name=self.llm_model, inputs=inputs, request_id=request_id,
+                                                requested_output_names=LLM_OUTPUTS)
+        remaining = spec.values.get("n", 1)
+        prefix = spec.prompt if spec.echo_prompt else ""
+        try:
+            for response in llm_request.exec(decoupled=True):
+                if sender.is_cancelled():
+                    self._stop(request_id)
+                    sender.send(flags=FINAL)
+                    return
+                if response.has_error():
+                    _fail(sender, response.error().message())
+                    return
+                got = {n: t.as_numpy() for n in LLM_OUTPUTS
+                       if (t := pb_utils.get_output_tensor_by_name(response, n)) is not None}
+                if "text_output" not in got:   # the flag-only end of the llm's stream
+                    continue
+                remaining -= bool(got["finish_reason"].reshape(-1)[0])
+                out = vllm_outputs(got, spec.flags, prefix)
+                prefix = ""
+                sender.send(pb_utils.InferenceResponse(output_tensors=[
+                    pb_utils.Tensor(n, v) for n, v in out.items()]), flags=FINAL if remaining == 0 else 0)
+                if remaining == 0:
+                    return
+            sender.send(flags=FINAL)
+        except Exception as e:   # a failure here must still end the client's stream
+            _fail(sender, f"vllm_model: {e}")
+
+    def _stop(self, request_id):
+        """Ask llm to abort the generation running under `request_id` (the client went away)."""
+        stop = pb_utils.InferenceRequest(model_name=self.llm_model, request_id=request_id,
+                                         inputs=[pb_utils.Tensor("stop", np.array([[True]], dtype=np.bool_))],
+                                         requested_output_names=[])
+        for _ in stop.exec(decoupled=True):
+            pass
+
+
+def _one(request, name, convert):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return None
+    a = t.as_numpy()
+    if a.size != 1:
+        raise ValueError(f"{name} must hold exactly one value, got shape {list(a.shape)}")
+    return convert(a.reshape(-1)[0], name)
+
+
+def _as_bool(value, name):
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be BOOL, got {type(value).__name__}")
+    return bool(value)
+
+
+def _fail(sender, message):
+    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)),
+                flags=FINAL)

@@ -1,0 +1,205 @@
+"""Both request contracts on a real tritonserver: the TRT-LLM-shaped `ensemble` and the vLLM-shaped `vllm_model`,
+driven by tritonclient gRPC streaming, HTTP generate / generate_stream and perf_analyzer."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import urllib.error
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from trellm_client.client import LLMClient, http_generate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = "The import statement"
+
+
+def vllm_stream(url, prompt, sampling: dict | str, **switches) -> list[dict]:
+    """One vllm_model request over gRPC streaming ([1]-shaped tensors); returns each response's outputs."""
+    client = grpcclient.InferenceServerClient(url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    inputs = []
+    for name, value, dtype, ttype in [("text_input", prompt.encode(), np.object_, "BYTES"),
+                                      ("sampling_parameters", (sampling if isinstance(sampling, str)
+                                                               else json.dumps(sampling)).encode(), np.object_,
+                                       "BYTES"),
+                                      *((k, v, np.bool_, "BOOL") for k, v in switches.items())]:
+        i = grpcclient.InferInput(name, [1], ttype)
+        i.set_data_from_numpy(np.array([value], dtype=dtype))
+        inputs.append(i)
+    client.async_stream_infer("vllm_model", inputs, enable_empty_final_response=True)
+    responses = []
+    try:
+        while True:
+            result, error = q.get(timeout=120)
+            if error is not None:
+                raise error
+            out = {o["name"]: result.as_numpy(o["name"]) for o in result.get_response(as_json=True)["outputs"]}
+            out["final"] = result.get_response().parameters["triton_final_response"].bool_param
+            responses.append(out)
+            if out["final"]:
+                return responses
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def text_of(responses) -> str:
+    return "".join(r["text_output"][0].decode() for r in responses if "text_output" in r)
+
+
+@pytest.fixture(scope="module")
+def greedy_text(triton_server):
+    with LLMClient(triton_server.grpc_url) as c:
+        return "".join(c.stream(PROMPT, max_tokens=20))
+
+
+def test_vllm_model_streams_what_the_ensemble_streams(triton_server, greedy_text):
+    responses = vllm_stream(triton_server.grpc_url, PROMPT, {"max_tokens": "20", "temperature": "0"}, stream=True)
+    assert text_of(responses) == greedy_text and len(responses) > 1
+    # No empty chunk, and FINAL rides on the last data response (what genai-perf counts on).
+    assert all(r["text_output"][0] for r in responses[:-1]) and "text_output" in responses[-1]
+    assert [r["final"] for r in responses] == [False] * (len(responses) - 1) + [True]
+
+
+def test_vllm_model_return_switches_and_prompt_echo(triton_server, greedy_text):
+    responses = vllm_stream(triton_server.grpc_url, PROMPT, {"max_tokens": 20, "temperature": 0, "logprobs": 2},
+                            stream=False, return_finish_reason=True, return_cumulative_logprob=True,
+                            return_logprobs=True, return_num_input_tokens=True, return_num_output_tokens=True)
+    (r,) = responses
+    assert r["text_output"][0].decode() == PROMPT + greedy_text    # exclude_input_in_output not set: echoed
+    assert r["finish_reason"][0] == b"length" and r["num_output_tokens"].tolist() == [20]
+    positions = json.loads(r["logprobs"][0])
+    assert len(positions) == 20 and all(len(p) == 2 for p in positions)     # greedy: the pick is in the top 2
+    assert r["cumulative_logprob"][0] == pytest.approx(
+        sum(max(v["logprob"] for v in p.values()) for p in positions), rel=1e-4)
+    assert r["num_input_tokens"].dtype == np.uint32 and r["num_input_tokens"][0] > 0
+
+
+def test_vllm_model_over_http(triton_server, greedy_text):
+    sp = json.dumps({"max_tokens": 20, "temperature": 0})
+    (one,) = http_generate(triton_server.http_url, PROMPT, model="vllm_model", sampling_parameters=sp,
+                           exclude_input_in_output=True, return_finish_reason=True)
+    assert one["text_output"] == greedy_text and one["finish_reason"] == "length"
+    events = http_generate(triton_server.http_url, PROMPT, model="vllm_model", stream=True, sampling_parameters=sp)
+    assert len(events) > 1 and "".join(e["text_output"] for e in events) == greedy_text
+
+
+@pytest.mark.parametrize("sampling, message", [
+    ('{"max_tokens": "0"}', r"sampling_parameters.max_tokens must be in [1, 1048576]"),
+    ('{"max_tokens": 8, "temprature": 0.5}', "unknown field(s) temprature"),
+    ('{"top_p": "none"}', "sampling_parameters.top_p must be a number"),
+    ('{"n": 3, "logprobs": 99}', r"sampling_parameters.logprobs must be in [0, 20]"),
+    ("{max_tokens: 3}", "sampling_parameters is not valid JSON"),
+])
+def test_vllm_model_errors_are_named_and_the_server_keeps_serving(triton_server, greedy_text, sampling, message):
+    with pytest.raises(urllib.error.HTTPError) as e:
+        http_generate(triton_server.http_url, PROMPT, model="vllm_model", sampling_parameters=sampling)
+    assert e.value.code == 400 and message in json.loads(e.value.read())["error"]
+    with pytest.raises(urllib.error.HTTPError) as e:     # an unknown top-level field is reported too
+        http_generate(triton_server.http_url, PROMPT, model="vllm_model", max_tokens=5)
+    assert "unknown request field(s) max_tokens" in json.loads(e.value.read())["error"]
+    ok = vllm_stream(triton_server.grpc_url, PROMPT, {"max_tokens": 20, "temperature": 0}, stream=True)
+    assert text_of(ok) == greedy_text
+
+
+def test_ensemble_stop_words_finish_reason_and_min_length(triton_server, greedy_text):
+    stop = greedy_text[5:8]
+    with LLMClient(triton_server.grpc_url) as c:
+        chunks = list(c.stream_chunks(PROMPT, stream=True, max_tokens=20, stop_words=[stop, "never seen"]))
+        assert "".join(ch.text for ch in chunks) == greedy_text[:greedy_text.index(stop)]
+        assert chunks[-1].finish_reason == "stop" and chunks[-1].final
+        assert all(ch.text for ch in chunks[:-1])
+        assert c.stream_chunks(PROMPT, max_tokens=20).__next__().finish_reason == "length"
+        # min_length (genai-perf's alias of min_tokens) holds off every EOS id and end_id.
+        forced = list(c.stream_chunks(PROMPT, stream=True, max_tokens=12, min_length=12, end_id=0))
+        assert forced[-1].num_output_tokens == 12
+
+
+def test_ensemble_chat_messages_use_the_chat_template(triton_server, default_model_path):
+    from transformers import AutoTokenizer
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a list?"}]
+    expected_ids = AutoTokenizer.from_pretrained(default_model_path).apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    with LLMClient(triton_server.grpc_url) as c:
+        chunks = list(c.stream_chunks(messages=messages, stream=True, max_tokens=8))
+    assert chunks[-1].num_input_tokens == len(expected_ids)
+    assert "".join(ch.text for ch in chunks)
+
+
+def test_ensemble_parallel_samples_logprobs_and_perf_metrics(triton_server):
+    with LLMClient(triton_server.grpc_url) as c:
+        chunks = list(c.stream_chunks(PROMPT, stream=True, max_tokens=10, num_return_sequences=2, temperature=1.0,
+                                      seed=7, return_log_probs=True))
+        single = {s: "".join(c.stream(PROMPT, max_tokens=10, temperature=1.0, seed=s)) for s in (7, 8)}
+    by_seq = {i: "".join(ch.text for ch in chunks if ch.sequence_index == i) for i in (0, 1)}
+    assert by_seq == {0: single[7], 1: single[8]}        # sample i draws with seed + i
+    assert sum(ch.final for ch in chunks) == 1 and chunks[-1].final
+    lps = [lp for ch in chunks if ch.sequence_index == 0 for lp in ch.output_log_probs]
+    last0 = [ch for ch in chunks if ch.sequence_index == 0][-1]
+    assert len(lps) == 10 and last0.cum_log_probs == pytest.approx(sum(lps), rel=1e-4)
+    (one,) = http_generate(triton_server.http_url, PROMPT, max_tokens=4, return_perf_metrics=True)
+    times = [one[k] for k in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
+                              "last_token_time_ns")]
+    assert times == sorted(times) and times[0] > 0
+    assert one["kv_cache_alloc_total_blocks"] == one["kv_cache_alloc_new_blocks"] + one["kv_cache_reused_blocks"] > 0
+
+
+@pytest.mark.parametrize("model, inputs", [("ensemble", "tensorrtllm.json"), ("vllm_model", "vllm.json")])
+def test_perf_analyzer_with_genai_perf_shaped_inputs(triton_server, tmp_path, model, inputs):
+    export = tmp_path / "profile.json"
+    env = dict(os.environ)
+    cudart = os.path.join(os.path.dirname(os.path.dirname(sys.executable)), "lib",
+                          f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages", "nvidia",
+                          "cuda_runtime", "lib")
+    env["LD_LIBRARY_PATH"] = cudart + os.pathsep + env.get("LD_LIBRARY_PATH", "")
+    run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "perf_analyzer"), "-m", model,
+                          "-u", triton_server.grpc_url, "-i", "grpc", "--streaming", "--input-data",
+                          os.path.join(ROOT, "perf", "inputs", inputs), "--concurrency-range", "2",
+                          "--request-count", "4", "--profile-export-file", str(export)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    requests = json.loads(export.read_text())["experiments"][0]["requests"]
+    assert len(requests) >= 4
+    for r in requests:
+        texts = [o["text_output"] for o in r["response_outputs"]]
+        # 16 tokens forced by min_length / min_tokens; every response carries text (no empty chunk).
+        assert 1 < len(texts) <= 16 and all(texts), texts
+
+
+def _metric(server, name) -> float:
+    import urllib.request
+    text = urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_vllm_model_client_cancel_aborts_the_generation(triton_server):
+    import time
+    aborted = 'vllm:request_success_total{finished_reason="abort"'
+    before = _metric(triton_server, aborted)
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    inputs = []
+    sampling = json.dumps({"max_tokens": 1000, "min_tokens": 1000, "ignore_eos": True}).encode()
+    for name, value, dtype, ttype in [("text_input", PROMPT.encode(), np.object_, "BYTES"),
+                                      ("sampling_parameters", sampling, np.object_, "BYTES"),
+                                      ("stream", True, np.bool_, "BOOL")]:
+        i = grpcclient.InferInput(name, [1], ttype)
+        i.set_data_from_numpy(np.array([value], dtype=dtype))
+        inputs.append(i)
+    client.async_stream_infer("vllm_model", inputs)
+    for _ in range(3):
+        assert q.get(timeout=60)[1] is None
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.monotonic() + 30
+    while _metric(triton_server, aborted) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _metric(triton_server, aborted) == before + 1, "the engine kept generating for a cancelled client"

@@ -1,0 +1,194 @@
+"""Cancellation and backpressure on a real tritonserver, watched through the llm model's KV-block gauge.
+
+The server here runs a copy of the repository whose llm admits one request at a time (max_num_seqs 1) and lets
+two wait (max_queue_size 2), so a third waiting request is refused with UNAVAILABLE.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from conftest import REPO, free_ports
+
+LLM_SETTINGS = {"max_num_seqs": "1", "max_queue_size": "2"}
+
+
+@pytest.fixture(scope="module")
+def server(default_model_path, tmp_path_factory):
+    from trellm_backend.launch import TritonServer
+    root = tmp_path_factory.mktemp("cancel")
+    repo = root / "model_repository"
+    shutil.copytree(os.path.join(REPO, "model_repository"), repo)
+    os.symlink(os.path.join(REPO, "hf_models"), root / "hf_models")    # relative model_path values still resolve
+    cfg = repo / "llm" / "config.pbtxt"
+    text = cfg.read_text()
+    for key, value in LLM_SETTINGS.items():
+        text = re.sub(rf'parameters: {{ key: "{key}" value: {{ string_value: "[^"]*" }} }}\n', "", text)
+        text += f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+    cfg.write_text(text)
+    http, grpc, metrics = free_ports(3)
+    s = TritonServer(str(repo), http, grpc, metrics, log_path=str(root / "server.log"))
+    s.start()
+    yield s
+    s.stop()
+
+
+def gauge(server, name: str) -> float:
+    text = urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=5).read().decode()
+    m = re.search(rf'^{re.escape(name)}{{[^}}]*model="llm"[^}}]*}} (\S+)', text, re.M)
+    assert m, f"{name} is not on the metrics endpoint"
+    return float(m.group(1))
+
+
+def wait_for_blocks(server, predicate, timeout=10.0) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        used = gauge(server, "trellm:kv_cache_used_blocks")
+        if predicate(used):
+            return used
+        time.sleep(0.05)
+    return gauge(server, "trellm:kv_cache_used_blocks")
+
+
+def tensor(name, value, dtype):
+    arr = np.array([[value]], dtype=dtype)
+    t = grpcclient.InferInput(name, list(arr.shape), {np.int32: "INT32", np.bool_: "BOOL",
+                                                      np.object_: "BYTES"}[dtype])
+    t.set_data_from_numpy(arr)
+    return t
+
+
+def llm_inputs(max_tokens=5000):
+    ids = np.array([[1, 100, 200, 300, 400]], dtype=np.int32)
+    t = grpcclient.InferInput("input_ids", list(ids.shape), "INT32")
+    t.set_data_from_numpy(ids)
+    return [t, tensor("max_tokens", max_tokens, np.int32), tensor("ignore_eos", True, np.bool_),
+            tensor("stream", True, np.bool_)]
+
+
+def open_stream(server):
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    return client, results
+
+
+def first_responses(results, n=3):
+    for _ in range(n):
+        result, error = results.get(timeout=60)
+        assert error is None, error
+
+
+def test_grpc_stream_cancel_frees_blocks(server):
+    client, results = open_stream(server)
+    client.async_stream_infer("llm", llm_inputs(), request_id="cancel-me")
+    first_responses(results)
+    assert wait_for_blocks(server, lambda used: used > 0) > 0
+    client.stop_stream(cancel_requests=True)
+    assert wait_for_blocks(server, lambda used: used == 0, timeout=5) == 0, "blocks still held after the cancel"
+    client.close()
+
+
+def test_stop_request_ends_a_running_ensemble_request(server):
+    """A client cancel does not reach a running ensemble step on Triton 2.51; a stop request sent to llm with the
+    ensemble request's id does, and the ensemble stream ends with finish_reason abort."""
+    client, results = open_stream(server)
+    inputs = [tensor("text_input", b"The Python language", np.object_), tensor("max_tokens", 3000, np.int32),
+              tensor("min_tokens", 3000, np.int32), tensor("stream", True, np.bool_)]
+    client.async_stream_infer("ensemble", inputs, request_id="ensemble-42")
+    first_responses(results)
+    stopper, acks = open_stream(server)
+    stopper.async_stream_infer("llm", [tensor("stop", True, np.bool_)], request_id="ensemble-42")
+    ack, error = acks.get(timeout=10)
+    assert error is None, error
+    assert wait_for_blocks(server, lambda used: used == 0, timeout=5) == 0
+    reasons = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        result, error = results.get(timeout=10)
+        assert error is None, error
+        reasons.append(result.as_numpy("finish_reason").reshape(-1)[0])
+        if reasons[-1]:
+            break
+    assert reasons[-1] == b"abort", f"the stopped stream ended with {reasons[-1]!r}"
+    stopper.close()
+    client.stop_stream()
+    client.close()
+
+
+def test_client_disconnect_frees_blocks(server, tmp_path):
+    """A client process killed mid-stream: the server notices the broken stream and aborts the request."""
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_cancel import llm_inputs, open_stream, first_responses
+        class S: grpc_url = {server.grpc_url!r}
+        client, results = open_stream(S)
+        client.async_stream_infer("llm", llm_inputs(), request_id="disconnect-me")
+        first_responses(results)
+        print("streaming", flush=True)
+        time.sleep(60)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "streaming"
+        assert wait_for_blocks(server, lambda used: used > 0) > 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_for_blocks(server, lambda used: used == 0, timeout=5) == 0, "blocks still held after disconnect"
+
+
+def test_full_queue_answers_unavailable(server):
+    client, results = open_stream(server)
+    client.async_stream_infer("llm", llm_inputs(), request_id="running")
+    first_responses(results)                                   # it holds the only sequence slot
+    for rid in ("waiting-1", "waiting-2"):
+        client.async_stream_infer("llm", llm_inputs(), request_id=rid)
+    time.sleep(0.5)
+    client.async_stream_infer("llm", llm_inputs(), request_id="one-too-many")
+    deadline = time.monotonic() + 10
+    refused = None
+    while refused is None and time.monotonic() < deadline:
+        result, error = results.get(timeout=10)
+        if error is not None:
+            refused = error
+    assert refused is not None, "the fourth request was not refused"
+    assert "max_queue_size=2" in str(refused), str(refused)
+    # The model answers with TritonError.UNAVAILABLE, but Triton 2.51 passes only the message on: a gRPC stream
+    # has no status per response, and HTTP generate turns every response error into 400.
+    body = json.dumps({"input_ids": [1, 100, 200], "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate", data=body)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    detail = e.value.read().decode()
+    assert "at capacity" in detail and "max_queue_size=2" in detail, (e.value.code, detail)
+    client.stop_stream(cancel_requests=True)
+    assert wait_for_blocks(server, lambda used: used == 0, timeout=10) == 0
+    client.close()
+
+
+def test_client_leaving_an_ensemble_stream_early_frees_blocks(server):
+    """LLMClient sends the stop request itself when the caller stops reading (the cancel alone would not reach)."""
+    from trellm_client.client import LLMClient
+    with LLMClient(server.grpc_url) as client:
+        stream = client.stream("The Python language", max_tokens=3000, min_tokens=3000)
+        for _ in range(3):
+            next(stream)
+        assert wait_for_blocks(server, lambda used: used > 0) > 0
+        stream.close()
+    assert wait_for_blocks(server, lambda used: used == 0, timeout=5) == 0, "the ensemble request kept its blocks"

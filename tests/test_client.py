@@ -1,0 +1,77 @@
+"""The client package against a running server: the CLI as a user runs it (a subprocess), and the asyncio client."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+from conftest import free_ports
+from trellm_client.client import AsyncLLMClient, LLMClient
+
+PROMPT = "Lists"
+
+
+def cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trellm_client", *args], input=stdin, capture_output=True,
+                          text=True, timeout=180)
+
+
+def test_cli_generate_streams_the_answer(triton_server):
+    with LLMClient(triton_server.grpc_url) as c:
+        expected = "".join(c.stream(PROMPT, max_tokens=12, repetition_penalty=1.5))
+    run = cli("--url", triton_server.grpc_url, "generate", PROMPT, "--max-tokens", "12",
+              "-p", "repetition_penalty=1.5")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == expected + "\n"
+
+
+def test_cli_reports_a_bad_field_without_a_traceback(triton_server):
+    run = cli("--url", triton_server.grpc_url, "generate", PROMPT, "--top-p", "3")
+    assert run.returncode == 1 and "top_p must be in (0, 1]" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_cli_chat_keeps_the_history(triton_server):
+    first, second = "What is a list?", "And a tuple?"
+    with LLMClient(triton_server.grpc_url) as c:
+        answer1 = "".join(c.chat([{"role": "user", "content": first}], max_tokens=8))
+        history = [{"role": "user", "content": first}, {"role": "assistant", "content": answer1},
+                   {"role": "user", "content": second}]
+        answer2 = "".join(c.chat(history, max_tokens=8))
+    run = cli("--url", triton_server.grpc_url, "chat", "--max-tokens", "8", stdin=f"{first}\n{second}\n")
+    assert run.returncode == 0, run.stderr
+    # Each turn prints the prompt marker, then the streamed answer and a newline.
+    assert run.stdout == f"> {answer1}\n> {answer2}\n> "
+
+
+def test_cli_models_lists_both_entry_points(triton_server):
+    run = cli("--url", triton_server.grpc_url, "models")
+    assert run.returncode == 0, run.stderr
+    ready = {line.split("\t")[0] for line in run.stdout.splitlines() if "\tREADY" in line}
+    assert {"ensemble", "vllm_model", "llm", "preprocess", "postprocess"} <= ready
+
+
+def test_cli_says_when_the_server_is_down():
+    url = f"localhost:{free_ports(1)[0]}"
+    for args in (("generate", "hi"), ("models",)):
+        run = cli("--url", url, *args)
+        assert run.returncode == 2 and "Is the server running?" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_async_client_matches_the_sync_client(triton_server):
+    with LLMClient(triton_server.grpc_url) as c:
+        expected = "".join(c.stream(PROMPT, max_tokens=10, temperature=0.8, seed=3))
+
+    async def main():
+        async with AsyncLLMClient(triton_server.grpc_url) as c:
+            streams = await asyncio.gather(*(
+                _collect(c.stream(PROMPT, max_tokens=10, temperature=0.8, seed=3)) for _ in range(3)))
+            whole = await c.generate(PROMPT, max_tokens=10, temperature=0.8, seed=3, exclude_input_in_output=True)
+        return streams, whole
+
+    streams, whole = asyncio.run(main())
+    assert all("".join(s) == expected for s in streams) and whole == expected
+    assert all(len(s) > 1 for s in streams)
+
+
+async def _collect(aiter):
+    return [x async for x in aiter]

@@ -1,0 +1,174 @@
+"""Each sampling control changes what is drawn the way it should: on the sampler with logits whose answer is
+known, and on the engine with the default model."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_models import random_prompts
+from trellm_backend.config import EngineConfig
+from trellm_backend.engine import LLMEngine
+from trellm_backend.request import Request, SamplingParams
+from trellm_backend.sampler import apply_bans, apply_penalties, sample
+
+V = 12
+
+
+def req(prompt, output=(), **params) -> Request:
+    r = Request("r", list(prompt), SamplingParams(**params), max_len=1000)
+    r.token_ids += list(output)
+    return r
+
+
+def draws(logits_row, n=400, **params) -> set[int]:
+    """The set of tokens drawn in n rows of the same logits (unseeded, one batch)."""
+    rows = [req([0], **params) for _ in range(n)]
+    return {s.token_id for s in sample(torch.tensor([logits_row] * n), rows)}
+
+
+LOGITS = [math.log(p) for p in (0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.01, 0.004, 0.003, 0.002, 0.0005, 0.0005)]
+
+
+def test_top_k_top_p_min_p_draw_only_from_the_sets_they_allow():
+    assert draws(LOGITS, top_k=3) == {0, 1, 2}
+    assert draws(LOGITS, top_p=0.7) == {0, 1, 2}          # 0.4 + 0.25 < 0.7: the third token completes the set
+    assert draws(LOGITS, min_p=0.3) == {0, 1, 2}          # p >= 0.3 * 0.4 = 0.12
+    assert draws(LOGITS, min_p=0.3, top_k=2) == {0, 1}
+    assert len(draws(LOGITS, n=2000)) > 6                 # no control: the tail is reachable
+
+
+def test_penalties_against_counted_repeats():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5] + [0.0] * (V - 4)])
+    r = req(prompt=[3], output=[0, 0, 1], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    got = apply_penalties(logits, [r])[0]
+    # token 0: twice in the output: 2/2 - 0.5*2 - 0.25; token 1: once: -2*2 - 0.5 - 0.25; token 3: prompt only
+    # (repetition penalty only): 0.5/2; token 2: never seen, unchanged.
+    assert got[:4].tolist() == pytest.approx([1.0 - 1.0 - 0.25, -4.0 - 0.5 - 0.25, 1.0, 0.25])
+    assert torch.equal(got[4:], logits[0, 4:])
+    plain = req(prompt=[3], output=[0, 0, 1])
+    assert torch.equal(apply_penalties(logits, [plain]), logits)
+
+
+def test_penalties_apply_per_row():
+    logits = torch.zeros(2, V)
+    rows = [req([1], [5, 5, 5], frequency_penalty=1.0), req([1], [5, 5, 5])]
+    got = apply_penalties(logits, rows)
+    assert got[0, 5] == -3.0 and got[1, 5] == 0.0
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(2, V)
+    logits[:, 2] = 10.0       # EOS is by far the most likely
+    early = req([1], [4], min_tokens=2, stop_token_ids=[7], temperature=0.0)
+    done = req([1], [4, 4], min_tokens=2, stop_token_ids=[7], temperature=0.0)
+    got = apply_bans(logits, [early, done], eos_token_ids=[2, 3])
+    assert got[0, [2, 3, 7]].tolist() == [float("-inf")] * 3 and got[1, 2] == 10.0
+    assert [s.token_id for s in sample(logits, [early, done], eos_token_ids=[2, 3])] == [0, 2]
+
+
+def test_bad_words_ban_the_last_token_after_their_prefix():
+    logits = torch.zeros(3, V)
+    logits[:, 6] = 5.0
+    words = [[4, 6], [9]]
+    rows = [req([1], [4], bad_words_ids=words), req([1], [5], bad_words_ids=words), req([4], bad_words_ids=words)]
+    got = apply_bans(logits, rows)
+    assert got[0, 6] == float("-inf") and got[1, 6] == 5.0 and got[2, 6] == float("-inf")
+    assert (got[:, 9] == float("-inf")).all()
+
+
+def test_logprobs_are_of_the_processed_distribution():
+    logits = torch.tensor([LOGITS, LOGITS])
+    rows = [req([0], temperature=0.0, logprobs=3, top_k=2), req([0], temperature=0.0)]
+    a, b = sample(logits, rows)
+    expected = torch.log_softmax(torch.tensor(LOGITS), -1)
+    assert a.token_id == 0 and a.rank == 1 and a.logprob == pytest.approx(expected[0].item(), abs=1e-5)
+    assert [t for t, _ in a.top] == [0, 1, 2] and b.logprob is None and b.top is None
+    hot = sample(torch.tensor([LOGITS]), [req([0], temperature=2.0, top_k=2, seed=1, logprobs=1)])[0]
+    # temperature 2 and top-k 2: the token came from softmax(LOGITS[:2] / 2)
+    pair = torch.log_softmax(torch.tensor(LOGITS[:2]) / 2, -1)
+    assert hot.logprob == pytest.approx(pair[hot.token_id].item(), abs=1e-5) and len(hot.top) == 1
+
+
+# -- the engine, with the default model ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(default_model_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    return LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20), tokenizer=tok)
+
+
+def run(engine, prompt, params, rid="x"):
+    engine.add_request(rid, prompt, params)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def test_every_control_keeps_seeded_output_independent_of_batch_mates(engine):
+    p = random_prompts(5, 4096, [9, 21, 4])
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, seed=5,
+                            repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3, min_tokens=4,
+                            bad_words=["the"], ignore_eos=True, logprobs=2)
+    alone = [o.new_token_ids[0] for o in run(engine, p[0], seeded)]
+    engine.add_request("m1", p[1], SamplingParams(max_tokens=6, temperature=1.0, repetition_penalty=2.0))
+    engine.add_request("m2", p[2], SamplingParams(max_tokens=14, temperature=0.0, frequency_penalty=1.0))
+    assert [o.new_token_ids[0] for o in run(engine, p[0], seeded, "y")] == alone
+
+
+def test_min_tokens_and_stop_token_ids(engine):
+    prompt = random_prompts(6, 4096, [10])[0]
+    free = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    stop_id = free[0]
+    assert engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_id]))[0] \
+        == [stop_id]
+    held = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_id],
+                                                    min_tokens=3))[0]
+    assert stop_id not in held[:3] and len(held) >= 3
+
+
+def test_stop_string_split_across_tokens_ends_the_request_and_never_leaks(engine):
+    prompt = engine.tokenizer("The import statement").input_ids
+    outs = run(engine, prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    full = "".join(o.text for o in outs)
+    tokens = [o.new_token_ids[0] for o in outs]
+    # A stop string made of the end of one token's text and the start of the next one's.
+    pieces = [engine.tokenizer.decode(tokens[:i]) for i in range(len(tokens) + 1)]
+    i = next(i for i in range(1, len(tokens) - 1) if len(pieces[i]) - len(pieces[i - 1]) >= 2
+             and len(pieces[i + 1]) - len(pieces[i]) >= 2)
+    stop = pieces[i][-2:] + pieces[i + 1][len(pieces[i]):len(pieces[i]) + 2]
+    outs = run(engine, prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))
+    text = "".join(o.text for o in outs)
+    assert text == full[:full.index(stop)]
+    assert outs[-1].finished and outs[-1].finish_reason == "stop" and len(outs) == i + 1
+    # Before the final step no delta held any part of the stop string.
+    assert stop[:2] not in "".join(o.text for o in outs[:-1])[-2:]
+
+
+def test_bad_words_are_never_generated(engine):
+    prompt = engine.tokenizer("The import statement").input_ids
+    params = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+    text = "".join(o.text for o in run(engine, prompt, SamplingParams(**params)))
+    word = "self"
+    assert word in text, text
+    banned = "".join(o.text for o in run(engine, prompt, SamplingParams(**params, bad_words=[word])))
+    assert word not in banned and banned != text
+
+
+def test_cumulative_logprob_is_the_sum(engine):
+    outs = run(engine, [1, 50, 60], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0))
+    lps = [o.logprobs[0] for o in outs]
+    assert all(lp <= 0 for lp in lps) and outs[-1].cumulative_logprob == pytest.approx(sum(lps), abs=1e-4)
+    assert all(o.top_logprobs[0][0] == 1 for o in outs)          # greedy: the sampled token ranks first
+    m = outs[-1].metrics
+    assert 0 < m[0] <= m[1] <= m[2] <= m[3]
+
+
+def test_stop_strings_need_a_tokenizer(default_model_path):
+    bare = LLMEngine(EngineConfig(model_path=default_model_path, num_kv_blocks=4))
+    with pytest.raises(ValueError, match="tokenizer"):
+        bare.make_request("a", [1, 2], SamplingParams(stop=["x"]))
+    with pytest.raises(ValueError, match=r"stop token ids.*\[0, 4096\)"):
+        bare.make_request("b", [1, 2], SamplingParams(stop_token_ids=[5000]))

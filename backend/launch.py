@@ -22,6 +22,7 @@ import urllib.request
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_REPOSITORY = os.path.join(REPO_ROOT, "model_repository")
+MODEL_CONTROL_MODES = ("none", "poll", "explicit")
 
 
 def _pytriton_dirs() -> tuple[str, str]:
@@ -66,8 +67,16 @@ class TritonServer:
     """A tritonserver process. Use as a context manager, or call start() and stop()."""
 
     def __init__(self, model_repository: str = DEFAULT_REPOSITORY, http_port: int = 8000, grpc_port: int = 8001,
-                 metrics_port: int = 8002, log_path: str | None = None, extra_args: list[str] | None = None):
+                 metrics_port: int = 8002, log_path: str | None = None, extra_args: list[str] | None = None,
+                 model_control_mode: str = "none", load_models: list[str] | None = None):
+        """model_control_mode "explicit" loads only `load_models` at start (all models with "*"); others are then
+        loaded and unloaded through the repository API (POST /v2/repository/models/<name>/load|unload)."""
+        if model_control_mode not in MODEL_CONTROL_MODES:
+            raise ValueError(f"model_control_mode={model_control_mode!r}; one of {MODEL_CONTROL_MODES}")
+        if load_models and model_control_mode != "explicit":
+            raise ValueError("load_models needs model_control_mode='explicit' (the other modes load every model)")
         self.model_repository = os.path.abspath(model_repository)
+        self.model_control_mode, self.load_models = model_control_mode, list(load_models or [])
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.log_path = log_path
         self.extra_args = extra_args or []
@@ -87,6 +96,7 @@ class TritonServer:
         cmd = cmd + [
             f"--model-repository={self.model_repository}", f"--http-port={self.http_port}",
             f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}", "--exit-timeout-secs=10",
+            f"--model-control-mode={self.model_control_mode}", *(f"--load-model={m}" for m in self.load_models),
             *self.extra_args]
         # Idle OpenMP workers of the llm stub's torch must sleep, not spin: the server, the stubs and the engine
         # share the cores, and spinning workers cut streamed throughput by 3x on a 2-core machine.
@@ -155,11 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--metrics-port", type=int, default=8002)
+    ap.add_argument("--model-control-mode", choices=MODEL_CONTROL_MODES, default="none",
+                    help="explicit: load only --load-model names at start, then load/unload through the repository "
+                         "API; poll: follow changes to the repository folder")
+    ap.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                    help="with --model-control-mode=explicit, a model to load at start (repeatable; '*' for all)")
     ap.add_argument("--demo-prompt", default=None, help="once ready, stream an answer to this prompt")
     ap.add_argument("--exit-after-demo", action="store_true", help="stop the server after the demo answer")
     args, extra = ap.parse_known_args(argv)
 
-    server = TritonServer(args.model_repository, args.http_port, args.grpc_port, args.metrics_port, extra_args=extra)
+    try:
+        server = TritonServer(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
+                              extra_args=extra, model_control_mode=args.model_control_mode,
+                              load_models=args.load_model)
+    except ValueError as e:
+        ap.error(str(e))
     stop = {"now": False}
 
     def on_signal(signum, frame):

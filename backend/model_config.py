@@ -65,7 +65,7 @@ def _as_list(x) -> list[int]:
 
 def _read_json(path: str) -> dict:
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:   # the Python-backend stub may run under an ASCII locale
             return json.load(f)
     except json.JSONDecodeError as e:
         raise ModelConfigError(f"{path}: not valid JSON ({e})") from None

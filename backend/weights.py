@@ -13,7 +13,7 @@ from trellm_backend.model_config import ModelConfigError
 def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
+        with open(index, encoding="utf-8") as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
         files = [os.path.join(path, s) for s in shards]
     else:
@@ -24,6 +24,27 @@ def safetensors_files(path: str) -> list[str]:
         if not os.path.isfile(f):
             raise ModelConfigError(f"{f}: listed in model.safetensors.index.json but missing")
     return files
+
+
+def tensor_shapes(file: str) -> dict[str, list[int]]:
+    """Name -> shape of every tensor in one safetensors file, from its header alone (no tensor is read).
+    Raises ModelConfigError naming the file when the header is unreadable or the data is shorter than it says."""
+    size = os.path.getsize(file)
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise ValueError(f"header length {n} exceeds the file size {size}")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+        shapes = {name: [int(d) for d in t["shape"]] for name, t in header.items()}
+    except (ValueError, KeyError, TypeError, IndexError) as e:   # JSONDecodeError is a ValueError
+        raise ModelConfigError(f"{file}: not a safetensors file ({e})") from None
+    if 8 + n + end != size:
+        raise ModelConfigError(f"{file}: truncated or corrupt: the header describes {8 + n + end} bytes, "
+                               f"the file has {size}")
+    return shapes
 
 
 def load_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -5,20 +5,22 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import REPO, free_ports
+from repository_helpers import processes_mentioning
+from trellm_backend.launch import TritonServer
 
 
-def processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if text.encode() in f.read():
-                        pids.append(int(pid))
-            except OSError:
-                pass
-    return pids
+def test_load_models_need_explicit_model_control():
+    """Explicit model control itself is exercised by test_add_model.py, test_load_errors.py and test_deploy.py."""
+    with pytest.raises(ValueError, match="explicit"):
+        TritonServer(load_models=["ensemble"])
+    with pytest.raises(ValueError, match="model_control_mode='manual'"):
+        TritonServer(model_control_mode="manual")
+    r = subprocess.run([sys.executable, "-m", "trellm_backend.launch", "--load-model", "ensemble"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "load_models needs model_control_mode='explicit'" in r.stderr
 
 
 def test_sigterm_stops_server_and_stubs(default_model_path, tmp_path):

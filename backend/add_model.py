@@ -1,0 +1,166 @@
+"""Add (or remove) a served model in the Triton repository with one command.
+
+    python -m trellm_backend.add_model NAME HF_FOLDER [--dtype float16] [--kv-cache-bytes N] [--max-model-len N]
+                                       [--max-num-seqs N] [--repository model_repository] [--force]
+    python -m trellm_backend.add_model --remove NAME
+
+The default model's entries (TEMPLATE_ENTRIES, those that exist) are the template: each config.pbtxt is parsed
+with protobuf, renamed, pointed at HF_FOLDER and given the engine settings, so tensor lists are never copied by
+hand and follow the template whenever it changes. The entry `ensemble` becomes NAME (the model clients call);
+every other entry X becomes NAME_X.
+
+The version folders (`1/model.py`) are copied, not symlinked: a symlink would follow the template's file, so an
+edit there would change a running model's code at its next reload without anyone re-adding it, and a link out of
+the repository breaks where only the repository is mounted (docker-compose). Re-running the command with
+`--force` updates a model's entries from the current template.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import fields
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from trellm_backend.config import EngineConfig
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_REPOSITORY = os.path.join(REPO_ROOT, "model_repository")
+
+# The default model's entries, in the repository shipped with the project: the template of every added model.
+TEMPLATE_ENTRIES = ("preprocess", "llm", "postprocess", "ensemble", "vllm_model")
+ENGINE_ENTRY = "llm"                       # the entry whose parameters are EngineConfig fields
+ENTRY_NAME_PARAMETERS = ("llm_model",)     # parameters whose value names another template entry
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def entry_names(name: str, template_dir: str = DEFAULT_REPOSITORY) -> dict[str, str]:
+    """Template entry -> the new model's entry name, for the template entries that exist."""
+    return {e: (name if e == "ensemble" else f"{name}_{e}") for e in TEMPLATE_ENTRIES
+            if os.path.isfile(os.path.join(template_dir, e, "config.pbtxt"))}
+
+
+def read_config(path: str) -> model_config_pb2.ModelConfig:
+    with open(path) as f:
+        return text_format.Parse(f.read(), model_config_pb2.ModelConfig())
+
+
+def relative_model_path(hf_folder: str, repository: str) -> str:
+    """model_path as Triton's models resolve it: relative to the repository folder when the model folder sits
+    beside it (so the pair can be moved or mounted together), absolute otherwise."""
+    folder, repo = os.path.abspath(hf_folder), os.path.abspath(repository)
+    rel = os.path.relpath(folder, repo)
+    return rel if rel.startswith("..") and not rel.startswith("../..") else folder
+
+
+def render_entry(template: model_config_pb2.ModelConfig, names: dict[str, str], model_path: str,
+                 engine: dict[str, str]) -> model_config_pb2.ModelConfig:
+    """The template entry's config under its new name, pointing at the new model."""
+    cfg = model_config_pb2.ModelConfig()
+    cfg.CopyFrom(template)
+    entry = template.name
+    cfg.name = names[entry]
+    for step in cfg.ensemble_scheduling.step:
+        if step.model_name not in names:
+            raise ValueError(f"template ensemble step {step.model_name!r} is not one of {sorted(names)}")
+        step.model_name = names[step.model_name]
+    if "model_path" in cfg.parameters:
+        cfg.parameters["model_path"].string_value = model_path
+    for key in ENTRY_NAME_PARAMETERS:
+        if key in cfg.parameters and cfg.parameters[key].string_value in names:
+            cfg.parameters[key].string_value = names[cfg.parameters[key].string_value]
+    if entry == ENGINE_ENTRY:
+        for key, value in engine.items():
+            cfg.parameters[key].string_value = value
+    return cfg
+
+
+def add_model(name: str, hf_folder: str, repository: str = DEFAULT_REPOSITORY, engine: dict[str, str] | None = None,
+              template_dir: str = DEFAULT_REPOSITORY, force: bool = False) -> list[str]:
+    """Write NAME's entries into `repository`; return their names. Engine settings are checked against
+    EngineConfig here, so a typo fails now rather than at load."""
+    if not NAME_PATTERN.match(name):
+        raise ValueError(f"model name {name!r}: use letters, digits, '_', '.', '-' (starting with a letter or digit)")
+    engine = {k: str(v) for k, v in (engine or {}).items()}
+    EngineConfig.from_strings({"model_path": hf_folder, **engine})   # raises on unknown names and bad values
+    if not os.path.isfile(os.path.join(hf_folder, "config.json")):
+        raise ValueError(f"{os.path.join(hf_folder, 'config.json')}: missing; HF_FOLDER must be a Hugging Face "
+                         "model folder")
+    names = entry_names(name, template_dir)
+    if set(names.values()) & set(TEMPLATE_ENTRIES) and os.path.samefile(repository, template_dir):
+        raise ValueError(f"model name {name!r} would overwrite a template entry")
+    existing = [n for n in names.values() if os.path.exists(os.path.join(repository, n))]
+    if existing and not force:
+        raise FileExistsError(f"{repository} already has {existing}; pass --force to replace them")
+    model_path = relative_model_path(hf_folder, repository)
+    # Build every entry in a scratch folder next to the repository, then move each into place, so a server
+    # polling the repository never sees half an entry.
+    scratch = tempfile.mkdtemp(prefix=f".add-{name}-", dir=os.path.dirname(os.path.abspath(repository)))
+    try:
+        for entry, new in names.items():
+            src = os.path.join(template_dir, entry)
+            dst = os.path.join(scratch, new)
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("config.pbtxt", "__pycache__"))
+            cfg = render_entry(read_config(os.path.join(src, "config.pbtxt")), names, model_path, engine)
+            with open(os.path.join(dst, "config.pbtxt"), "w") as f:
+                f.write(f"# Generated by `python -m trellm_backend.add_model` from the template entry '{entry}'.\n")
+                f.write(text_format.MessageToString(cfg))
+        for new in names.values():
+            target = os.path.join(repository, new)
+            if os.path.exists(target):
+                shutil.rmtree(target)
+            os.rename(os.path.join(scratch, new), target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return list(names.values())
+
+
+def remove_model(name: str, repository: str = DEFAULT_REPOSITORY, template_dir: str = DEFAULT_REPOSITORY) -> list[str]:
+    """Delete NAME's entries from `repository`; return the names removed."""
+    names = entry_names(name, template_dir).values()
+    if os.path.samefile(repository, template_dir) and set(names) & set(TEMPLATE_ENTRIES):
+        raise ValueError(f"{name!r} is the template model; it cannot be removed")
+    removed = [n for n in names if os.path.isdir(os.path.join(repository, n))]
+    if not removed:
+        raise FileNotFoundError(f"{repository} has no entries of a model named {name!r}")
+    for n in removed:
+        shutil.rmtree(os.path.join(repository, n))
+    return removed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name")
+    ap.add_argument("hf_folder", nargs="?", help="Hugging Face model folder (config.json, *.safetensors, tokenizer)")
+    ap.add_argument("--repository", default=DEFAULT_REPOSITORY)
+    ap.add_argument("--remove", action="store_true", help="delete NAME's entries instead of adding them")
+    ap.add_argument("--force", action="store_true", help="replace NAME's entries if they exist")
+    known = [f.name for f in fields(EngineConfig) if f.name != "model_path"]
+    for key in known:   # one option per engine setting: --dtype, --kv-cache-bytes, --max-model-len, ...
+        ap.add_argument("--" + key.replace("_", "-"), dest=key, metavar="VALUE", help="llm parameter (README table)")
+    args = ap.parse_args(argv)
+    try:
+        if args.remove:
+            removed = remove_model(args.name, args.repository)
+            print(f"removed {', '.join(removed)} from {args.repository}; unload them from a running server with "
+                  f"the repository API (POST /v2/repository/models/{args.name}/unload)")
+            return 0
+        if not args.hf_folder:
+            ap.error("HF_FOLDER is required unless --remove is given")
+        engine = {k: getattr(args, k) for k in known if getattr(args, k, None) is not None}
+        written = add_model(args.name, args.hf_folder, args.repository, engine, force=args.force)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {', '.join(written)} into {args.repository}\nserve it: restart tritonserver, or with "
+          f"--model-control-mode=explicit load it: POST /v2/repository/models/{args.name}/load")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The deployment recipe: docker-compose.yml validates, and its replicas topology runs here without Docker: two
+tritonserver replicas behind nginx (Debian's package) with the compose file's nginx template, streaming over gRPC
+and HTTP through the balancer, and still answering after one replica is stopped."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import string
+import subprocess
+import threading
+import time
+import urllib.request
+
+import pytest
+import tritonclient.http as httpclient
+import yaml
+
+from conftest import REPO, free_ports
+from repository_helpers import MAX_TOKENS, PROMPTS, greedy_texts
+from trellm_client.client import LLMClient, http_generate
+
+NGINX_TEMPLATE = os.path.join(REPO, "deploy", "nginx.conf.template")
+
+
+def compose(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker-compose", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_compose_file_validates_and_feeds_the_nginx_template():
+    quiet = compose("config", "-q")
+    assert quiet.returncode == 0, quiet.stderr
+    r = compose("--profile", "replicas", "config")
+    assert r.returncode == 0, r.stderr
+    services = yaml.safe_load(r.stdout)["services"]
+    assert set(services) == {"triton", "triton-replica", "balancer"}
+    assert "profiles" not in services["triton"]            # `docker compose up` runs the one server
+    assert services["triton-replica"]["profiles"] == services["balancer"]["profiles"] == ["replicas"]
+    for name in ("triton", "triton-replica"):
+        s = services[name]
+        assert s["image"] == "trellm-tritonserver:24.10"
+        assert s["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+        assert "/v2/health/ready" in " ".join(s["healthcheck"]["test"])
+        assert any(v.endswith(":/opt/trellm/model_repository:ro") for v in s["volumes"])
+    with open(os.path.join(REPO, "Dockerfile")) as f:
+        assert f.readline().startswith("#") and "FROM nvcr.io/nvidia/tritonserver:24.10-py3" in f.read()
+    lb = services["balancer"]
+    assert f"{NGINX_TEMPLATE}:/etc/nginx/templates/default.conf.template:ro" in lb["volumes"]
+    with open(NGINX_TEMPLATE) as f:
+        variables = set(re.findall(r"\$\{([A-Z_]+)\}", f.read()))
+    assert variables == set(lb["environment"]), "the balancer must set exactly the template's variables"
+    assert set(lb["depends_on"]) == {"triton", "triton-replica"}
+
+
+def start_nginx(workdir: str, http_port: int, grpc_port: int, replicas) -> subprocess.Popen:
+    """nginx in the foreground on loopback ports, with the compose file's template behind a minimal main config
+    whose logs, pid and temp folders live in `workdir`."""
+    with open(NGINX_TEMPLATE) as f:
+        balancer = string.Template(f.read()).safe_substitute(
+            TRITON_HTTP_SERVERS=" ".join(f"server 127.0.0.1:{r.http_port};" for r in replicas),
+            TRITON_GRPC_SERVERS=" ".join(f"server 127.0.0.1:{r.grpc_port};" for r in replicas),
+            LB_HTTP_PORT=f"127.0.0.1:{http_port}", LB_GRPC_PORT=f"127.0.0.1:{grpc_port}")
+    with open(os.path.join(workdir, "balancer.conf"), "w") as f:
+        f.write(balancer)
+    temp = "\n".join(f"    {kind}_temp_path {workdir}/{kind};" for kind in
+                     ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    main = (f"daemon off;\nworker_processes 1;\npid {workdir}/nginx.pid;\nerror_log {workdir}/error.log info;\n"
+            f"events {{ worker_connections 256; }}\nhttp {{\n    access_log {workdir}/access.log;\n{temp}\n"
+            f"    include {workdir}/balancer.conf;\n}}\n")
+    conf = os.path.join(workdir, "nginx.conf")
+    with open(conf, "w") as f:
+        f.write(main)
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    proc = subprocess.Popen([nginx, "-e", f"{workdir}/error.log", "-p", workdir, "-c", conf],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, open(f"{workdir}/error.log").read()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise TimeoutError("nginx did not answer /v2/health/ready")
+
+
+@pytest.fixture(scope="module")
+def topology(default_model_path, tmp_path_factory):
+    """Two replicas of the project's repository (only `ensemble` and its steps loaded) and nginx in front."""
+    from trellm_backend.launch import TritonServer
+    root = tmp_path_factory.mktemp("deploy")
+    replicas = []
+    for i in range(2):
+        http, grpc, metrics = free_ports(3)
+        replicas.append(TritonServer(os.path.join(REPO, "model_repository"), http, grpc, metrics,
+                                     log_path=str(root / f"replica{i}.log"), model_control_mode="explicit",
+                                     load_models=["ensemble"]))
+    errors = []
+
+    def start(server):
+        try:
+            server.start()
+        except Exception as e:   # re-raised below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=(r,)) for r in replicas]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    nginx = None
+    try:
+        if errors:
+            raise errors[0]
+        lb_http, lb_grpc = free_ports(2)
+        nginx = start_nginx(str(root), lb_http, lb_grpc, replicas)
+        yield replicas, f"127.0.0.1:{lb_http}", f"127.0.0.1:{lb_grpc}"
+    finally:
+        if nginx is not None:
+            nginx.terminate()
+            nginx.wait(timeout=30)
+        for r in replicas:
+            r.stop()
+
+
+def grpc_text(url: str, prompt: str) -> str:
+    with LLMClient(url) as c:
+        deltas = list(c.stream(prompt, max_tokens=MAX_TOKENS))
+    assert len(deltas) > 1, "the answer must arrive as a stream"
+    return "".join(deltas)
+
+
+def http_stream_text(url: str, prompt: str) -> str:
+    events = http_generate(url, prompt, stream=True, max_tokens=MAX_TOKENS)
+    assert len(events) > 1, "generate_stream must send one event per delta"
+    return "".join(e["text_output"] for e in events)
+
+
+def ensemble_requests(server) -> int:
+    with httpclient.InferenceServerClient(server.http_url) as c:
+        stats = c.get_inference_statistics("ensemble")["model_stats"]
+    return sum(int(s["inference_stats"]["success"]["count"]) for s in stats)
+
+
+def test_streams_through_the_balancer_and_survive_a_stopped_replica(topology, default_model_path):
+    replicas, lb_http, lb_grpc = topology
+    want = greedy_texts(default_model_path)
+    for _ in range(2):          # round robin: each replica gets requests of both protocols
+        for p in PROMPTS:
+            assert grpc_text(lb_grpc, p) == want[p]
+            assert http_stream_text(lb_http, p) == want[p]
+    served = [ensemble_requests(r) for r in replicas]
+    assert all(n > 0 for n in served) and sum(served) == 4 * len(PROMPTS), served
+
+    replicas[0].stop()
+    for _ in range(2):
+        for p in PROMPTS:
+            assert grpc_text(lb_grpc, p) == want[p]
+            assert http_stream_text(lb_http, p) == want[p]
+    assert ensemble_requests(replicas[1]) == served[1] + 4 * len(PROMPTS)

@@ -7,6 +7,7 @@ training run on the same text, so the demo prints words rather than noise. The r
 template) that goes through the same loading path as any downloaded checkpoint.
 
     python -m trellm_backend.default_model hf_models/tiny-llama
+    python -m trellm_backend.default_model hf_models/llama-40m --size 40m   # the benchmark's model, random init
 """
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+# Shapes of the models this module builds. "tiny" is the default model; "40m" is a ~40M-parameter Llama shape for
+# benchmarks (perf/), left at its random initialisation by default since training it here would take hours.
+MODEL_SIZES = {
+    "tiny": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=2048),
+    "40m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=12, num_attention_heads=8,
+                num_key_value_heads=4, max_position_embeddings=4096),
+}
+DEFAULT_TRAIN_STEPS = {"tiny": 300, "40m": 0}
 
 
 def corpus_text() -> str:
@@ -62,8 +73,8 @@ def train(model, ids, steps: int, seq_len: int = 128, batch: int = 16, lr: float
     model.eval()
 
 
-def build(out_dir: str, train_steps: int = 300, vocab_size: int = 4096) -> str:
-    """Write the default model folder to `out_dir` (replacing nothing that is already complete)."""
+def build(out_dir: str, train_steps: int = 300, vocab_size: int = 4096, size: str = "tiny") -> str:
+    """Write the model folder of `size` (MODEL_SIZES) to `out_dir` (replacing nothing that is already complete)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -82,9 +93,8 @@ def build(out_dir: str, train_steps: int = 300, vocab_size: int = 4096) -> str:
         torch.manual_seed(0)
         eos = [tok.token_to_id("</s>"), tok.token_to_id("<|end|>")]
         config = LlamaConfig(
-            vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
-            rope_theta=10000.0, bos_token_id=tok.token_to_id("<s>"), eos_token_id=eos,
+            vocab_size=tok.get_vocab_size(), **MODEL_SIZES[size], rms_norm_eps=1e-5, rope_theta=10000.0,
+            bos_token_id=tok.token_to_id("<s>"), eos_token_id=eos,
             pad_token_id=tok.token_to_id("<pad>"), tie_word_embeddings=False, torch_dtype="float32")
         model = LlamaForCausalLM(config)
         if train_steps:
@@ -122,9 +132,11 @@ def _portable_tokenizer_config(folder: str) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
-    ap.add_argument("--train-steps", type=int, default=300)
+    ap.add_argument("--size", choices=sorted(MODEL_SIZES), default="tiny")
+    ap.add_argument("--train-steps", type=int, default=None, help="default: 300 for tiny, 0 (random init) for 40m")
     args = ap.parse_args()
-    print(build(args.out_dir, args.train_steps))
+    steps = DEFAULT_TRAIN_STEPS[args.size] if args.train_steps is None else args.train_steps
+    print(build(args.out_dir, steps, size=args.size))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,16 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 
-if ! ldconfig -p 2>/dev/null | grep -q 'libb64.so.0d'; then
-  echo "[setup] installing libb64-0d (perf_analyzer needs it)"
+# Debian packages: libb64 for perf_analyzer; nginx and docker-compose for tests/test_deploy.py (the balancer on
+# loopback, and `docker-compose config` validating docker-compose.yml; no Docker engine is needed or installed).
+apt_missing=()
+ldconfig -p 2>/dev/null | grep -q 'libb64.so.0d' || apt_missing+=(libb64-0d)
+command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || apt_missing+=(nginx)
+command -v docker-compose >/dev/null || apt_missing+=(docker-compose)
+if [ ${#apt_missing[@]} -gt 0 ]; then
+  echo "[setup] installing ${apt_missing[*]} with apt-get"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libb64-0d >/dev/null
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends "${apt_missing[@]}" >/dev/null
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -36,4 +42,13 @@ if [ ! -x "$LOCUST_VENV/bin/locust" ]; then
   echo "[setup] installing locust into $LOCUST_VENV"
   "$PY" -m venv "$LOCUST_VENV"
   "$LOCUST_VENV/bin/python" -m pip install -q "locust==2.47.0" "tritonclient[grpc]==2.51.0" "numpy<2"
+fi
+
+# genai-perf (perf/genai_perf.sh) on request only: WITH_GENAI_PERF=1. Its own environment, since it pulls numpy 2,
+# pandas 3 and plotting stacks; with numpy<2 and pandas<3 pinned it runs against tritonclient 2.51's perf_analyzer.
+GENAI_PERF_VENV=${GENAI_PERF_VENV:-.venv-genai-perf}
+if [ "${WITH_GENAI_PERF:-0}" = 1 ] && [ ! -x "$GENAI_PERF_VENV/bin/genai-perf" ]; then
+  echo "[setup] installing genai-perf into $GENAI_PERF_VENV"
+  "$PY" -m venv "$GENAI_PERF_VENV"
+  "$GENAI_PERF_VENV/bin/python" -m pip install -q "genai-perf==0.0.16" "numpy==1.26.4" "pandas==2.3.3"
 fi

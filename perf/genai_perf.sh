@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# genai-perf recipe for either entry point over streaming gRPC (Triton's KServe API):
+#   ensemble   -> --backend tensorrtllm (TRT-LLM tensor names, [1,1] tensors)
+#   vllm_model -> --backend vllm        (text_input + sampling_parameters JSON, [1] tensors)
+#
+#   perf/genai_perf.sh [ensemble|vllm_model] [GRPC_URL] [extra genai-perf profile args]
+#   perf/genai_perf.sh ensemble localhost:8001 --concurrency 8 --request-count 64
+#
+# genai-perf 0.0.16 wants numpy 2 / pandas 3 and a heap of plotting packages; pinned to numpy<2 and pandas<3 it
+# runs, but it lives in its own environment (.venv-genai-perf, made on first use by scripts/setup.sh) so the
+# engine's environment stays small. It drives the perf_analyzer of .venv (tritonclient[all]), found on PATH, and
+# counts tokens with the served model's tokenizer folder (no model hub here): TOKENIZER=hf_models/... to change.
+# Deterministic output lengths: genai-perf sends min_length (ensemble) or min_tokens (vllm_model) = max_tokens.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=${1:-ensemble}; URL=${2:-localhost:8001}
+shift $(( $# < 2 ? $# : 2 ))
+case "$MODEL" in
+  ensemble) BACKEND=tensorrtllm ;;
+  vllm_model) BACKEND=vllm ;;
+  *) echo "unknown entry point $MODEL (ensemble or vllm_model)" >&2; exit 2 ;;
+esac
+WITH_GENAI_PERF=1 bash scripts/setup.sh >/dev/null
+export PATH=$PWD/.venv/bin:$PATH
+export LD_LIBRARY_PATH=$PWD/.venv/lib/python3.11/site-packages/nvidia/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+.venv-genai-perf/bin/genai-perf profile -m "$MODEL" --backend "$BACKEND" --endpoint-type kserve --streaming \
+  -u "$URL" --tokenizer "${TOKENIZER:-hf_models/tiny-llama}" \
+  --synthetic-input-tokens-mean 128 --synthetic-input-tokens-stddev 0 --output-tokens-mean 64 \
+  --output-tokens-mean-deterministic --random-seed 0 --concurrency 4 --request-count 32 --warmup-request-count 4 \
+  --artifact-dir "perf/out/genai_perf/$MODEL" "$@"

@@ -1,0 +1,139 @@
+"""Closed-loop load over Triton's gRPC streaming API: `concurrency` clients, each sending its next request as soon
+as the previous one finished, timing every streamed response (asyncio, one channel, one stream per request)."""
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import numpy as np
+
+# vLLM's gauge of KV-cache use (a fraction, 0..1; newer vLLM names it kv_cache_usage_perc), read from the server's
+# metrics endpoint when it exports one.
+KV_USAGE_GAUGES = ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc")
+
+
+@dataclass
+class RequestTiming:
+    prompt_tokens: int
+    output_tokens: int          # the server's num_output_tokens, else the number of text responses
+    requested_tokens: int
+    start: float                # seconds since the level began
+    ttft: float                 # first response - send
+    e2e: float                  # last response - send
+    itl: float | None           # (last - first) / (output_tokens - 1), genai-perf's inter-token latency
+    error: str | None = None
+
+
+def _input(grpc, name: str, value, triton_type: str):
+    arr = np.array([[value]], dtype=object if triton_type == "BYTES" else None)
+    if triton_type != "BYTES":
+        arr = arr.astype({"INT32": np.int32, "BOOL": np.bool_}[triton_type])
+    t = grpc.InferInput(name, [1, 1], triton_type)
+    t.set_data_from_numpy(arr)
+    return t
+
+
+async def model_inputs(url: str, model: str) -> set[str]:
+    import tritonclient.grpc.aio as grpc
+    client = grpc.InferenceServerClient(url)
+    try:
+        meta = await client.get_model_metadata(model, as_json=True)
+    finally:
+        await client.close()
+    return {i["name"] for i in meta["inputs"]}
+
+
+async def _one(client, grpc, model: str, item, send_min_tokens: bool, t0: float) -> RequestTiming:
+    inputs = [_input(grpc, "text_input", item.prompt.encode(), "BYTES"),
+              _input(grpc, "max_tokens", item.output_tokens, "INT32"),
+              _input(grpc, "stream", True, "BOOL")]
+    if send_min_tokens:
+        inputs.append(_input(grpc, "min_tokens", item.output_tokens, "INT32"))
+
+    async def requests():
+        yield {"model_name": model, "inputs": inputs,
+               "parameters": {"triton_enable_empty_final_response": True}}
+
+    start = time.perf_counter()
+    arrivals, num_output, error = [], None, None
+    async for result, err in client.stream_infer(requests()):
+        now = time.perf_counter()
+        if err is not None:
+            error = str(err)
+            break
+        text = result.as_numpy("text_output")
+        if text is not None:
+            arrivals.append(now)
+        count = result.as_numpy("num_output_tokens")
+        if count is not None:
+            num_output = int(np.asarray(count).reshape(-1)[-1])
+        final = result.get_response().parameters.get("triton_final_response")
+        if final is not None and final.bool_param:
+            break
+    if not arrivals and error is None:
+        error = "no response with text_output"
+    if error is not None:
+        return RequestTiming(len(item.prompt_ids), 0, item.output_tokens, start - t0, float("nan"), float("nan"),
+                             None, error)
+    n = num_output if num_output is not None else len(arrivals)
+    itl = (arrivals[-1] - arrivals[0]) / (n - 1) if n > 1 else None
+    return RequestTiming(len(item.prompt_ids), n, item.output_tokens, start - t0, arrivals[0] - start,
+                         arrivals[-1] - start, itl)
+
+
+def read_gauge(metrics_url: str, names: tuple[str, ...] = KV_USAGE_GAUGES) -> float | None:
+    """The largest sample of the first of `names` on a Prometheus text endpoint; None when absent/unreachable."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=2) as r:
+            lines = r.read().decode().splitlines()
+    except OSError:
+        return None
+    for name in names:
+        values = [float(line.rsplit(" ", 1)[1]) for line in lines
+                  if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{")]
+        if values:
+            return max(values)
+    return None
+
+
+async def _watch_gauge(metrics_url: str | None, peak: list, stop: asyncio.Event) -> None:
+    while metrics_url and not stop.is_set():
+        value = await asyncio.to_thread(read_gauge, metrics_url)
+        if value is None:    # no such gauge on this server: stop asking
+            return
+        peak[0] = value if peak[0] is None else max(peak[0], value)
+        try:
+            await asyncio.wait_for(stop.wait(), 0.25)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_level(url: str, model: str, items: list, concurrency: int, send_min_tokens: bool,
+                    metrics_url: str | None = None, on_done=None) -> tuple[list[RequestTiming], float, float | None]:
+    """Send `items` with `concurrency` in flight; returns the timings (in item order), the wall time and the peak
+    of KV_USAGE_GAUGES seen meanwhile (None when the server does not export it)."""
+    import tritonclient.grpc.aio as grpc
+    client = grpc.InferenceServerClient(url)
+    queue = list(enumerate(items))[::-1]
+    timings: list[RequestTiming | None] = [None] * len(items)
+    peak, stop = [None], asyncio.Event()
+
+    async def user():
+        while queue:
+            index, item = queue.pop()
+            timings[index] = await _one(client, grpc, model, item, send_min_tokens, t0)
+            if on_done:
+                on_done()
+
+    t0 = time.perf_counter()
+    watcher = asyncio.create_task(_watch_gauge(metrics_url, peak, stop))
+    try:
+        await asyncio.gather(*(user() for _ in range(min(concurrency, len(items)))))
+    finally:
+        wall = time.perf_counter() - t0
+        stop.set()
+        await watcher
+        await client.close()
+    return timings, wall, peak[0]

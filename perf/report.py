@@ -1,0 +1,103 @@
+"""Summaries of measured levels: percentiles, the printed table, the JSON document and the PNG plots."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+
+import numpy as np
+
+PERCENTILES = (50, 95, 99)
+
+
+def _pct(values: list[float], scale: float) -> dict[str, float | None]:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return {f"p{p}": None for p in PERCENTILES}
+    return {f"p{p}": float(np.percentile(vals, p)) * scale for p in PERCENTILES}
+
+
+def summarize(profile: str, concurrency: int, timings: list, wall: float, kv_peak: float | None) -> dict:
+    ok = [t for t in timings if t.error is None]
+    out_tokens = sum(t.output_tokens for t in ok)
+    return {
+        "profile": profile, "concurrency": concurrency, "requests": len(timings), "errors": len(timings) - len(ok),
+        "wall_s": wall, "output_tokens": out_tokens, "prompt_tokens": sum(t.prompt_tokens for t in ok),
+        "output_tok_s": out_tokens / wall, "requests_s": len(ok) / wall,
+        "ttft_ms": _pct([t.ttft for t in ok], 1e3), "itl_ms": _pct([t.itl for t in ok], 1e3),
+        "e2e_s": _pct([t.e2e for t in ok], 1.0), "kv_peak": kv_peak,
+        "timings": [asdict(t) for t in timings],
+    }
+
+
+def _fmt(v, digits=1):
+    return "n/a" if v is None else f"{v:.{digits}f}"
+
+
+def table(levels: list[dict], baselines: list[dict]) -> str:
+    head = ("profile", "conc", "reqs", "err", "TTFT ms p50/p95/p99", "ITL ms p50/p95/p99", "E2E s p50/p95/p99",
+            "out tok/s", "req/s", "peak KV")
+    rows = []
+    for lv in levels:
+        rows.append((
+            lv["profile"], str(lv["concurrency"]), str(lv["requests"]), str(lv["errors"]),
+            "/".join(_fmt(lv["ttft_ms"][f"p{p}"]) for p in PERCENTILES),
+            "/".join(_fmt(lv["itl_ms"][f"p{p}"], 2) for p in PERCENTILES),
+            "/".join(_fmt(lv["e2e_s"][f"p{p}"], 2) for p in PERCENTILES),
+            _fmt(lv["output_tok_s"]), _fmt(lv["requests_s"], 2),
+            "n/a" if lv["kv_peak"] is None else f"{lv['kv_peak'] * 100:.0f}%"))
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [head] + rows]
+    if baselines:
+        lines.append("")
+        lines.append(f"baselines on the {baselines[0]['profile']} profile (same prompts and output lengths):")
+        for b in baselines:
+            lines.append(f"  {b['name']:24s} {b['output_tok_s']:9.1f} out tok/s   this server: "
+                         f"{b['server_ratio']:.2f}x")
+    return "\n".join(lines)
+
+
+def plot(levels: list[dict], path_prefix: str) -> list[str]:
+    """Two PNGs: latency against throughput as concurrency rises, and the distribution of TTFT per profile."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    # low and high send the same requests at different concurrency: one curve.
+    series = {"low": "low + high", "high": "low + high"}
+    for label_ in dict.fromkeys(series.get(lv["profile"], lv["profile"]) for lv in levels):
+        pts = [lv for lv in levels if series.get(lv["profile"], lv["profile"]) == label_]
+        x = [lv["output_tok_s"] for lv in pts]
+        for ax, key, label in ((axes[0], "ttft_ms", "TTFT p50 (ms)"), (axes[1], "itl_ms", "inter-token p50 (ms)")):
+            y = [lv[key]["p50"] for lv in pts]
+            ax.plot(x, y, marker="o", label=label_)
+            for xi, yi, lv in zip(x, y, pts):
+                if yi is not None:
+                    ax.annotate(f"c={lv['concurrency']}", (xi, yi), textcoords="offset points", xytext=(4, 4),
+                                fontsize=8)
+            ax.set_xlabel("output tokens/s")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("Latency against throughput as concurrency rises")
+    fig.tight_layout()
+    throughput_png = f"{path_prefix}throughput_latency.png"
+    fig.savefig(throughput_png, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for profile in dict.fromkeys(lv["profile"] for lv in levels):
+        ttft = [t["ttft"] * 1e3 for lv in levels if lv["profile"] == profile for t in lv["timings"]
+                if t["error"] is None]
+        if ttft:
+            ax.hist(ttft, bins=min(40, max(5, len(ttft) // 2)), histtype="step", linewidth=1.5, label=profile)
+    ax.set_xlabel("time to first token (ms)")
+    ax.set_ylabel("requests")
+    ax.set_title("TTFT distribution")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    ttft_png = f"{path_prefix}ttft_distribution.png"
+    fig.savefig(ttft_png, dpi=110)
+    plt.close(fig)
+    return [throughput_png, ttft_png]

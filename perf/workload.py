@@ -1,0 +1,80 @@
+"""The benchmark's workloads: the three profiles and their seeded requests with exact token lengths.
+
+Prompts are windows of the model's own tokenization of the text the default model was trained on (CPython's help
+topics), so a prompt of n tokens is n tokens for the server's tokenizer too (BOS included).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Profile:
+    name: str
+    concurrency: list[int]              # one measured level per entry, run in this order
+    requests_per_level: list[int]
+    prompt_tokens: tuple[int, int]      # inclusive range, drawn uniformly per request
+    output_tokens: tuple[int, int]
+
+
+@dataclass
+class Item:
+    prompt: str
+    prompt_ids: list[int] = field(repr=False)
+    output_tokens: int                  # asked for (max_tokens, and min_tokens when the server has it)
+
+
+def profiles(smoke: bool = False, variable_requests: int = 48, variable_concurrency: int = 64) -> dict[str, Profile]:
+    """The seeds' three profiles; `smoke` shrinks each to a few short requests (for CI)."""
+    if smoke:
+        return {
+            "low": Profile("low", [1, 2], [2, 2], (16, 16), (8, 8)),
+            "high": Profile("high", [8], [8], (16, 16), (8, 8)),
+            "variable": Profile("variable", [4], [4], (16, 64), (4, 16)),
+        }
+    return {
+        "low": Profile("low", [1, 2, 4], [4, 8, 16], (128, 128), (128, 128)),
+        "high": Profile("high", [64, 128], [128, 256], (128, 128), (128, 128)),
+        "variable": Profile("variable", [variable_concurrency], [variable_requests], (16, 2048), (16, 512)),
+    }
+
+
+class PromptMaker:
+    """Token-exact prompts cut from the corpus, for one model folder's tokenizer."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoTokenizer
+        from trellm_backend.default_model import corpus_text
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # A quarter of the help topics (~30k tokens) is plenty for windows of a few thousand tokens.
+        self.corpus_ids = self.tokenizer(corpus_text()[:150_000], add_special_tokens=False).input_ids
+        self.special = len(self.tokenizer("x").input_ids) - len(self.tokenizer("x", add_special_tokens=False).input_ids)
+        with open(os.path.join(model_dir, "config.json")) as f:
+            self.max_len = json.load(f)["max_position_embeddings"]
+
+    def prompt(self, rng: random.Random, n_tokens: int) -> tuple[str, list[int]]:
+        # Decoding a window and encoding it again can merge tokens at the edges: trim until the count fits.
+        body = max(1, n_tokens - self.special)
+        start = rng.randrange(0, len(self.corpus_ids) - body - 1)
+        window = self.corpus_ids[start:start + body]
+        while True:
+            text = self.tokenizer.decode(window)
+            ids = self.tokenizer(text).input_ids
+            if len(ids) <= n_tokens or len(window) == 1:
+                return text, ids
+            window = window[:-1]
+
+
+def make_items(maker: PromptMaker, profile: Profile, n: int, seed: int) -> list[Item]:
+    """`n` requests of `profile`, the same for the same seed; prompt + output never exceed the model's length."""
+    rng = random.Random(f"{seed}-{profile.name}-{n}")
+    items = []
+    for _ in range(n):
+        out = rng.randint(*profile.output_tokens)
+        want = min(rng.randint(*profile.prompt_tokens), maker.max_len - out)
+        text, ids = maker.prompt(rng, want)
+        items.append(Item(text, ids, out))
+    return items

@@ -1,0 +1,98 @@
+"""The benchmark suite in perf/ against a real tritonserver: the benchmark command in smoke mode writes its JSON
+and plots, with transformers baselines; the locustfile's gRPC and HTTP users stream without failures."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "perf"))
+
+
+def test_workload_prompts_have_the_asked_token_lengths(default_model_path):
+    from workload import Profile, PromptMaker, make_items
+    maker = PromptMaker(default_model_path)
+    profile = Profile("variable", [4], [6], (16, 300), (16, 64))
+    items = make_items(maker, profile, 6, seed=3)
+    assert [i.prompt for i in items] == [i.prompt for i in make_items(maker, profile, 6, seed=3)]
+    assert [i.prompt for i in items] != [i.prompt for i in make_items(maker, profile, 6, seed=4)]
+    for item in items:
+        assert maker.tokenizer(item.prompt).input_ids == item.prompt_ids
+        assert 8 <= len(item.prompt_ids) <= 300 and 16 <= item.output_tokens <= 64
+
+
+def test_peak_kv_reads_the_vllm_gauge_when_exported():
+    import http.server
+    import threading
+
+    from grpc_load import read_gauge
+    body = (b"# TYPE vllm:gpu_cache_usage_perc_total counter\nvllm:gpu_cache_usage_perc_total 9\n"
+            b'vllm:gpu_cache_usage_perc{model_name="llm"} 0.25\nvllm:gpu_cache_usage_perc{model_name="b"} 0.5\n')
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert read_gauge(f"http://127.0.0.1:{server.server_port}/metrics") == 0.5
+        assert read_gauge(f"http://127.0.0.1:{server.server_port}/metrics", ("vllm:num_requests_running",)) is None
+    finally:
+        server.shutdown()
+
+
+def test_benchmark_smoke_writes_json_and_plots(triton_server, default_model_path, tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, os.path.join(REPO, "perf", "benchmark.py"), "--url", triton_server.grpc_url,
+           "--metrics-url", f"http://localhost:{triton_server.metrics_port}/metrics", "--model-dir",
+           default_model_path, "--smoke", "--baselines", "--out", str(out), "--no-progress"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "TTFT ms p50/p95/p99" in run.stdout and "hf_continuous_batching" in run.stdout
+
+    doc = json.loads((out / "benchmark.json").read_text())
+    assert [lv["profile"] for lv in doc["levels"]] == ["low", "low", "high", "variable"]
+    for lv in doc["levels"]:
+        assert lv["errors"] == 0 and lv["requests"] == len(lv["timings"])
+        assert lv["output_tokens"] == sum(t["output_tokens"] for t in lv["timings"]) > 0
+        assert 0 < lv["ttft_ms"]["p50"] <= lv["ttft_ms"]["p99"]
+        assert 0 < lv["e2e_s"]["p50"] * 1e3 and lv["output_tok_s"] > 0
+        for t in lv["timings"]:
+            # The server never gives more than asked, and the first token comes before the last.
+            assert 0 < t["output_tokens"] <= t["requested_tokens"] and t["ttft"] <= t["e2e"]
+    variable = doc["levels"][-1]
+    assert {b["name"] for b in doc["baselines"]} == {"hf_one_at_a_time", "hf_static_batch8", "hf_continuous_batching"}
+    for b in doc["baselines"]:
+        assert b["output_tokens"] == variable["output_tokens"]
+        assert abs(b["server_ratio"] - variable["output_tok_s"] / b["output_tok_s"]) < 1e-9
+    for name in ("throughput_latency.png", "ttft_distribution.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_locust_users_stream_without_failures(triton_server, tmp_path):
+    locust = os.path.join(REPO, ".venv-locust", "bin", "locust")
+    prefix = tmp_path / "locust"
+    # --stop-timeout lets each user finish its answer: a stream cancelled mid-answer leaves the ensemble request
+    # in flight on Triton 2.51, and the server's shutdown then waits out its exit timeout.
+    cmd = [locust, "-f", os.path.join(REPO, "perf", "locustfile.py"), "--headless", "-u", "2", "-r", "2",
+           "-t", "5s", "--stop-timeout", "10", "--host", f"http://{triton_server.http_url}",
+           "--grpc-url", triton_server.grpc_url, "--max-tokens", "8", "--csv", str(prefix), "--only-summary"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    with open(f"{prefix}_stats.csv") as f:
+        rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f) if r["Type"]}
+    for kind in ("grpc-stream", "http-sse"):
+        for event in ("ttft", "inter_token", "e2e"):
+            row = rows[(kind, event)]
+            assert int(row["Request Count"]) > 0 and int(row["Failure Count"]) == 0, row
+        assert 0 < float(rows[(kind, "e2e")]["Average Content Size"]) <= 8   # tokens per answer, at most as asked

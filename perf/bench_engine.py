@@ -4,6 +4,8 @@ requests, and what share of each step the scheduler and batch preparation take n
     python perf/bench_engine.py [--model hf_models/tiny-llama] [--requests 64] [--prompt-len 128] [--gen-len 64]
 
 Prints one line per run; use ratios from one run when comparing settings on a shared machine.
+--profile-step instead waits until every request is decoding, then prints how long a decode step takes, the share
+of paged attention in it, and a torch.profiler table of one step: where a step's time goes.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 
 import torch
 
+import trellm_backend.models.llama as llama
 from trellm_backend.config import EngineConfig
 from trellm_backend.engine import LLMEngine
 from trellm_backend.request import SamplingParams
@@ -28,10 +31,13 @@ def main():
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool size (default: the engine's)")
+    ap.add_argument("--profile-step", action="store_true", help="profile one decode step of the whole batch")
     args = ap.parse_args()
 
+    extra = {} if args.kv_cache_bytes is None else {"kv_cache_bytes": args.kv_cache_bytes}
     engine = LLMEngine(EngineConfig(model_path=args.model, max_num_seqs=args.max_num_seqs,
-                                    max_num_batched_tokens=args.max_num_batched_tokens))
+                                    max_num_batched_tokens=args.max_num_batched_tokens, **extra))
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.gen_len, temperature=0.0, ignore_eos=True)
@@ -39,6 +45,8 @@ def main():
 
     for i in range(args.requests):
         engine.add_request(str(i), torch.randint(10, vocab, (args.prompt_len,), generator=g).tolist(), params)
+    if args.profile_step:
+        return profile_decode_step(engine, args.requests)
     model_time = 0.0
     execute = engine.runner.model.forward
 
@@ -60,6 +68,40 @@ def main():
           f"wall={wall:.2f}s output_tok/s={generated / wall:.1f} "
           f"total_tok/s={(generated + args.requests * args.prompt_len) / wall:.1f} "
           f"model_share={model_time / wall:.1%} overhead_per_step_ms={(wall - model_time) / steps * 1e3:.2f}")
+
+
+def profile_decode_step(engine: LLMEngine, num_requests: int, timed_steps: int = 5):
+    """Step until every request decodes, time a few decode steps and their attention, then profile one."""
+    while True:
+        all_sampled = sum(len(o.new_token_ids) for o in engine.step()) == num_requests
+        if not engine.has_unfinished():
+            raise SystemExit("the requests finished before all of them decoded together: raise --gen-len")
+        if all_sampled:
+            break
+    attention_time = 0.0
+    attention = llama.paged_attention
+
+    def timed_attention(*a, **k):
+        nonlocal attention_time
+        t = time.perf_counter()
+        r = attention(*a, **k)
+        attention_time += time.perf_counter() - t
+        return r
+
+    context = engine.scheduler.running[0].num_tokens
+    llama.paged_attention = timed_attention
+    start = time.perf_counter()
+    for _ in range(timed_steps):
+        engine.step()
+    step, attention_time = (time.perf_counter() - start) / timed_steps, attention_time / timed_steps
+    llama.paged_attention = attention
+    if len(engine.scheduler.running) < num_requests:
+        raise SystemExit("requests finished while the steps were timed: raise --gen-len")
+    print(f"decode step, {num_requests} sequences of ~{context} tokens: {step * 1e3:.0f} ms, "
+          f"attention {attention_time * 1e3:.0f} ms ({attention_time / step:.0%})")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
 
 
 if __name__ == "__main__":

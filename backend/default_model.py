@@ -8,6 +8,7 @@ template) that goes through the same loading path as any downloaded checkpoint.
 
     python -m trellm_backend.default_model hf_models/tiny-llama
     python -m trellm_backend.default_model hf_models/llama-40m --size 40m   # the benchmark's model, random init
+    python -m trellm_backend.default_model hf_models/anchor --size anchor   # the CPU-throughput anchor, random init
 """
 from __future__ import annotations
 
@@ -29,8 +30,13 @@ MODEL_SIZES = {
                  num_key_value_heads=2, max_position_embeddings=2048),
     "40m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=12, num_attention_heads=8,
                 num_key_value_heads=4, max_position_embeddings=4096),
+    # The CPU-throughput anchor (perf/RESULTS.md, the "anchor" profile): ~38M parameters, the shape measured
+    # against vLLM-CPU and transformers.
+    "anchor": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=10, num_attention_heads=8,
+                   num_key_value_heads=4, max_position_embeddings=4096),
 }
-DEFAULT_TRAIN_STEPS = {"tiny": 300, "40m": 0}
+DEFAULT_TRAIN_STEPS = {"tiny": 300, "40m": 0, "anchor": 0}
+VOCAB_SIZES = {"tiny": 4096, "40m": 4096, "anchor": 8192}
 
 
 def corpus_text() -> str:
@@ -73,7 +79,7 @@ def train(model, ids, steps: int, seq_len: int = 128, batch: int = 16, lr: float
     model.eval()
 
 
-def build(out_dir: str, train_steps: int = 300, vocab_size: int = 4096, size: str = "tiny") -> str:
+def build(out_dir: str, train_steps: int = 300, size: str = "tiny") -> str:
     """Write the model folder of `size` (MODEL_SIZES) to `out_dir` (replacing nothing that is already complete)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -85,7 +91,7 @@ def build(out_dir: str, train_steps: int = 300, vocab_size: int = 4096, size: st
     torch.set_num_threads(1)   # single-threaded reductions: the same bytes on every machine
     try:
         text = corpus_text()
-        tok = build_tokenizer(text, vocab_size)
+        tok = build_tokenizer(text, VOCAB_SIZES[size])
         hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                          pad_token="<pad>", chat_template=CHAT_TEMPLATE)
         ids = tok.encode(text).ids
@@ -133,7 +139,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
     ap.add_argument("--size", choices=sorted(MODEL_SIZES), default="tiny")
-    ap.add_argument("--train-steps", type=int, default=None, help="default: 300 for tiny, 0 (random init) for 40m")
+    ap.add_argument("--train-steps", type=int, default=None, help="default: 300 for tiny, 0 (random init) for 40m and anchor")
     args = ap.parse_args()
     steps = DEFAULT_TRAIN_STEPS[args.size] if args.train_steps is None else args.train_steps
     print(build(args.out_dir, steps, size=args.size))

@@ -15,6 +15,7 @@ from trellm_backend.models.llama import AttentionMetadata, LlamaModel
 from trellm_backend.sampler import SampledToken, sample
 from trellm_backend.scheduler import SchedulerOutput
 from trellm_backend.weights import load_state_dict
+from trellm_kernels import cpu_ops
 
 log = logging.getLogger("trellm")
 
@@ -36,6 +37,8 @@ class ModelRunner:
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.device, self.dtype = resolve_device_dtype(cfg, model_cfg)
+        if self.device.type == "cpu":
+            cpu_ops.load()   # build or load the C++ operators now, at model load, never on a request
         state = load_state_dict(model_cfg.path, self.dtype)
         self.model = LlamaModel(model_cfg, state, self.device, self.dtype, max_model_len)
         self.block_size = cfg.block_size

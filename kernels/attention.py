@@ -3,9 +3,14 @@
 Sequence b owns the flat query rows cu_seqlens_q[b]:cu_seqlens_q[b+1]; its keys/values are the first
 seq_lens[b] slots reached through block_tables[b]. Query row i of b sits at position seq_lens[b] - q_len + i and
 attends causally. Query heads are grouped onto their KV head (GQA).
+
+Three implementations behind one dispatch: the Triton-lang kernels on CUDA, the C++ operator of kernels/cpu/ on a
+CPU (it reads the blocks in place; see cpu_ops.py for how it is built), and the PyTorch reference below, which is
+the tests' oracle and the CPU fallback when no compiler is present.
 """
 import torch
 
+from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
 
 
@@ -104,5 +109,29 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         from trellm_kernels.triton_attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                                       max_seqlen_q, max_seqlen_k)
+    ops = cpu_ops.load() if q.device.type == "cpu" else None
+    if ops is not None:
+        return _paged_attention_cpu(ops, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                                    max_seqlen_q)
     return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                                      max_seqlen_q, max_seqlen_k)
+
+
+# Chunks with more query rows than this run as the reference's GEMMs; decodes and short chunks (speculative
+# verification, the tail of a prompt) run in the C++ operator. Measured with perf/bench_attention.py.
+CPU_OP_MAX_Q_LEN = 16
+
+
+def _paged_attention_cpu(ops, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q):
+    out = torch.empty_like(q)
+    cu, lens = cu_seqlens_q.int(), seq_lens.int()
+    ops.paged_attention(out, q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), cu, lens,
+                        block_tables.int().contiguous(), scale, CPU_OP_MAX_Q_LEN)
+    if max_seqlen_q > CPU_OP_MAX_Q_LEN:
+        starts, ends, kv_lens = cu[:-1].tolist(), cu[1:].tolist(), lens.tolist()
+        for b, (s, e) in enumerate(zip(starts, ends)):
+            if e - s > CPU_OP_MAX_Q_LEN:
+                one = torch.tensor([0, e - s], dtype=cu.dtype)
+                out[s:e] = _padded_attention(q[s:e], k_cache, v_cache, one, lens[b:b + 1], block_tables[b:b + 1],
+                                             scale, e - s, kv_lens[b])
+    return out

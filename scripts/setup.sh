@@ -35,6 +35,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# The C++ CPU operators (kernels/cpu/), compiled for this machine's CPU and cached under ~/.cache/trellm; a
+# second run finds them built. Without a compiler the engine falls back to PyTorch attention and says why.
+"$VENV/bin/python" -m trellm_kernels.cpu_ops || echo "[setup] WARNING: C++ CPU operators not built; see above"
+
 # locust pins a geventhttpclient newer than tritonclient[http] 2.51 allows, so it lives in its own environment
 # with the gRPC client only (perf/ load tests run it from there).
 LOCUST_VENV=${LOCUST_VENV:-.venv-locust}

@@ -21,7 +21,7 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from trellm_kernels import activation, attention, kv_cache, rmsnorm, rotary  # noqa: E402
+from trellm_kernels import activation, attention, cpu_ops, kv_cache, rmsnorm, rotary  # noqa: E402
 from trellm_kernels import (triton_activation, triton_attention, triton_kv_cache, triton_rmsnorm,  # noqa: E402
                             triton_rotary)
 
@@ -350,3 +350,58 @@ def test_kernels_compile_for_gpu():
     proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------ the C++ CPU attention operator
+
+CPU_OP_CASES = [  # q_lens, ctx_lens: decodes, chunks over a cached prefix, a fresh prompt, mixed in one batch
+    ([1, 1, 1, 1, 1], [0, 14, 15, 200, 33]),
+    ([9, 1, 40, 1, 3], [20, 63, 0, 5, 130]),
+    ([1] * 12 + [17], [int(x) for x in torch.randint(0, 300, (13,), generator=torch.Generator().manual_seed(1))]),
+]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("d", [8, 64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("case", range(len(CPU_OP_CASES)))
+def test_cpu_attention_operator_matches_reference(case, group, d, bs, dtype):
+    """The C++ operator (every row, whatever the chunk length) against the reference on random paged layouts."""
+    ops = cpu_ops.load()
+    assert ops is not None, cpu_ops.error()   # CI has g++ and ninja: a missing build is a failure, not a skip
+    q_lens, ctx_lens = CPU_OP_CASES[case]
+    kvh = 2
+    args = paged_case(q_lens, ctx_lens, kvh * group, kvh, d, bs, dtype, seed=case)
+    out = torch.empty_like(args[0])
+    ops.paged_attention(out, *args[:7], 1 << 30)
+    close(out, attention.paged_attention_reference(*args))
+
+
+def test_cpu_dispatch_splits_long_chunks(monkeypatch):
+    """On a CPU the dispatch sends decodes and short chunks to the operator and long chunks to the reference's
+    GEMMs; together they equal the reference, and the operator saw only the short rows."""
+    args = paged_case([1, 40, 1, 5], [30, 7, 90, 0], 8, 4, 64, 16, F32)
+    seen = []
+    real = cpu_ops.load()
+
+    class Spy:
+        def paged_attention(self, out, q, k, v, cu, lens, tables, scale, max_q_len):
+            seen.append(max_q_len)
+            return real.paged_attention(out, q, k, v, cu, lens, tables, scale, max_q_len)
+
+    monkeypatch.setattr(cpu_ops, "_module", Spy())
+    monkeypatch.setenv("TRELLM_FORCE_TRITON", "0")
+    close(attention.paged_attention(*args), attention.paged_attention_reference(*args))
+    assert seen == [attention.CPU_OP_MAX_Q_LEN]
+
+
+def test_cpu_ops_can_be_turned_off(monkeypatch):
+    """TRELLM_CPU_OPS=0 (or a failed build) leaves the PyTorch path, and says why."""
+    monkeypatch.setattr(cpu_ops, "_module", None)
+    monkeypatch.setattr(cpu_ops, "_error", None)
+    monkeypatch.setenv("TRELLM_CPU_OPS", "0")
+    monkeypatch.setenv("TRELLM_FORCE_TRITON", "0")
+    assert cpu_ops.load() is None and "TRELLM_CPU_OPS=0" in cpu_ops.error()
+    args = paged_case([1, 3], [10, 20], 4, 2, 8, 16, F32)
+    close(attention.paged_attention(*args), attention.paged_attention_reference(*args))

@@ -1,0 +1,265 @@
+// Paged attention for CPUs, reading K/V where they lie in the paged cache.
+//
+// Why a C++ operator: on a CPU the PyTorch path must gather every sequence's blocks into new tensors on every
+// layer and then multiply many tiny matrices; that gather and its layout copies were most of a decode step. Here
+// each work item (one sequence, one KV head, a tile of query rows) walks its block table and keeps an online
+// softmax (running max, running sum, running weighted V) in a few KiB of L1, so K and V are read once, in place.
+//
+// Layouts (all contiguous): q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
+// cu_seqlens_q [B+1], seq_lens [B], block_tables [B, max_blocks] (int32). Query row i of sequence b sits at
+// position seq_lens[b] - q_len + i and sees keys 0..that position. The G = H / KVH query heads of a KV head are
+// processed together, so each K/V block is converted and read once for all of them. Sequences with more than
+// max_q_len query rows are skipped (their output rows are left as they are): long prefill chunks are
+// compute-bound and run faster as the GEMMs of the PyTorch path, whose gather is small next to their work.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTileRows = 32;      // query positions per work item; each brings its G heads
+constexpr int64_t kTransposeRows = 8;  // from this many rows per item on, a block's keys are transposed once
+
+// exp(x) for x <= 0 (softmax arguments after the max is subtracted): 2^(x log2 e) split into an integer power,
+// set in the exponent bits, and a degree-6 Taylor polynomial for the fraction (relative error below 2e-7). Plain
+// arithmetic, so `omp simd` loops over it vectorize; std::exp would leave them scalar.
+inline float exp_approx(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.4426950408889634f;
+  const float fi = std::floor(t + 0.5f);  // f in [-0.5, 0.5): the Taylor terms below suffice there
+  const float f = t - fi;
+  float p = 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct WorkItem {
+  int64_t seq, kv_head, row_begin, row_end, cost;
+};
+
+// Scores of `rows` query vectors (already scaled, float, [rows][D]) against one block's keys, transposed to
+// [D][BS] so the inner loop runs along the block's slots. BS is a compile-time constant for the common sizes.
+template <int BS>
+inline void block_scores(const float* qs, int64_t rows, int64_t D, const float* kt, float* s) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[BS];
+    for (int j = 0; j < BS; ++j) acc[j] = 0.f;
+    const float* qr = qs + r * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const float qd = qr[d];
+      const float* kd = kt + d * BS;
+#pragma omp simd
+      for (int j = 0; j < BS; ++j) acc[j] += qd * kd[j];
+    }
+    for (int j = 0; j < BS; ++j) s[r * BS + j] = acc[j];
+  }
+}
+
+inline void block_scores_any(const float* qs, int64_t rows, int64_t D, const float* kt, float* s, int64_t BS) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * BS;
+    for (int64_t j = 0; j < BS; ++j) sr[j] = 0.f;
+    const float* qr = qs + r * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const float qd = qr[d];
+      const float* kd = kt + d * BS;
+#pragma omp simd
+      for (int64_t j = 0; j < BS; ++j) sr[j] += qd * kd[j];
+    }
+  }
+}
+
+template <typename scalar_t, int BS_FIXED>
+void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scalar_t* vc, scalar_t* out,
+            const int32_t* cu, const int32_t* seq_lens, const int32_t* tables, int64_t max_blocks, int64_t H,
+            int64_t KVH, int64_t D, int64_t BS_RUNTIME, float scale) {
+  const int64_t BS = BS_FIXED > 0 ? BS_FIXED : BS_RUNTIME;
+  const int64_t G = H / KVH;
+  const int64_t q_start = cu[w.seq];
+  const int64_t q_len = cu[w.seq + 1] - q_start;
+  const int64_t ctx = seq_lens[w.seq];
+  const int64_t first_pos = ctx - q_len;  // position of the sequence's first query row
+  const int64_t n_pos = w.row_end - w.row_begin;
+  const int64_t rows = n_pos * G;           // row (p, g): query position row_begin + p, head kv_head * G + g
+  const int64_t kv_end = first_pos + w.row_end;  // keys [0, kv_end) are visible to some row of the tile
+
+  thread_local std::vector<float> buf;
+  const size_t need = rows * D * 2 + rows * 2 + rows * BS + D * BS * 2;
+  if (buf.size() < need) buf.resize(need);
+  float* qs = buf.data();            // [rows][D] scaled queries
+  float* acc = qs + rows * D;        // [rows][D] running sum of p * V
+  float* m = acc + rows * D;         // [rows] running max
+  float* l = m + rows;               // [rows] running sum of p
+  float* s = l + rows;               // [rows][BS] scores of the current block
+  float* kt = s + rows * BS;         // [D][BS] keys of the current block, transposed
+  float* vb = kt + D * BS;           // [BS][D] values of the current block
+
+  for (int64_t p = 0; p < n_pos; ++p) {
+    const scalar_t* qrow = q + ((q_start + w.row_begin + p) * H + w.kv_head * G) * D;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) qs[(p * G + g) * D + d] = static_cast<float>(qrow[g * D + d]) * scale;
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.f);
+
+  const int32_t* table = tables + w.seq * max_blocks;
+  const int64_t n_blocks = (kv_end + BS - 1) / BS;
+  const int64_t slot_stride = KVH * D;
+  for (int64_t nb = 0; nb < n_blocks; ++nb) {
+    const int64_t block = table[nb];
+    const int64_t base = nb * BS;
+    const int64_t valid = std::min<int64_t>(BS, kv_end - base);
+    const scalar_t* kb = kc + (block * BS * KVH + w.kv_head) * D;
+    const scalar_t* vblk = vc + (block * BS * KVH + w.kv_head) * D;
+    // Values as float rows; keys transposed to [D][BS] when enough rows share them to pay for the copy.
+    for (int64_t j = 0; j < valid; ++j) {
+      const scalar_t* vj = vblk + j * slot_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) vb[j * D + d] = static_cast<float>(vj[d]);
+    }
+    if (rows >= kTransposeRows) {
+      for (int64_t j = 0; j < valid; ++j) {
+        const scalar_t* kj = kb + j * slot_stride;
+        for (int64_t d = 0; d < D; ++d) kt[d * BS + j] = static_cast<float>(kj[d]);
+      }
+      for (int64_t j = valid; j < BS; ++j)
+        for (int64_t d = 0; d < D; ++d) kt[d * BS + j] = 0.f;
+    }
+
+    if (rows >= kTransposeRows) {
+      if constexpr (BS_FIXED > 0) block_scores<BS_FIXED>(qs, rows, D, kt, s);
+      else block_scores_any(qs, rows, D, kt, s, BS);
+    } else {
+      // Few rows (decodes): dot products along D straight from the cache rows, no transposed copy.
+      for (int64_t j = 0; j < valid; ++j) {
+        const scalar_t* kj = kb + j * slot_stride;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* qr = qs + r * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * static_cast<float>(kj[d]);
+          s[r * BS + j] = dot;
+        }
+      }
+    }
+
+    for (int64_t r = 0; r < rows; ++r) {
+      // Row r's last visible key: its own position (causal), never past the block's valid slots.
+      const int64_t pos = first_pos + w.row_begin + r / G;
+      const int64_t visible = std::min<int64_t>(valid, pos - base + 1);
+      if (visible <= 0) continue;
+      float* sr = s + r * BS;
+      float block_max = sr[0];
+      for (int64_t j = 1; j < visible; ++j) block_max = std::max(block_max, sr[j]);
+      const float new_max = std::max(m[r], block_max);
+      const float correction = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : exp_approx(m[r] - new_max);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < visible; ++j) {
+        sr[j] = exp_approx(sr[j] - new_max);
+        sum += sr[j];
+      }
+      l[r] = l[r] * correction + sum;
+      m[r] = new_max;
+      float* ar = acc + r * D;
+      if (correction != 1.f) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
+      }
+      for (int64_t j = 0; j < visible; ++j) {
+        const float pj = sr[j];
+        const float* vj = vb + j * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] += pj * vj[d];
+      }
+    }
+  }
+
+  for (int64_t p = 0; p < n_pos; ++p) {
+    scalar_t* orow = out + ((q_start + w.row_begin + p) * H + w.kv_head * G) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = p * G + g;
+      const float inv = 1.f / l[r];
+      for (int64_t d = 0; d < D; ++d) orow[g * D + d] = static_cast<scalar_t>(acc[r * D + d] * inv);
+    }
+  }
+}
+
+template <typename scalar_t>
+void run_all(const std::vector<WorkItem>& items, const scalar_t* q, const scalar_t* kc, const scalar_t* vc,
+             scalar_t* out, const int32_t* cu, const int32_t* seq_lens, const int32_t* tables, int64_t max_blocks,
+             int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale) {
+  // Items are sorted longest first and taken from a shared counter: the threads of torch's own pool balance
+  // sequences of very different lengths without a second OpenMP runtime in the process.
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      const WorkItem& w = items[i];
+      if (BS == 16) attend<scalar_t, 16>(w, q, kc, vc, out, cu, seq_lens, tables, max_blocks, H, KVH, D, BS, scale);
+      else if (BS == 32) attend<scalar_t, 32>(w, q, kc, vc, out, cu, seq_lens, tables, max_blocks, H, KVH, D, BS, scale);
+      else attend<scalar_t, 0>(w, q, kc, vc, out, cu, seq_lens, tables, max_blocks, H, KVH, D, BS, scale);
+    }
+  });
+}
+
+}  // namespace
+
+void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                         torch::Tensor cu_seqlens_q, torch::Tensor seq_lens, torch::Tensor block_tables,
+                         double scale, int64_t max_q_len) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention_cpu: q, out and the caches must be contiguous");
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              "paged_attention_cpu: cu_seqlens_q, seq_lens and block_tables must be int32 (block_tables contiguous)");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
+              "paged_attention_cpu: q, out and the caches must share a dtype");
+  const int64_t H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(H % KVH == 0, "paged_attention_cpu: num_heads must be a multiple of num_kv_heads");
+  const int64_t B = seq_lens.size(0);
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+
+  std::vector<WorkItem> items;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = cu[b + 1] - cu[b];
+    if (q_len > max_q_len) continue;  // the caller computes these rows another way
+    const int64_t first_pos = lens[b] - q_len;
+    for (int64_t r0 = 0; r0 < q_len; r0 += kTileRows) {
+      const int64_t r1 = std::min(q_len, r0 + kTileRows);
+      for (int64_t h = 0; h < KVH; ++h) items.push_back({b, h, r0, r1, (r1 - r0) * (first_pos + r1)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+
+  const int64_t max_blocks = block_tables.size(1);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
+    run_all<scalar_t>(items, q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                      out.data_ptr<scalar_t>(), cu, lens, tables, max_blocks, H, KVH, D, BS,
+                      static_cast<float>(scale));
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention_cpu,
+        "Paged attention over a mixed batch of prefill chunks and decodes, reading the cache in place (CPU)");
+}

@@ -1,0 +1,84 @@
+"""Build and load the C++ CPU operators (kernels/cpu/*.cpp) once per machine.
+
+The build needs a C++ compiler and `ninja`; it takes about half a minute, so the setup step runs it
+(`python -m trellm_kernels.cpu_ops`) and the engine loads the result when a model loads, never on a request.
+The binary is compiled for this CPU (-march=native), so the cache folder is keyed by the source, the flags, torch's
+version and the CPU's feature flags: a copied cache from another machine is never picked up. Without a compiler
+the engine logs why and keeps the PyTorch path, which is also the tests' oracle.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+
+log = logging.getLogger("trellm")
+
+SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "paged_attention.cpp")]
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd"]
+_module = None
+_error: str | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_dir() -> str:
+    import torch
+    h = hashlib.sha256()
+    for path in SOURCES:
+        with open(path, "rb") as f:
+            h.update(f.read())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    root = os.environ.get("TRELLM_CPU_OPS_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "trellm", "cpu_ops")
+    return os.path.join(root, h.hexdigest()[:16])
+
+
+def load(verbose: bool = False):
+    """The compiled module, building it first if this machine has none; None (and the reason in `error()`) when
+    it cannot be built. Set TRELLM_CPU_OPS=0 to turn the operators off."""
+    global _module, _error
+    if _module is not None or _error is not None:
+        return _module
+    if os.environ.get("TRELLM_CPU_OPS", "1") == "0":
+        _error = "turned off by TRELLM_CPU_OPS=0"
+        return None
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+        path = build_dir()
+        os.makedirs(path, exist_ok=True)
+        _module = load_extension(name="trellm_cpu_ops", sources=SOURCES, extra_cflags=CFLAGS,
+                                 build_directory=path, verbose=verbose)
+    except Exception as e:  # no compiler, no ninja, a read-only cache: all mean "use the PyTorch path"
+        _error = (f"the C++ CPU operators could not be built ({type(e).__name__}: {str(e).strip()[:300]}); "
+                  "the slower PyTorch attention runs instead. They need g++ and the `ninja` package "
+                  "(`make setup` installs ninja; Debian: apt-get install g++)")
+        log.warning(_error)
+    return _module
+
+
+def error() -> str | None:
+    """Why the operators are not available, or None."""
+    return _error
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    mod = load(verbose="-v" in sys.argv)
+    if mod is None:
+        print(error(), file=sys.stderr)
+        sys.exit(1)
+    print(f"CPU operators ready in {build_dir()}")

@@ -1,0 +1,153 @@
+"""CPU paged attention, option by option, on the anchor model's shapes (8 heads, 4 KV heads, head_dim 64, blocks of
+16): milliseconds per layer for a decode step of many sequences and for a prefill chunk over a cached prefix.
+
+    .venv/bin/python perf/bench_attention.py [--seqs 48] [--ctx 263] [--chunk 256] [--prefix 256] [--repeats 20]
+
+Options: `reference` (the PyTorch oracle), `dispatch` (what the engine runs on a CPU: the C++ operator for decodes
+and short chunks, the reference's GEMMs for long chunks), `cpp` (kernels/cpu/paged_attention.cpp for every chunk), `sdpa` (a loop of torch's scaled_dot_product_attention over each sequence's
+index_select-ed blocks), `flex` (torch.compile'd flex_attention over the same gathered views). Each is checked
+against the reference before it is timed. Ratios within one run are what to compare.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from trellm_kernels import cpu_ops
+from trellm_kernels.attention import paged_attention, paged_attention_reference
+
+
+def paged_batch(seq_shapes, H, KVH, D, bs, dtype, seed=0):
+    """Random caches and a shuffled block layout for sequences given as (cached tokens, new tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = sum((c + n + bs - 1) // bs for c, n in seq_shapes) + 1
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    tables, i = [], 0
+    for c, n in seq_shapes:
+        nb = (c + n + bs - 1) // bs
+        tables.append(perm[i:i + nb])
+        i += nb
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    k = torch.randn(n_blocks, bs, KVH, D, generator=g).to(dtype)
+    v = torch.randn(n_blocks, bs, KVH, D, generator=g).to(dtype)
+    q_lens = torch.tensor([n for _, n in seq_shapes], dtype=torch.int32)
+    cu = torch.zeros(len(seq_shapes) + 1, dtype=torch.int32)
+    cu[1:] = q_lens.cumsum(0)
+    seq_lens = torch.tensor([c + n for c, n in seq_shapes], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), H, D, generator=g).to(dtype)
+    return q, k, v, cu, seq_lens, block_tables, int(q_lens.max()), int(seq_lens.max())
+
+
+def cpp(q, k, v, cu, seq_lens, bt, scale, mq, mk):
+    """The C++ operator alone, for every chunk length."""
+    out = torch.empty_like(q)
+    cpu_ops.load().paged_attention(out, q, k, v, cu, seq_lens, bt, scale, 1 << 30)
+    return out
+
+
+def _gathered(k, v, bt, b, n):
+    """Sequence b's first n keys/values as [KVH, n, D] (a copy: index_select of its blocks)."""
+    blocks = bt[b, :(n + k.shape[1] - 1) // k.shape[1]].long()
+    kb = k.index_select(0, blocks).flatten(0, 1)[:n].transpose(0, 1)
+    vb = v.index_select(0, blocks).flatten(0, 1)[:n].transpose(0, 1)
+    return kb, vb
+
+
+def sdpa(q, k, v, cu, seq_lens, bt, scale, mq, mk):
+    out = torch.empty_like(q)
+    G = q.shape[1] // k.shape[2]
+    for b in range(seq_lens.shape[0]):
+        s, e, n = int(cu[b]), int(cu[b + 1]), int(seq_lens[b])
+        kb, vb = _gathered(k, v, bt, b, n)
+        qb = q[s:e].transpose(0, 1)                                       # [H, q_len, D]
+        q_pos = torch.arange(n - (e - s), n)[:, None]
+        mask = torch.arange(n)[None, :] <= q_pos
+        o = F.scaled_dot_product_attention(qb, kb.repeat_interleave(G, 0), vb.repeat_interleave(G, 0),
+                                           attn_mask=mask, scale=scale)
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+_flex = None
+
+
+def flex(q, k, v, cu, seq_lens, bt, scale, mq, mk):
+    global _flex
+    from torch.nn.attention.flex_attention import flex_attention
+    if _flex is None:
+        _flex = torch.compile(flex_attention, dynamic=True)
+    out = torch.empty_like(q)
+    for b in range(seq_lens.shape[0]):
+        s, e, n = int(cu[b]), int(cu[b + 1]), int(seq_lens[b])
+        kb, vb = _gathered(k, v, bt, b, n)
+        offset = n - (e - s)
+
+        def causal(bi, h, qi, ki):
+            return ki <= qi + offset
+        o = _flex(q[s:e].transpose(0, 1)[None], kb[None], vb[None], score_mod=lambda sc, bi, h, qi, ki:
+                  torch.where(causal(bi, h, qi, ki), sc, -float("inf")), scale=scale, enable_gqa=True)
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+OPTIONS = {"reference": paged_attention_reference, "dispatch": paged_attention, "cpp": cpp, "sdpa": sdpa, "flex": flex}
+
+
+def time_option(fn, args, repeats):
+    """The fastest of `repeats` calls: on a shared machine the minimum is the least disturbed figure."""
+    fn(*args)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", type=int, default=48, help="decoding sequences in the decode case")
+    ap.add_argument("--ctx", type=int, default=263, help="context length of each decoding sequence")
+    ap.add_argument("--chunk", type=int, default=256, help="new tokens of the prefill case")
+    ap.add_argument("--prefix", type=int, default=256, help="cached tokens before the prefill chunk")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--options", default="reference,dispatch,cpp,sdpa,flex")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args()
+    if cpu_ops.load() is None:
+        sys.exit(cpu_ops.error())
+    H, KVH, D, bs = 8, 4, 64, 16
+    cases = {f"decode {args.seqs} x {args.ctx}": [(args.ctx - 1, 1)] * args.seqs,
+             f"prefill {args.chunk} after {args.prefix}": [(args.prefix, args.chunk)]}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per layer (H={H}, KVH={KVH}, D={D}, "
+          f"block {bs})")
+    names = args.options.split(",")
+    print(f"{'case':<28}{'dtype':<10}" + "".join(f"{n:>12}" for n in names) + f"{'ref/cpp':>10}")
+    for case, shapes in cases.items():
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            batch = paged_batch(shapes, H, KVH, D, bs, dtype)
+            q, k, v, cu, sl, bt, mq, mk = batch
+            call = (q, k, v, cu, sl, bt, D ** -0.5, mq, mk)
+            ref = paged_attention_reference(*call).float()
+            times = {}
+            for n in names:
+                out = OPTIONS[n](*call).float()
+                tol = 1e-4 if dtype == torch.float32 else 3e-2
+                if not torch.allclose(out, ref, atol=tol, rtol=tol):
+                    sys.exit(f"{n} disagrees with the reference on {case} {dtype_name}: "
+                             f"max error {(out - ref).abs().max().item():.3g}")
+                times[n] = time_option(OPTIONS[n], call, args.repeats)
+            ratio = times["reference"] / times["cpp"] if "reference" in times and "cpp" in times else float("nan")
+            print(f"{case:<28}{dtype_name:<10}" + "".join(f"{times[n]:>12.2f}" for n in names) + f"{ratio:>9.1f}x")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    main()

@@ -21,7 +21,7 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from trellm_kernels import activation, attention, cpu_ops, kv_cache, rmsnorm, rotary  # noqa: E402
+from trellm_kernels import activation, attention, cpu_ops, kv_cache, linear, rmsnorm, rotary  # noqa: E402
 from trellm_kernels import (triton_activation, triton_attention, triton_kv_cache, triton_rmsnorm,  # noqa: E402
                             triton_rotary)
 
@@ -405,3 +405,27 @@ def test_cpu_ops_can_be_turned_off(monkeypatch):
     assert cpu_ops.load() is None and "TRELLM_CPU_OPS=0" in cpu_ops.error()
     args = paged_case([1, 3], [10, 20], 4, 2, 8, 16, F32)
     close(attention.paged_attention(*args), attention.paged_attention_reference(*args))
+
+
+# ------------------------------------------------------------------------------------------------ linear layers
+
+@pytest.mark.parametrize("mode", ["onednn", "torch"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_linear_prepared_weight(monkeypatch, mode, dtype):
+    """A weight prepared once (oneDNN's layout for fp32 on a CPU) serves every token count, with and without a
+    bias, and agrees with torch's linear."""
+    monkeypatch.setenv("TRELLM_CPU_LINEAR", mode)
+    g = torch.Generator().manual_seed(0)
+    w, b = randn(g, 300, 96, dtype=dtype), randn(g, 300, dtype=dtype)
+    prepared = linear.prepare_weight(w)
+    assert (prepared.prepared is not None) == (mode == "onednn" and dtype == F32)
+    for tokens in (1, 7, 64, 513):
+        x = randn(g, tokens, 96, dtype=dtype)
+        close(linear.linear(x, prepared, b), torch.nn.functional.linear(x, w, b))
+        close(linear.linear(x, prepared), linear.linear_reference(x, prepared))
+
+
+def test_linear_mode_is_checked(monkeypatch):
+    monkeypatch.setenv("TRELLM_CPU_LINEAR", "mkl")
+    with pytest.raises(ValueError, match="TRELLM_CPU_LINEAR='mkl'"):
+        linear.prepare_weight(torch.zeros(2, 2))

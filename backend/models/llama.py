@@ -14,6 +14,7 @@ from trellm_backend.model_config import ModelConfig, ModelConfigError, cos_sin_c
 from trellm_kernels.activation import silu_and_mul
 from trellm_kernels.attention import paged_attention
 from trellm_kernels.kv_cache import write_kv
+from trellm_kernels.linear import Weight, linear, prepare_weight
 from trellm_kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from trellm_kernels.rotary import apply_rotary
 
@@ -33,16 +34,16 @@ class AttentionMetadata:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     o_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
+    gate_up: Weight
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: Weight
     down_bias: torch.Tensor | None
 
 
@@ -78,22 +79,23 @@ class LlamaModel:
             qkv_bias = cfg.qkv_bias
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=cat(take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")),
+                qkv=prepare_weight(cat(take(a + "q_proj.weight"), take(a + "k_proj.weight"),
+                                       take(a + "v_proj.weight"))),
                 qkv_bias=cat(take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias"))
                 if qkv_bias else None,
-                o=take(a + "o_proj.weight"),
+                o=prepare_weight(take(a + "o_proj.weight")),
                 o_bias=take(a + "o_proj.bias") if cfg.o_bias else None,
                 q_norm=take(a + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=take(a + "k_norm.weight") if cfg.qk_norm else None,
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=cat(take(m + "gate_proj.weight"), take(m + "up_proj.weight")),
+                gate_up=prepare_weight(cat(take(m + "gate_proj.weight"), take(m + "up_proj.weight"))),
                 gate_up_bias=cat(take(m + "gate_proj.bias"), take(m + "up_proj.bias")) if cfg.mlp_bias else None,
-                down=take(m + "down_proj.weight"),
+                down=prepare_weight(take(m + "down_proj.weight")),
                 down_bias=take(m + "down_proj.bias") if cfg.mlp_bias else None,
             ))
         self.norm = take("model.norm.weight")
         lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
-        self.lm_head = self.embed if cfg.tie_word_embeddings or lm_head is None else lm_head
+        self.lm_head = prepare_weight(self.embed if cfg.tie_word_embeddings or lm_head is None else lm_head)
         self.cos_sin = cos_sin_cache(cfg, max_positions).to(device)
         self.scale = cfg.head_dim ** -0.5
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -115,7 +117,7 @@ class LlamaModel:
                 x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
             else:
                 x, residual = fused_add_rms_norm(h, residual, w.input_norm, cfg.rms_norm_eps)
-            qkv = torch.nn.functional.linear(x, w.qkv, w.qkv_bias)
+            qkv = linear(x, w.qkv, w.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(T, cfg.num_heads, cfg.head_dim)
             k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -128,12 +130,12 @@ class LlamaModel:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                                    self.scale, meta.max_seqlen_q, meta.max_seqlen_k)
-            h = torch.nn.functional.linear(attn.reshape(T, self.q_size), w.o, w.o_bias)
+            h = linear(attn.reshape(T, self.q_size), w.o, w.o_bias)
             x, residual = fused_add_rms_norm(h, residual, w.post_norm, cfg.rms_norm_eps)
-            gu = torch.nn.functional.linear(x, w.gate_up, w.gate_up_bias)
-            h = torch.nn.functional.linear(silu_and_mul(gu), w.down, w.down_bias)
+            gu = linear(x, w.gate_up, w.gate_up_bias)
+            h = linear(silu_and_mul(gu), w.down, w.down_bias)
         # Only the rows that will be sampled go through the final norm and the vocabulary projection.
         h = h[logits_indices]
         residual = residual[logits_indices]
         x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
-        return torch.nn.functional.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -48,7 +49,7 @@ inline float exp_approx(float x) {
 }
 
 struct WorkItem {
-  int64_t seq, kv_head, row_begin, row_end, cost;
+  int64_t seq, kv_begin, kv_end, row_begin, row_end, cost;
 };
 
 // Scores of `rows` query vectors (already scaled, float, [rows][D]) against one block's keys, transposed to
@@ -92,26 +93,29 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
   const int64_t q_start = cu[w.seq];
   const int64_t q_len = cu[w.seq + 1] - q_start;
   const int64_t ctx = seq_lens[w.seq];
-  const int64_t first_pos = ctx - q_len;  // position of the sequence's first query row
+  const int64_t first_pos = ctx - q_len;          // position of the sequence's first query row
   const int64_t n_pos = w.row_end - w.row_begin;
-  const int64_t rows = n_pos * G;           // row (p, g): query position row_begin + p, head kv_head * G + g
-  const int64_t kv_end = first_pos + w.row_end;  // keys [0, kv_end) are visible to some row of the tile
+  const int64_t n_kv = w.kv_end - w.kv_begin;
+  const int64_t heads = n_kv * G;                 // query heads of the item, contiguous from kv_begin * G
+  const int64_t rows = n_pos * heads;             // row r: position row_begin + r / heads, head kv_begin*G + r % heads
+  const int64_t kv_end = first_pos + w.row_end;   // keys [0, kv_end) are visible to some row of the item
+  const bool transposed = n_kv == 1 && rows >= kTransposeRows;
+  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
 
   thread_local std::vector<float> buf;
-  const size_t need = rows * D * 2 + rows * 2 + rows * BS + D * BS * 2;
+  const size_t need = rows * D * 2 + rows * 2 + rows * BS + D * BS + n_kv * BS * D;
   if (buf.size() < need) buf.resize(need);
   float* qs = buf.data();            // [rows][D] scaled queries
   float* acc = qs + rows * D;        // [rows][D] running sum of p * V
   float* m = acc + rows * D;         // [rows] running max
   float* l = m + rows;               // [rows] running sum of p
   float* s = l + rows;               // [rows][BS] scores of the current block
-  float* kt = s + rows * BS;         // [D][BS] keys of the current block, transposed
-  float* vb = kt + D * BS;           // [BS][D] values of the current block
+  float* kt = s + rows * BS;         // [D][BS] keys of the current block, transposed (one KV head)
+  float* vb = kt + D * BS;           // [n_kv][BS][D] values of the current block as float (non-float caches)
 
   for (int64_t p = 0; p < n_pos; ++p) {
-    const scalar_t* qrow = q + ((q_start + w.row_begin + p) * H + w.kv_head * G) * D;
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) qs[(p * G + g) * D + d] = static_cast<float>(qrow[g * D + d]) * scale;
+    const scalar_t* qrow = q + ((q_start + w.row_begin + p) * H + w.kv_begin * G) * D;
+    for (int64_t i = 0; i < heads * D; ++i) qs[p * heads * D + i] = static_cast<float>(qrow[i]) * scale;
   }
   std::fill(acc, acc + rows * D, 0.f);
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
@@ -124,31 +128,33 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
     const int64_t block = table[nb];
     const int64_t base = nb * BS;
     const int64_t valid = std::min<int64_t>(BS, kv_end - base);
-    const scalar_t* kb = kc + (block * BS * KVH + w.kv_head) * D;
-    const scalar_t* vblk = vc + (block * BS * KVH + w.kv_head) * D;
-    // Values as float rows; keys transposed to [D][BS] when enough rows share them to pay for the copy.
-    for (int64_t j = 0; j < valid; ++j) {
-      const scalar_t* vj = vblk + j * slot_stride;
+    const scalar_t* kb = kc + (block * BS * KVH + w.kv_begin) * D;     // slot j, head h: kb[j*slot_stride + h*D]
+    const scalar_t* vblk = vc + (block * BS * KVH + w.kv_begin) * D;
+    if constexpr (!kFloat) {
+      for (int64_t h = 0; h < n_kv; ++h)
+        for (int64_t j = 0; j < valid; ++j) {
+          const scalar_t* vj = vblk + j * slot_stride + h * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) vb[j * D + d] = static_cast<float>(vj[d]);
+          for (int64_t d = 0; d < D; ++d) vb[(h * BS + j) * D + d] = static_cast<float>(vj[d]);
+        }
     }
-    if (rows >= kTransposeRows) {
+    if (transposed) {
+      // Many rows share one head's keys: transpose them once to [D][BS] so scores run along the slots.
       for (int64_t j = 0; j < valid; ++j) {
         const scalar_t* kj = kb + j * slot_stride;
         for (int64_t d = 0; d < D; ++d) kt[d * BS + j] = static_cast<float>(kj[d]);
       }
       for (int64_t j = valid; j < BS; ++j)
         for (int64_t d = 0; d < D; ++d) kt[d * BS + j] = 0.f;
-    }
-
-    if (rows >= kTransposeRows) {
       if constexpr (BS_FIXED > 0) block_scores<BS_FIXED>(qs, rows, D, kt, s);
       else block_scores_any(qs, rows, D, kt, s, BS);
     } else {
-      // Few rows (decodes): dot products along D straight from the cache rows, no transposed copy.
+      // Few rows per head (decodes): dot products along D straight from the cache, slot by slot, so a
+      // sequence's block is read front to back once for all its heads.
       for (int64_t j = 0; j < valid; ++j) {
-        const scalar_t* kj = kb + j * slot_stride;
         for (int64_t r = 0; r < rows; ++r) {
+          const int64_t h = (r % heads) / G;
+          const scalar_t* kj = kb + j * slot_stride + h * D;
           const float* qr = qs + r * D;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -160,9 +166,10 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
 
     for (int64_t r = 0; r < rows; ++r) {
       // Row r's last visible key: its own position (causal), never past the block's valid slots.
-      const int64_t pos = first_pos + w.row_begin + r / G;
+      const int64_t pos = first_pos + w.row_begin + r / heads;
       const int64_t visible = std::min<int64_t>(valid, pos - base + 1);
       if (visible <= 0) continue;
+      const int64_t h = (r % heads) / G;
       float* sr = s + r * BS;
       float block_max = sr[0];
       for (int64_t j = 1; j < visible; ++j) block_max = std::max(block_max, sr[j]);
@@ -183,7 +190,9 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
       }
       for (int64_t j = 0; j < visible; ++j) {
         const float pj = sr[j];
-        const float* vj = vb + j * D;
+        const float* vj;
+        if constexpr (kFloat) vj = vblk + j * slot_stride + h * D;
+        else vj = vb + (h * BS + j) * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ar[d] += pj * vj[d];
       }
@@ -191,11 +200,11 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
   }
 
   for (int64_t p = 0; p < n_pos; ++p) {
-    scalar_t* orow = out + ((q_start + w.row_begin + p) * H + w.kv_head * G) * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = p * G + g;
+    scalar_t* orow = out + ((q_start + w.row_begin + p) * H + w.kv_begin * G) * D;
+    for (int64_t i = 0; i < heads; ++i) {
+      const int64_t r = p * heads + i;
       const float inv = 1.f / l[r];
-      for (int64_t d = 0; d < D; ++d) orow[g * D + d] = static_cast<scalar_t>(acc[r * D + d] * inv);
+      for (int64_t d = 0; d < D; ++d) orow[i * D + d] = static_cast<scalar_t>(acc[r * D + d] * inv);
     }
   }
 }
@@ -238,6 +247,15 @@ void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
 
+  // Work items: a tile of query rows of one sequence over a range of KV heads. Decodes take all KV heads of
+  // their sequence at once (each block is then read front to back) unless that leaves threads idle; prefill
+  // tiles take one KV head, whose keys they transpose once for all their rows.
+  int64_t n_decode_rows = 0;
+  for (int64_t b = 0; b < B; ++b) n_decode_rows += (cu[b + 1] - cu[b]) <= kTransposeRows;
+  const int64_t want = 4 * at::get_num_threads();
+  int64_t kv_split = 1;
+  while (kv_split < KVH && n_decode_rows * kv_split < want) kv_split *= 2;
+  while (KVH % kv_split) --kv_split;
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = cu[b + 1] - cu[b];
@@ -245,7 +263,9 @@ void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
     const int64_t first_pos = lens[b] - q_len;
     for (int64_t r0 = 0; r0 < q_len; r0 += kTileRows) {
       const int64_t r1 = std::min(q_len, r0 + kTileRows);
-      for (int64_t h = 0; h < KVH; ++h) items.push_back({b, h, r0, r1, (r1 - r0) * (first_pos + r1)});
+      const int64_t per_item = q_len <= kTransposeRows ? KVH / kv_split : 1;
+      for (int64_t h = 0; h < KVH; h += per_item)
+        items.push_back({b, h, h + per_item, r0, r1, (r1 - r0) * per_item * (first_pos + r1)});
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });

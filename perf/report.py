@@ -56,6 +56,27 @@ def table(levels: list[dict], baselines: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def comparison(levels: list[dict], baselines: list[dict], profile: str, entry_point: str) -> str:
+    """One row per engine on the baselines' requests (this server first): output tok/s, mean TTFT, and the ratio
+    to transformers' static batches and to each vLLM run present; then served against the engine alone."""
+    level = next(lv for lv in levels if lv["profile"] == profile)
+    ttfts = [t["ttft"] for t in level["timings"] if t["error"] is None]
+    rows = [{"name": f"served ({entry_point}, gRPC stream)", "output_tok_s": level["output_tok_s"],
+             "ttft_mean_ms": 1e3 * sum(ttfts) / len(ttfts) if ttfts else None}] + baselines
+    refs = [b for b in baselines if b["name"].startswith("hf_static")] + \
+           [b for b in baselines if b["name"].startswith("vllm")]
+    head = ["engine", "out tok/s", "mean TTFT ms"] + [f"vs {r['name']}" for r in refs]
+    body = [[r["name"], _fmt(r["output_tok_s"]), _fmt(r.get("ttft_mean_ms"), 0)] +
+            [f"{r['output_tok_s'] / ref['output_tok_s']:.2f}" for ref in refs] for r in rows]
+    widths = [max(len(x[i]) for x in body + [head]) for i in range(len(head))]
+    lines = [f"engines on the {profile} profile's requests ({level['output_tokens']} output tokens):"]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(x, widths)) for x in [head] + body]
+    alone = next((b for b in baselines if b["name"] == "engine_alone"), None)
+    if alone is not None:
+        lines.append(f"served / engine alone: {level['output_tok_s'] / alone['output_tok_s']:.2f}")
+    return "\n".join(lines)
+
+
 def plot(levels: list[dict], path_prefix: str) -> list[str]:
     """Two PNGs: latency against throughput as concurrency rises, and the distribution of TTFT per profile."""
     import matplotlib

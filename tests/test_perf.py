@@ -24,6 +24,46 @@ def test_workload_prompts_have_the_asked_token_lengths(default_model_path):
         assert 8 <= len(item.prompt_ids) <= 300 and 16 <= item.output_tokens <= 64
 
 
+def test_anchor_profile_is_issue_14s_workload():
+    from workload import profiles
+    anchor = profiles()["anchor"]
+    assert (anchor.concurrency, anchor.requests_per_level) == ([48], [48])   # all 48 in flight at t=0
+    assert (anchor.prompt_tokens, anchor.output_tokens) == ((16, 512), (16, 256))
+    assert profiles(anchor_requests=8)["anchor"].concurrency == [8] and "anchor" in profiles(smoke=True)
+
+
+def test_baselines_flag_takes_a_list_and_alone_means_transformers(tmp_path):
+    import pytest
+    from benchmark import parse_args
+    assert parse_args(["--baselines"]).baselines == ["hf"]
+    assert parse_args([]).baselines == []
+    args = parse_args(["--profiles", "anchor", "--baselines", "hf_static,engine"])
+    assert args.baselines == ["hf_static", "engine"] and args.baseline_profile == "anchor"
+    assert parse_args(["--baselines", "--no-progress"]).baseline_profile == "variable"
+    with pytest.raises(SystemExit):
+        parse_args(["--baselines", "hf,gpt"])
+    with pytest.raises(SystemExit):   # no vLLM environment there: a clear error before any server starts
+        parse_args(["--baselines", "vllm", "--vllm-python", str(tmp_path / "none" / "python")])
+
+
+def test_baseline_helpers():
+    from benchmark import cpu_list, greedy_agreement, served_engine_settings
+    assert cpu_list({0, 1, 2, 3, 6}) == "0-3,6" and cpu_list({5}) == "5"
+    settings = served_engine_settings(os.path.join(REPO, "model_repository"), {"kv_cache_bytes": "2147483648"})
+    assert settings["kv_cache_bytes"] == "2147483648" and settings["max_num_seqs"] == "64"
+    assert "model_path" not in settings
+    agreement = greedy_agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]])
+    assert agreement["identical"] == 1 and abs(agreement["mean_agreeing_prefix"] - (1 + 1 / 3) / 2) < 1e-9
+
+
+def test_engine_alone_baseline_makes_every_asked_token(default_model_path):
+    from benchmark import run_engine_alone
+    requests = [(list(range(10, 30)), 5), (list(range(40, 52)), 3)]
+    result = run_engine_alone(default_model_path, requests, {"kv_cache_bytes": "16777216"})
+    assert [len(t) for t in result["token_ids"]] == [5, 3] and result["output_tokens"] == 8
+    assert result["wall_s"] > 0 and result["ttft_mean_ms"] > 0
+
+
 def test_peak_kv_reads_the_vllm_gauge_when_exported():
     import http.server
     import threading

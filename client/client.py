@@ -23,7 +23,7 @@ from typing import AsyncIterator, Iterator
 
 import numpy as np
 
-# numpy type of each ensemble input (tests/test_api.py checks this against backend/api.py FIELDS).
+# numpy type of each ensemble input (tests/test_api.py checks this against backend/triton/fields.py FIELDS).
 INPUT_TYPES = {
     "max_tokens": np.int32, "min_tokens": np.int32, "min_length": np.int32, "temperature": np.float32,
     "top_k": np.int32, "top_p": np.float32, "min_p": np.float32, "repetition_penalty": np.float32,

@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     server = None
     if args.start_server:
-        from trellm_backend.launch import TritonServer
+        from trellm_backend.tools.launch import TritonServer
         llm_params = dict(p.split("=", 1) for p in args.llm_param)
         repo = repository_for(args.model_repository, args.model_dir, os.path.join(args.out, "model_repository"),
                               llm_params)

@@ -19,7 +19,7 @@ DEFAULT_MODEL = os.path.join(REPO, "hf_models", "tiny-llama")
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     """The repository's default model (built by `make model`; built here if a test run starts without it)."""
-    from trellm_backend.default_model import build
+    from trellm_backend.tools.default_model import build
     return build(DEFAULT_MODEL)
 
 
@@ -38,7 +38,7 @@ def free_ports(n: int) -> list[int]:
 @pytest.fixture(scope="session")
 def triton_server(default_model_path, tmp_path_factory):
     """tritonserver on the repository's model_repository, on free ports; stopped when the session ends."""
-    from trellm_backend.launch import TritonServer
+    from trellm_backend.tools.launch import TritonServer
     http, grpc, metrics = free_ports(3)
     log = tmp_path_factory.mktemp("triton") / "server.log"
     server = TritonServer(os.path.join(REPO, "model_repository"), http, grpc, metrics, log_path=str(log))

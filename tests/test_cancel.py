@@ -28,7 +28,7 @@ LLM_SETTINGS = {"max_num_seqs": "1", "max_queue_size": "2"}
 
 @pytest.fixture(scope="module")
 def server(default_model_path, tmp_path_factory):
-    from trellm_backend.launch import TritonServer
+    from trellm_backend.tools.launch import TritonServer
     root = tmp_path_factory.mktemp("cancel")
     repo = root / "model_repository"
     shutil.copytree(os.path.join(REPO, "model_repository"), repo)

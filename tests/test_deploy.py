@@ -89,7 +89,7 @@ def start_nginx(workdir: str, http_port: int, grpc_port: int, replicas) -> subpr
 @pytest.fixture(scope="module")
 def topology(default_model_path, tmp_path_factory):
     """Two replicas of the project's repository (only `ensemble` and its steps loaded) and nginx in front."""
-    from trellm_backend.launch import TritonServer
+    from trellm_backend.tools.launch import TritonServer
     root = tmp_path_factory.mktemp("deploy")
     replicas = []
     for i in range(2):

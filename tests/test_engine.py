@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hf_models import VARIANTS, hf_greedy, model_dir_for, random_prompts
-from trellm_backend.config import EngineConfig
-from trellm_backend.engine import LLMEngine
-from trellm_backend.request import SamplingParams
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.request import SamplingParams
 
 LENGTHS = [1, 7, 16, 17, 45, 90]       # one token, around a block boundary, several blocks
 ARRIVALS = [0, 0, 2, 3, 5, 9]          # engine step at which each request is added

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO, free_ports
 from repository_helpers import processes_mentioning
-from trellm_backend.launch import TritonServer
+from trellm_backend.tools.launch import TritonServer
 
 
 def test_load_models_need_explicit_model_control():
@@ -18,7 +18,7 @@ def test_load_models_need_explicit_model_control():
         TritonServer(load_models=["ensemble"])
     with pytest.raises(ValueError, match="model_control_mode='manual'"):
         TritonServer(model_control_mode="manual")
-    r = subprocess.run([sys.executable, "-m", "trellm_backend.launch", "--load-model", "ensemble"],
+    r = subprocess.run([sys.executable, "-m", "trellm_backend.tools.launch", "--load-model", "ensemble"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "load_models needs model_control_mode='explicit'" in r.stderr
 
@@ -30,7 +30,7 @@ def test_sigterm_stops_server_and_stubs(default_model_path, tmp_path):
     os.symlink(os.path.join(REPO, "hf_models"), tmp_path / "hf_models")
     http, grpc, metrics = free_ports(3)
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "trellm_backend.launch", f"--model-repository={repo}", f"--http-port={http}",
+        [sys.executable, "-m", "trellm_backend.tools.launch", f"--model-repository={repo}", f"--http-port={http}",
          f"--grpc-port={grpc}", f"--metrics-port={metrics}"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from hf_models import random_prompts
-from trellm_backend.config import EngineConfig
-from trellm_backend.engine import LLMEngine
-from trellm_backend.request import Request, SamplingParams
-from trellm_backend.sampler import apply_bans, apply_penalties, sample
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.request import Request, SamplingParams
+from trellm_backend.engine.sampler import apply_bans, apply_penalties, sample
 
 V = 12
 

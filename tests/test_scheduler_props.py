@@ -9,9 +9,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trellm_backend.block_manager import BlockManager, blocks_for
-from trellm_backend.request import Request, SamplingParams, Status
-from trellm_backend.scheduler import Scheduler
+from trellm_backend.engine.kv_cache_manager import BlockManager, blocks_for
+from trellm_backend.engine.request import Request, SamplingParams, Status
+from trellm_backend.engine.scheduler import Scheduler
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 20, 21], [30] * 9, []]
 

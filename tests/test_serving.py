@@ -4,9 +4,10 @@ import json
 import numpy as np
 import pytest
 
-from trellm_backend.request import RequestOutput, SamplingParams
-from trellm_backend.serving import (ResponsePlan, fan_out, kv_block_counts, parse_llm_inputs, trtllm_outputs,
-                                    vllm_outputs)
+from trellm_backend.engine.request import RequestOutput, SamplingParams
+from trellm_backend.triton.ensemble import trtllm_outputs
+from trellm_backend.triton.llm import ResponsePlan, fan_out, kv_block_counts, parse_llm_inputs
+from trellm_backend.triton.vllm import vllm_outputs
 
 
 def arr(v, dtype):

@@ -8,13 +8,14 @@ import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from trellm_backend.api import llm_tensor_names
-from trellm_backend.engine import LLMEngine
-from trellm_backend.engine_loop import EngineLoop, QueueFull
-from trellm_backend.metrics import MetricsReporter
-from trellm_backend.serving import ResponsePlan, fan_out, kv_block_counts, model_parameters, parse_llm_inputs
-from trellm_backend.tokenization import load_tokenizer
-from trellm_backend.validate import serving_config
+from trellm_backend.triton.fields import llm_tensor_names
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.loop import EngineLoop, QueueFull
+from trellm_backend.triton.metrics import MetricsReporter
+from trellm_backend.triton.llm import ResponsePlan, fan_out, kv_block_counts, parse_llm_inputs
+from trellm_backend.triton.parameters import model_parameters
+from trellm_backend.triton.tokenization import load_tokenizer
+from trellm_backend.triton.checks import serving_config
 
 INPUTS = llm_tensor_names()
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -1,5 +1,5 @@
-"""Triton adapter for the vLLM-shaped contract: parse (backend/serving.py parse_vllm_request), tokenize
-(backend/tokenization.py), stream from the llm model over BLS, reshape (serving.vllm_outputs). Each request is
+"""Triton adapter for the vLLM-shaped contract: parse (backend/triton/vllm.py parse_vllm_request), tokenize
+(backend/triton/tokenization.py), stream from the llm model over BLS, reshape (vllm_outputs). Each request is
 served by its own thread so that execute returns at once and requests run concurrently in the engine."""
 import json
 import threading
@@ -8,10 +8,11 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from trellm_backend.api import VLLM_INPUTS, request_parameters_error, tensors_from_values
-from trellm_backend.serving import (POSTPROCESS_INPUTS, model_parameters, parse_vllm_request, resolve_model_path,
-                                    vllm_outputs)
-from trellm_backend.tokenization import decode_utf8, encode_prompt, load_tokenizer
+from trellm_backend.triton.fields import VLLM_INPUTS, request_parameters_error, tensors_from_values
+from trellm_backend.triton.ensemble import POSTPROCESS_INPUTS
+from trellm_backend.triton.parameters import model_parameters, resolve_model_path
+from trellm_backend.triton.vllm import parse_vllm_request, vllm_outputs
+from trellm_backend.triton.tokenization import decode_utf8, encode_prompt, load_tokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 LLM_OUTPUTS = [*POSTPROCESS_INPUTS, "token_ids", "top_logprobs"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trellm_backend.request import SamplingParams
+from trellm_backend.engine.request import SamplingParams
 
 U64_MAX = (1 << 64) - 1
 I32_MAX = (1 << 31) - 1

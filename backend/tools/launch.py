@@ -1,6 +1,6 @@
 """Start a real tritonserver on a model repository, wait until its models are ready, stop it cleanly.
 
-    python -m trellm_backend.launch [--model-repository model_repository] [--http-port 8000] ...
+    python -m trellm_backend.tools.launch [--model-repository model_repository] [--http-port 8000] ...
 
 The server binary is `tritonserver` from PATH (the NGC container) or, without Docker, the Triton 2.51 that the
 `nvidia-pytriton` wheel carries: that copy is prepared once next to the virtual environment (the wheel's folder
@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_REPOSITORY = os.path.join(REPO_ROOT, "model_repository")
 MODEL_CONTROL_MODES = ("none", "poll", "explicit")
 

@@ -1,16 +1,16 @@
-"""The engine: requests in, token deltas out, one `step()` at a time. Not thread-safe; see engine_loop.py."""
+"""The engine: requests in, token deltas out, one `step()` at a time. Not thread-safe; see loop.py."""
 from __future__ import annotations
 
 import logging
 import time
 
-from trellm_backend.block_manager import BlockManager
-from trellm_backend.config import EngineConfig
-from trellm_backend.model_config import load_model_config
-from trellm_backend.model_runner import ModelRunner
-from trellm_backend.output_processor import OutputProcessor, bad_words_ids
-from trellm_backend.request import Request, RequestOutput, SamplingParams, Status
-from trellm_backend.scheduler import Scheduler
+from trellm_backend.engine.kv_cache_manager import BlockManager
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.models.config import load_model_config
+from trellm_backend.engine.runner import ModelRunner
+from trellm_backend.engine.output_processor import OutputProcessor, bad_words_ids
+from trellm_backend.engine.request import Request, RequestOutput, SamplingParams, Status
+from trellm_backend.engine.scheduler import Scheduler
 
 log = logging.getLogger("trellm")
 

@@ -32,7 +32,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the allowed range."""
-        from trellm_backend.api import validate_sampling_params   # the field table is the one source of ranges
+        from trellm_backend.triton.fields import validate_sampling_params   # the field table is the one source of ranges
         validate_sampling_params(self)
 
     @property

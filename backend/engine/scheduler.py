@@ -7,7 +7,7 @@ requests in arrival order, up to
 running request is preempted (its blocks freed, its computed count reset) and put back at the head of the
 waiting queue; it is recomputed when readmitted (mostly from the prefix cache, which keeps its freed blocks).
 Waiting requests are not admitted in a step that preempted. A waiting request starts after the longest cached
-prefix of its tokens (block_manager.py).
+prefix of its tokens (kv_cache_manager.py).
 
 The output is plain data for the model runner: which requests, how many new tokens each.
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from trellm_backend.block_manager import BlockManager
-from trellm_backend.request import Request, Status
+from trellm_backend.engine.kv_cache_manager import BlockManager
+from trellm_backend.engine.request import Request, Status
 
 
 @dataclass

@@ -19,7 +19,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 512   # most prompt tokens of one request per step (0: the whole budget)
     enable_prefix_caching: bool = True    # reuse the KV blocks of prompt prefixes seen before
-    enable_metrics: bool = True           # the Triton model reports vLLM-named metrics (backend/metrics.py)
+    enable_metrics: bool = True           # the Triton model reports vLLM-named metrics (backend/triton/metrics.py)
     max_queue_size: int = 512             # waiting requests beyond this are refused with UNAVAILABLE (backpressure)
 
     @classmethod

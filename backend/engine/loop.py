@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Protocol
 
-from trellm_backend.engine import LLMEngine
-from trellm_backend.request import Request, RequestOutput
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.request import Request, RequestOutput
 
 log = logging.getLogger("trellm")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from trellm_backend.request import Request
+from trellm_backend.engine.request import Request
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -9,12 +9,12 @@ import time
 
 import torch
 
-from trellm_backend.config import EngineConfig
-from trellm_backend.model_config import DTYPES, ModelConfig
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.models.config import DTYPES, ModelConfig
 from trellm_backend.models.llama import AttentionMetadata, LlamaModel
-from trellm_backend.sampler import SampledToken, sample
-from trellm_backend.scheduler import SchedulerOutput
-from trellm_backend.weights import load_state_dict
+from trellm_backend.engine.sampler import SampledToken, sample
+from trellm_backend.engine.scheduler import SchedulerOutput
+from trellm_backend.models.weights import load_state_dict
 
 log = logging.getLogger("trellm")
 

@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 
-from trellm_backend.request import RequestOutput
+from trellm_backend.engine.request import RequestOutput
 
 log = logging.getLogger("trellm")
 

@@ -14,11 +14,11 @@ import os
 
 import torch
 
-from trellm_backend.config import EngineConfig
-from trellm_backend.model_config import ModelConfig, ModelConfigError, load_model_config
-from trellm_backend.model_runner import resolve_device_dtype
-from trellm_backend.serving import resolve_model_path
-from trellm_backend.weights import safetensors_files, tensor_shapes
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.models.config import ModelConfig, ModelConfigError, load_model_config
+from trellm_backend.engine.runner import resolve_device_dtype
+from trellm_backend.triton.parameters import resolve_model_path
+from trellm_backend.models.weights import safetensors_files, tensor_shapes
 
 # One of these must exist for AutoTokenizer to build the model's tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

@@ -31,8 +31,29 @@ def expected_field_inputs(table) -> dict[str, tuple[str, list[int], bool]]:
     return {t: (fields.TRITON_TYPES[f.kind], [int(f.dims)], True) for f in table for t in f.tensor_names}
 
 
+class FakeAutoCompleteConfig:
+    """Triton's auto_complete_model_config, as the Python backend hands it to auto_complete_config."""
+
+    def __init__(self, config):
+        self.inputs = [{"name": i.name} for i in config.input]
+        self.added = []
+
+    def as_dict(self):
+        return {"input": self.inputs + self.added}
+
+    def add_input(self, spec):
+        self.added.append(spec)
+
+
 def test_llm_inputs_are_the_field_table():
-    llm = declared(load_config("llm"))
+    """config.pbtxt declares the prompt and `stop`; auto_complete_config adds every field's tensors."""
+    config = load_config("llm")
+    fake = FakeAutoCompleteConfig(config)
+    fields.auto_complete_llm_inputs(fields.auto_complete_llm_inputs(fake))    # a second call adds nothing
+    for spec in fake.added:
+        config.input.add(name=spec["name"], data_type=model_config_pb2.DataType.Value(spec["data_type"]),
+                         dims=spec["dims"], optional=spec["optional"])
+    llm = declared(config)
     llm.pop("stop")   # the TRT-LLM-style stop request, not a request field
     assert list(llm) == fields.llm_tensor_names()
     assert {k: v for k, v in llm.items() if k not in fields.LLM_PROMPT_INPUTS} == expected_field_inputs(fields.FIELDS)

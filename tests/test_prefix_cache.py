@@ -38,7 +38,7 @@ def run(model_path, **kwargs) -> tuple[LLMEngine, list[list[int]]]:
 def test_greedy_outputs_identical_with_and_without_prefix_cache(default_model_path, expected, settings):
     engine, got = run(default_model_path, kv_cache_bytes=32 << 20, **settings)
     assert got == expected
-    hits = engine.blocks.num_hits
+    hits = engine.kv.num_hits
     if settings["enable_prefix_caching"]:
         assert hits >= 3 * (len(PROMPTS) - 2), f"the shared 3-block system prompt was reused only {hits} times"
     else:

@@ -2,42 +2,96 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 
+U64_MAX = (1 << 64) - 1
+I32_MAX = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """An allowed range, inclusive unless lo_open; None = unbounded on that side."""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+
+    def text(self) -> str:
+        lo = "-inf" if self.lo is None else _num(self.lo)
+        hi = "inf" if self.hi is None else _num(self.hi)
+        return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi is None else ']'}"
+
+    def check(self, value, shown: str) -> None:
+        """Raise ValueError naming `shown` (the name the caller used) and the range; None and lists' None pass."""
+        for v in value if isinstance(value, list) else [value]:
+            if v is None:
+                continue
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{shown} must be a finite number in {self.text()}, got {v}")
+            low_bad = self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo)
+            if low_bad or (self.hi is not None and v > self.hi):
+                raise ValueError(f"{shown} must be in {self.text()}, got {value}")
+
+
+def _num(x) -> str:
+    if x == U64_MAX:
+        return "2**64-1"
+    if x == I32_MAX:
+        return "2**31-1"
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _bounded(default, lo=None, hi=None, lo_open=False):
+    kw = {"default_factory": list} if default == [] else {"default": default}
+    return field(**kw, metadata={"bounds": Bounds(lo, hi, lo_open)})
+
+
 @dataclass
 class SamplingParams:
-    """Per-request sampling and stopping settings. temperature 0 means greedy. Allowed ranges: api.FIELDS."""
-    max_tokens: int = 16
-    min_tokens: int = 0               # EOS and stop ids are masked until this many tokens are out
-    temperature: float = 1.0
-    top_k: int = 0                    # 0 (or -1) = off
-    top_p: float = 1.0
-    min_p: float = 0.0                # drop tokens below min_p * the top token's probability
-    repetition_penalty: float = 1.0   # on prompt and output tokens: logit / p if positive, * p if negative
-    presence_penalty: float = 0.0     # subtracted once from each token already in the output
-    frequency_penalty: float = 0.0    # subtracted per occurrence in the output
-    seed: int | None = None
+    """Per-request sampling and stopping settings. temperature 0 means greedy. These defaults and ranges are the
+    request fields' (triton/fields.py reads them from here)."""
+    max_tokens: int = _bounded(16, 1, 1 << 20)
+    min_tokens: int = _bounded(0, 0, 1 << 20)       # EOS and stop ids are masked until this many tokens are out
+    temperature: float = _bounded(1.0, 0, 100)
+    top_k: int = _bounded(0, -1, I32_MAX)           # 0 (or -1) = off
+    top_p: float = _bounded(1.0, 0, 1, lo_open=True)
+    min_p: float = _bounded(0.0, 0, 1)              # drop tokens below min_p * the top token's probability
+    repetition_penalty: float = _bounded(1.0, 0, 100, lo_open=True)   # prompt and output: logit / p if > 0, else * p
+    presence_penalty: float = _bounded(0.0, -2, 2)  # subtracted once from each token already in the output
+    frequency_penalty: float = _bounded(0.0, -2, 2)  # subtracted per occurrence in the output
+    seed: int | None = _bounded(None, 0, U64_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = _bounded([], 0, I32_MAX)
     stop: list[str] = field(default_factory=list)          # stop strings (need the engine's tokenizer)
     bad_words: list[str] = field(default_factory=list)     # never generated (tokenized by the engine)
     bad_words_ids: list[list[int]] = field(default_factory=list)
-    n: int = 1                        # parallel samples (fanned out by the serving layer)
-    logprobs: int | None = None       # None: none; k: the sampled token's logprob and the top k alternatives
+    n: int = _bounded(1, 1, 16)                      # parallel samples (fanned out by the serving layer)
+    logprobs: int | None = _bounded(None, 0, 20)     # None: none; k: the sampled token's logprob and the top k
     skip_special_tokens: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the allowed range."""
-        from trellm_backend.triton.fields import validate_sampling_params   # the field table is the one source of ranges
-        validate_sampling_params(self)
+        for f in fields(self):
+            if "bounds" in f.metadata:
+                f.metadata["bounds"].check(getattr(self, f.name), f.name)
 
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class RequestTimes:
+    """Life-cycle timestamps (time.time_ns()) for TRT-LLM's perf-metric outputs and the latency metrics: the
+    scheduler stamps the first scheduling, the engine the tokens."""
+    arrival_ns: int
+    first_scheduled_ns: int = 0
+    first_token_ns: int = 0
+    last_token_ns: int = 0
 
 
 class Status(enum.Enum):
@@ -53,23 +107,15 @@ class Request:
     params: SamplingParams
     max_len: int                                  # prompt + output may not exceed this (context / pool limit)
     token_ids: list[int] = field(init=False)      # prompt then generated tokens
-    num_computed_tokens: int = 0                  # tokens whose K/V are in the cache
-    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0                  # tokens whose K/V are in the cache (moved by the scheduler only)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     generator: torch.Generator | None = None      # a seeded request draws from its own stream
     num_preemptions: int = 0
     cumulative_logprob: float = 0.0
-    # Timestamps (time.time_ns()) for TRT-LLM's perf-metric outputs.
-    arrival_time_ns: int = field(default_factory=time.time_ns)
-    first_scheduled_time_ns: int = 0
-    first_token_time_ns: int = 0
-    last_token_time_ns: int = 0
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(time.time_ns()))
     output_processor: object | None = None        # text and stop strings (output_processor.py), with a tokenizer
-    # Prefix caching (block_manager.py): hashes of full blocks, computed once; blocks registered in the cache.
     cache_salt: str | None = None                 # requests with different salts never share cached blocks
-    block_hashes: list = field(default_factory=list)
-    num_registered_blocks: int = 0
     num_cached_tokens: int = 0                    # prompt tokens found in the prefix cache at first admission
 
     def __post_init__(self):
@@ -101,5 +147,5 @@ class RequestOutput:
     # Per new token: (its rank, the top alternatives as (id, logprob)), when asked.
     top_logprobs: list[tuple[int, list[tuple[int, float]]]] | None = None
     cumulative_logprob: float = 0.0
-    metrics: tuple[int, int, int, int] = (0, 0, 0, 0)   # arrival, first scheduled, first token, last token (ns)
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(0))
     num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache

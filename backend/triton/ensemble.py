@@ -2,20 +2,22 @@
 (`postprocess` calls this; it is stateless)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from trellm_backend.triton.llm import PerfMetrics
 
 POSTPROCESS_INPUTS = ["text_output", "finish_reason", "output_log_probs", "cum_log_probs", "num_input_tokens",
                       "num_output_tokens", "sequence_index", "perf_metrics"]
-PERF_METRIC_OUTPUTS = {"arrival_time_ns": np.int64, "first_scheduled_time_ns": np.int64,
-                       "first_token_time_ns": np.int64, "last_token_time_ns": np.int64,
-                       "kv_cache_alloc_new_blocks": np.int32, "kv_cache_reused_blocks": np.int32,
-                       "kv_cache_alloc_total_blocks": np.int32}
+# The ensemble's output dtype of each perf field (times INT64, block counts INT32).
+PERF_METRIC_DTYPES = {f.name: np.int64 if f.name.endswith("_ns") else np.int32
+                      for f in dataclasses.fields(PerfMetrics)}
 
 
 def trtllm_outputs(llm: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The ensemble's outputs ([1, ...]: batch of one, beam of one) from one llm response's tensors."""
-    metrics = llm["perf_metrics"].reshape(-1)
+    metrics = dataclasses.asdict(PerfMetrics.from_array(llm["perf_metrics"]))
     out = {
         "text_output": llm["text_output"].reshape(1, -1),
         "finish_reason": llm["finish_reason"].reshape(1, 1),
@@ -26,6 +28,6 @@ def trtllm_outputs(llm: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         "batch_index": np.zeros((1, 1), dtype=np.int32),     # one prompt per request
         "sequence_index": llm["sequence_index"].reshape(1, 1),
     }
-    for (name, dtype), value in zip(PERF_METRIC_OUTPUTS.items(), metrics):
-        out[name] = np.array([[value]], dtype=dtype)
+    for name, dtype in PERF_METRIC_DTYPES.items():
+        out[name] = np.array([[metrics[name]]], dtype=dtype)
     return out

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trellm_backend.engine.request import RequestOutput, RequestTimes, SamplingParams
 from trellm_backend.triton import fields
-from trellm_backend.engine.request import RequestOutput, SamplingParams
 
 
 @dataclass
@@ -63,7 +63,7 @@ class ResponsePayload:
     cumulative_logprob: float
     num_input_tokens: int
     num_output_tokens: int
-    metrics: tuple[int, int, int, int]
+    times: RequestTimes
     num_cached_tokens: int
 
     def top_logprobs_json(self) -> str:
@@ -94,14 +94,57 @@ class ResponsePlan:
             return None
         p = ResponsePayload(self.prefix + "".join(self.text), self.token_ids, self.logprobs, self.top,
                             out.finished, out.finish_reason, out.cumulative_logprob, out.num_prompt_tokens,
-                            out.num_output_tokens, out.metrics, out.num_cached_tokens)
+                            out.num_output_tokens, out.times, out.num_cached_tokens)
         self.prefix = ""
         self.text, self.token_ids, self.logprobs, self.top = [], [], [], []
         return p
 
 
-def kv_block_counts(p: ResponsePayload, block_size: int) -> tuple[int, int, int]:
-    """(new, reused, total) KV blocks of a sequence so far: TRT-LLM's kv_cache_alloc_* outputs."""
-    total = -(-(p.num_input_tokens + p.num_output_tokens) // block_size)
-    reused = p.num_cached_tokens // block_size
-    return total - reused, reused, total
+@dataclass(frozen=True)
+class PerfMetrics:
+    """TRT-LLM's perf fields of one response, in the order of the `perf_metrics` tensor that carries them from
+    `llm` to `postprocess` (an ensemble step passes tensors, so they travel packed; these names unpack them)."""
+    arrival_time_ns: int
+    first_scheduled_time_ns: int
+    first_token_time_ns: int
+    last_token_time_ns: int
+    kv_cache_alloc_new_blocks: int
+    kv_cache_reused_blocks: int
+    kv_cache_alloc_total_blocks: int
+
+    @classmethod
+    def of(cls, p: ResponsePayload, block_size: int) -> "PerfMetrics":
+        """The payload's times, and its sequence's KV blocks so far (new, reused from the prefix cache, total)."""
+        total = -(-(p.num_input_tokens + p.num_output_tokens) // block_size)
+        reused = p.num_cached_tokens // block_size
+        t = p.times
+        return cls(t.arrival_ns, t.first_scheduled_ns, t.first_token_ns, t.last_token_ns, total - reused, reused,
+                   total)
+
+    def to_array(self) -> np.ndarray:
+        return np.array([dataclasses.astuple(self)], dtype=np.int64)
+
+    @classmethod
+    def from_array(cls, a: np.ndarray) -> "PerfMetrics":
+        return cls(*(int(v) for v in np.asarray(a).reshape(-1)))
+
+
+# What every llm response carries (config.pbtxt output list; tests/test_api.py checks).
+LLM_OUTPUTS = ["text_output", "finish_reason", "token_ids", "output_log_probs", "top_logprobs", "cum_log_probs",
+               "num_input_tokens", "num_output_tokens", "sequence_index", "perf_metrics"]
+
+
+def response_tensors(p: ResponsePayload, sequence_index: int, block_size: int) -> dict[str, np.ndarray]:
+    """One llm response's tensors ([1, ...]: batch of one), named as LLM_OUTPUTS."""
+    return {
+        "text_output": np.array([[p.text.encode("utf-8")]], dtype=np.object_),
+        "finish_reason": np.array([[(p.finish_reason or "").encode()]], dtype=np.object_),
+        "token_ids": np.array([p.token_ids], dtype=np.int32),
+        "output_log_probs": np.array([p.logprobs], dtype=np.float32),
+        "top_logprobs": np.array([[p.top_logprobs_json().encode()]], dtype=np.object_),
+        "cum_log_probs": np.array([[p.cumulative_logprob]], dtype=np.float32),
+        "num_input_tokens": np.array([[p.num_input_tokens]], dtype=np.int32),
+        "num_output_tokens": np.array([[p.num_output_tokens]], dtype=np.int32),
+        "sequence_index": np.array([[sequence_index]], dtype=np.int32),
+        "perf_metrics": PerfMetrics.of(p, block_size).to_array(),
+    }

@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import re
 import shutil
 import socket
 import sys
@@ -45,25 +44,19 @@ def free_port() -> int:
 
 def repository_for(src: str, model_dir: str, dest: str, llm_params: dict[str, str]) -> str:
     """A copy of the model repository `src` whose models read `model_dir`, with `llm_params` set in the llm
-    model's parameters."""
+    model's parameters (config.pbtxt edited through protobuf, as add_model does)."""
+    from trellm_backend.tools.repository import read_config, set_parameters, write_config
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    params = {"model_path": os.path.abspath(model_dir)}
     for name in os.listdir(dest):
         path = os.path.join(dest, name, "config.pbtxt")
         if not os.path.isfile(path):
             continue
-        with open(path) as f:
-            text = f.read()
-        for key, value in {**params, **(llm_params if name == "llm" else {})}.items():
-            line = f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
-            pattern = rf'parameters:\s*{{\s*key:\s*"{re.escape(key)}".*?}}\s*}}'
-            if re.search(pattern, text):
-                text = re.sub(pattern, lambda _: line, text)
-            elif name == "llm":
-                text += line + "\n"
-        with open(path, "w") as f:
-            f.write(text)
+        cfg = read_config(path)
+        set_parameters(cfg, {"model_path": os.path.abspath(model_dir)}, only_existing=True)
+        if name == "llm":
+            set_parameters(cfg, llm_params)
+        write_config(path, cfg)
     return dest
 
 

@@ -1,4 +1,6 @@
-"""Shared fixtures: the default model folder, small Hugging Face models of other configs, a real tritonserver."""
+"""Shared fixtures: the default model folder, a real tritonserver. Tests that start a tritonserver are marked
+`server`, those that run Triton-lang kernels in the interpreter (minutes on CPU) `kernels`; every other test is
+marked `unit` here, so `pytest -m unit` takes seconds."""
 from __future__ import annotations
 
 import os
@@ -7,10 +9,18 @@ import socket
 import pytest
 import torch
 
-# Without a GPU, Triton-lang kernels run in Triton's interpreter. The flag must be set before anything imports
-# triton (transformers and torch may), so it is set here, first; a GPU host compiles the kernels for real.
+# Triton decides when it decorates a function whether it is interpreted, and decorates its own library (tl.sum,
+# ...) at `import triton`: the interpreter is a per-process choice, and cannot be switched per test. On a CPU host
+# it is the only way Triton-lang kernels run, so this session runs them interpreted; a GPU host's session never
+# is (test_kernels.py then runs its interpreter tests in a process of their own).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("server") is None and item.get_closest_marker("kernels") is None:
+            item.add_marker(pytest.mark.unit)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(REPO, "hf_models", "tiny-llama")

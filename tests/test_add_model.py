@@ -15,8 +15,11 @@ import tritonclient.http as httpclient
 from conftest import REPO
 from repository_helpers import (MAX_TOKENS, PROMPTS, explicit_mode_server, greedy_texts, process_group_rss,
                                 processes_mentioning, variant_model)
-from trellm_backend.tools.add_model import TEMPLATE_ENTRIES, add_model, read_config, remove_model
+from trellm_backend.tools.add_model import TEMPLATE_ENTRIES, add_model, remove_model
+from trellm_backend.tools.repository import read_config
 from trellm_client.client import LLMClient, http_generate
+
+pytestmark = pytest.mark.server
 
 TEMPLATE = os.path.join(REPO, "model_repository")
 

@@ -5,9 +5,9 @@ import os
 
 import numpy as np
 import pytest
-from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from trellm_backend.tools.repository import read_config
 from trellm_backend.triton import fields
 from trellm_backend.triton.ensemble import POSTPROCESS_INPUTS
 from trellm_backend.triton.vllm import VLLM_OUTPUTS, parse_vllm_request
@@ -19,8 +19,7 @@ TYPE_NAMES = {v: k for k, v in model_config_pb2.DataType.items()}
 
 
 def load_config(model: str) -> model_config_pb2.ModelConfig:
-    with open(os.path.join(REPO, model, "config.pbtxt")) as f:
-        return text_format.Parse(f.read(), model_config_pb2.ModelConfig())
+    return read_config(os.path.join(REPO, model, "config.pbtxt"))
 
 
 def declared(config) -> dict[str, tuple[str, list[int], bool]]:

@@ -20,6 +20,8 @@ from conftest import REPO, free_ports
 from repository_helpers import MAX_TOKENS, PROMPTS, greedy_texts
 from trellm_client.client import LLMClient, http_generate
 
+pytestmark = pytest.mark.server
+
 NGINX_TEMPLATE = os.path.join(REPO, "deploy", "nginx.conf.template")
 
 

@@ -5,7 +5,11 @@ import re
 import time
 import urllib.request
 
+import pytest
+
 from trellm_client.client import LLMClient
+
+pytestmark = pytest.mark.server
 
 PROMPTS = ["The Python language", "A class", "Exceptions are raised when an error", "with"]
 MAX_TOKENS = 6

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "perf"))
 
@@ -50,6 +52,7 @@ def test_peak_kv_reads_the_vllm_gauge_when_exported():
         server.shutdown()
 
 
+@pytest.mark.server
 def test_benchmark_smoke_writes_json_and_plots(triton_server, default_model_path, tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, os.path.join(REPO, "perf", "benchmark.py"), "--url", triton_server.grpc_url,
@@ -79,6 +82,7 @@ def test_benchmark_smoke_writes_json_and_plots(triton_server, default_model_path
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+@pytest.mark.server
 def test_locust_users_stream_without_failures(triton_server, tmp_path):
     locust = os.path.join(REPO, ".venv-locust", "bin", "locust")
     prefix = tmp_path / "locust"

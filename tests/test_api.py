@@ -10,6 +10,7 @@ from tritonclient.grpc import model_config_pb2
 from trellm_backend.tools.repository import read_config
 from trellm_backend.triton import fields
 from trellm_backend.triton.ensemble import POSTPROCESS_INPUTS
+from trellm_backend.triton.llm import LLM_OUTPUTS
 from trellm_backend.triton.vllm import VLLM_OUTPUTS, parse_vllm_request
 from trellm_client.client import INPUT_TYPES, LIST_INPUTS
 
@@ -75,7 +76,8 @@ def test_ensemble_inputs_are_the_field_table_and_reach_llm():
     # postprocess takes exactly what it reads from the llm's outputs, and the ensemble returns all it makes.
     post = load_config("postprocess")
     assert [i.name for i in post.input] == POSTPROCESS_INPUTS
-    assert {o.name for o in load_config("llm").output} >= set(POSTPROCESS_INPUTS)
+    assert [o.name for o in load_config("llm").output] == LLM_OUTPUTS
+    assert set(LLM_OUTPUTS) >= set(POSTPROCESS_INPUTS)
     assert [o.name for o in ens.output] == [o.name for o in post.output]
 
 

@@ -74,7 +74,7 @@ def check_invariants(bm: KVCacheManager, sched: Scheduler, out, budget: int) -> 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
-def test_scheduler_and_block_manager_invariants(w):
+def test_scheduler_and_kv_cache_manager_invariants(w):
     bs = w["block_size"]
     bm = KVCacheManager(w["num_blocks"], bs, w["prefix_caching"])
     sched = Scheduler(bm, w["max_num_seqs"], w["budget"], w["chunked"], w["cap"])

@@ -13,6 +13,7 @@ list of strings, `messages` a list of {"role", "content"} dicts.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import urllib.error
@@ -276,12 +277,15 @@ class AsyncLLMClient:
             pass   # the server is gone, or the request already ended: nothing left to free
 
     async def stream(self, prompt: str | None = None, **params) -> AsyncIterator[str]:
-        async for chunk in self.stream_chunks(prompt, **{"stream": True, **params}):
-            if chunk.text:
-                yield chunk.text
+        # Closed with this generator, so a caller leaving early gets the stop request sent now, not at collection.
+        async with contextlib.aclosing(self.stream_chunks(prompt, **{"stream": True, **params})) as chunks:
+            async for chunk in chunks:
+                if chunk.text:
+                    yield chunk.text
 
     async def generate(self, prompt: str | None = None, **params) -> str:
-        return "".join([c.text async for c in self.stream_chunks(prompt, **{"stream": False, **params})])
+        async with contextlib.aclosing(self.stream_chunks(prompt, **{"stream": False, **params})) as chunks:
+            return "".join([c.text async for c in chunks])
 
 
 def ensemble_steps(model_config: dict) -> list[str]:

@@ -13,10 +13,10 @@ setup:
 	@bash scripts/setup.sh
 
 model: setup
-	@test -f $(MODEL_DIR)/model.safetensors || $(PY) -m trellm_backend.default_model $(MODEL_DIR)
+	@test -f $(MODEL_DIR)/model.safetensors || $(PY) -m trellm_backend.tools.default_model $(MODEL_DIR)
 
 serve: model
-	$(PY) -m trellm_backend.launch --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+	$(PY) -m trellm_backend.tools.launch --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 		--metrics-port $(METRICS_PORT) --demo-prompt "$(PROMPT)"
 
 test: model

@@ -13,6 +13,7 @@ list of strings, `messages` a list of {"role", "content"} dicts.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import urllib.error
@@ -23,7 +24,7 @@ from typing import AsyncIterator, Iterator
 
 import numpy as np
 
-# numpy type of each ensemble input (tests/test_api.py checks this against backend/api.py FIELDS).
+# numpy type of each ensemble input (tests/test_api.py checks this against backend/triton/fields.py FIELDS).
 INPUT_TYPES = {
     "max_tokens": np.int32, "min_tokens": np.int32, "min_length": np.int32, "temperature": np.float32,
     "top_k": np.int32, "top_p": np.float32, "min_p": np.float32, "repetition_penalty": np.float32,
@@ -160,7 +161,9 @@ class LLMClient:
         from tritonclient.utils import InferenceServerException
         try:
             if self._engine_model is None:
-                self._engine_model = _decoupled_step(self.client, self.model) or ""
+                steps = ensemble_steps(self.client.get_model_config(self.model, as_json=True))
+                self._engine_model = next((m for m in steps
+                                           if is_decoupled(self.client.get_model_config(m, as_json=True))), "")
             if not self._engine_model:
                 return   # not an ensemble: the cancel above reached the model itself
             stop = self._grpc.InferInput("stop", [1, 1], "BOOL")
@@ -209,6 +212,7 @@ class AsyncLLMClient:
         self._grpc = aio
         self.url, self.model = url, model
         self.client = aio.InferenceServerClient(url)
+        self._engine_model: str | None = None    # an ensemble's decoupled step, found on first use
 
     async def __aenter__(self):
         return self
@@ -221,8 +225,10 @@ class AsyncLLMClient:
 
     async def stream_chunks(self, prompt: str | None = None, messages: list[dict] | None = None,
                             **params) -> AsyncIterator[Chunk]:
+        request_id = uuid.uuid4().hex
         request = {"model_name": self.model, "inputs": build_inputs(self._grpc, prompt, params, messages),
-                   "request_id": uuid.uuid4().hex, "parameters": {"triton_enable_empty_final_response": True}}
+                   "request_id": request_id, "parameters": {"triton_enable_empty_final_response": True}}
+        finished = False
 
         async def one_request():
             yield request
@@ -233,35 +239,65 @@ class AsyncLLMClient:
                 if error is not None:
                     raise _as_error(error, self.url)
                 chunk = chunk_from_result(result)
+                finished = chunk.final
                 yield chunk
                 if chunk.final:
                     return
         except Exception as e:
+            finished = True   # the request failed: nothing runs on
             if "unavailable" in str(e).lower() or "failed to connect" in str(e).lower():
                 raise ServerUnavailable(f"no Triton server at {self.url}: {e}") from None
             raise
         finally:
             responses.cancel()
+            if not finished:
+                await self._stop_engine_request(request_id)
+
+    async def _stop_engine_request(self, request_id: str) -> None:
+        """As LLMClient._stop_engine_request: a stream left early gets a stop request to the ensemble's engine."""
+        from tritonclient.utils import InferenceServerException
+        try:
+            if self._engine_model is None:
+                self._engine_model = ""
+                for m in ensemble_steps(await self.client.get_model_config(self.model, as_json=True)):
+                    if is_decoupled(await self.client.get_model_config(m, as_json=True)):
+                        self._engine_model = m
+                        break
+            if not self._engine_model:
+                return
+            stop = self._grpc.InferInput("stop", [1, 1], "BOOL")
+            stop.set_data_from_numpy(np.array([[True]]))
+
+            async def one_stop():
+                yield {"model_name": self._engine_model, "inputs": [stop], "request_id": request_id}
+
+            async for _ in self.client.stream_infer(one_stop()):
+                break   # the stop request's one (empty, final) response
+        except InferenceServerException:
+            pass   # the server is gone, or the request already ended: nothing left to free
 
     async def stream(self, prompt: str | None = None, **params) -> AsyncIterator[str]:
-        async for chunk in self.stream_chunks(prompt, **{"stream": True, **params}):
-            if chunk.text:
-                yield chunk.text
+        # Closed with this generator, so a caller leaving early gets the stop request sent now, not at collection.
+        async with contextlib.aclosing(self.stream_chunks(prompt, **{"stream": True, **params})) as chunks:
+            async for chunk in chunks:
+                if chunk.text:
+                    yield chunk.text
 
     async def generate(self, prompt: str | None = None, **params) -> str:
-        return "".join([c.text async for c in self.stream_chunks(prompt, **{"stream": False, **params})])
+        async with contextlib.aclosing(self.stream_chunks(prompt, **{"stream": False, **params})) as chunks:
+            return "".join([c.text async for c in chunks])
 
 
-def _decoupled_step(client, model: str) -> str | None:
-    """The decoupled step (the engine) of `model` if it is an ensemble, else None."""
-    config = client.get_model_config(model, as_json=True)["config"]
+def ensemble_steps(model_config: dict) -> list[str]:
+    """The step models of a model whose config (get_model_config as JSON) is an ensemble; [] for any other."""
+    config = model_config["config"]
     if config.get("platform") != "ensemble":
-        return None
-    for step in config.get("ensemble_scheduling", {}).get("step", []):
-        step_config = client.get_model_config(step["model_name"], as_json=True)["config"]
-        if step_config.get("model_transaction_policy", {}).get("decoupled"):
-            return step["model_name"]
-    return None
+        return []
+    return [step["model_name"] for step in config.get("ensemble_scheduling", {}).get("step", [])]
+
+
+def is_decoupled(model_config: dict) -> bool:
+    return bool(model_config["config"].get("model_transaction_policy", {}).get("decoupled"))
 
 
 def http_generate(url: str, prompt: str | None, model: str = "ensemble", stream: bool = False,

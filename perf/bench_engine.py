@@ -16,9 +16,9 @@ import time
 import torch
 
 import trellm_backend.models.llama as llama
-from trellm_backend.config import EngineConfig
-from trellm_backend.engine import LLMEngine
-from trellm_backend.request import SamplingParams
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.request import SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

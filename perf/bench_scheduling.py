@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from trellm_backend.config import EngineConfig
-from trellm_backend.engine import LLMEngine
-from trellm_backend.request import SamplingParams
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.request import SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,7 +52,7 @@ def shared_prompt_run(model: str, caching: bool, args) -> dict:
     wall = time.perf_counter() - start
     ttft = [first[str(i)] - added[str(i)] for i in range(args.requests)]
     return dict(output_tok_s=generated / wall, ttft_mean_ms=1e3 * statistics.mean(ttft),
-                ttft_p50_ms=1e3 * statistics.median(ttft), hit_blocks=engine.blocks.num_hits)
+                ttft_p50_ms=1e3 * statistics.median(ttft), hit_blocks=engine.kv.num_hits)
 
 
 def _step(engine: LLMEngine, first: dict, start: float) -> int:

@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -61,25 +60,19 @@ def free_port() -> int:
 
 def repository_for(src: str, model_dir: str, dest: str, llm_params: dict[str, str]) -> str:
     """A copy of the model repository `src` whose models read `model_dir`, with `llm_params` set in the llm
-    model's parameters."""
+    model's parameters (config.pbtxt edited through protobuf, as add_model does)."""
+    from trellm_backend.tools.repository import read_config, set_parameters, write_config
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    params = {"model_path": os.path.abspath(model_dir)}
     for name in os.listdir(dest):
         path = os.path.join(dest, name, "config.pbtxt")
         if not os.path.isfile(path):
             continue
-        with open(path) as f:
-            text = f.read()
-        for key, value in {**params, **(llm_params if name == "llm" else {})}.items():
-            line = f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
-            pattern = rf'parameters:\s*{{\s*key:\s*"{re.escape(key)}".*?}}\s*}}'
-            if re.search(pattern, text):
-                text = re.sub(pattern, lambda _: line, text)
-            elif name == "llm":
-                text += line + "\n"
-        with open(path, "w") as f:
-            f.write(text)
+        cfg = read_config(path)
+        set_parameters(cfg, {"model_path": os.path.abspath(model_dir)}, only_existing=True)
+        if name == "llm":
+            set_parameters(cfg, llm_params)
+        write_config(path, cfg)
     return dest
 
 
@@ -111,21 +104,19 @@ def baseline_requests(args, levels: list[dict], plan) -> tuple[str, dict, list, 
 
 def load_llm_engine():
     """This project's engine classes. One place to follow if the backend's modules move."""
-    from trellm_backend.config import EngineConfig
-    from trellm_backend.engine import LLMEngine
-    from trellm_backend.request import SamplingParams
+    from trellm_backend.engine.config import EngineConfig
+    from trellm_backend.engine.engine import LLMEngine
+    from trellm_backend.engine.request import SamplingParams
     return LLMEngine, EngineConfig, SamplingParams
 
 
 def served_engine_settings(model_repository: str, llm_params: dict[str, str]) -> dict[str, str]:
     """The llm model's engine parameters in `model_repository` (its config.pbtxt), with `llm_params` on top."""
+    from trellm_backend.tools.repository import read_config
     values = {}
     path = os.path.join(model_repository, "llm", "config.pbtxt")
     if os.path.isfile(path):
-        with open(path) as f:
-            text = f.read()
-        pattern = r'parameters:\s*{\s*key:\s*"([^"]+)"\s*value:\s*{\s*string_value:\s*"([^"]*)"\s*}\s*}'
-        values = dict(re.findall(pattern, text))
+        values = {k: v.string_value for k, v in read_config(path).parameters.items()}
     values.update(llm_params)
     values.pop("model_path", None)
     return values
@@ -318,7 +309,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     server = None
     if args.start_server:
-        from trellm_backend.launch import TritonServer
+        from trellm_backend.tools.launch import TritonServer
         llm_params = dict(p.split("=", 1) for p in args.llm_param)
         repo = repository_for(args.model_repository, args.model_dir, os.path.join(args.out, "model_repository"),
                               llm_params)

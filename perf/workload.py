@@ -57,7 +57,7 @@ class PromptMaker:
 
     def __init__(self, model_dir: str):
         from transformers import AutoTokenizer
-        from trellm_backend.default_model import corpus_text
+        from trellm_backend.tools.default_model import corpus_text
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         # A quarter of the help topics (~30k tokens) is plenty for windows of a few thousand tokens.
         self.corpus_ids = self.tokenizer(corpus_text()[:150_000], add_special_tokens=False).input_ids

@@ -1,4 +1,6 @@
-"""Shared fixtures: the default model folder, small Hugging Face models of other configs, a real tritonserver."""
+"""Shared fixtures: the default model folder, a real tritonserver. Tests that start a tritonserver are marked
+`server`, those that run Triton-lang kernels in the interpreter (minutes on CPU) `kernels`; every other test is
+marked `unit` here, so `pytest -m unit` takes seconds."""
 from __future__ import annotations
 
 import os
@@ -7,10 +9,18 @@ import socket
 import pytest
 import torch
 
-# Without a GPU, Triton-lang kernels run in Triton's interpreter. The flag must be set before anything imports
-# triton (transformers and torch may), so it is set here, first; a GPU host compiles the kernels for real.
+# Triton decides when it decorates a function whether it is interpreted, and decorates its own library (tl.sum,
+# ...) at `import triton`: the interpreter is a per-process choice, and cannot be switched per test. On a CPU host
+# it is the only way Triton-lang kernels run, so this session runs them interpreted; a GPU host's session never
+# is (test_kernels.py then runs its interpreter tests in a process of their own).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("server") is None and item.get_closest_marker("kernels") is None:
+            item.add_marker(pytest.mark.unit)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(REPO, "hf_models", "tiny-llama")
@@ -19,7 +29,7 @@ DEFAULT_MODEL = os.path.join(REPO, "hf_models", "tiny-llama")
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     """The repository's default model (built by `make model`; built here if a test run starts without it)."""
-    from trellm_backend.default_model import build
+    from trellm_backend.tools.default_model import build
     return build(DEFAULT_MODEL)
 
 
@@ -38,7 +48,7 @@ def free_ports(n: int) -> list[int]:
 @pytest.fixture(scope="session")
 def triton_server(default_model_path, tmp_path_factory):
     """tritonserver on the repository's model_repository, on free ports; stopped when the session ends."""
-    from trellm_backend.launch import TritonServer
+    from trellm_backend.tools.launch import TritonServer
     http, grpc, metrics = free_ports(3)
     log = tmp_path_factory.mktemp("triton") / "server.log"
     server = TritonServer(os.path.join(REPO, "model_repository"), http, grpc, metrics, log_path=str(log))

@@ -78,8 +78,8 @@ def explicit_mode_server(root, name: str, model_path: str, kv_cache_bytes: str):
     """Started tritonserver in explicit model-control mode on `root`/repository, holding one model `name` added
     with the add_model command (the caller stops it)."""
     from conftest import free_ports
-    from trellm_backend.add_model import add_model
-    from trellm_backend.launch import TritonServer
+    from trellm_backend.tools.add_model import add_model
+    from trellm_backend.tools.launch import TritonServer
     repo = root / "repository"
     repo.mkdir()
     add_model(name, model_path, str(repo), {"kv_cache_bytes": kv_cache_bytes})

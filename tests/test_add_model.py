@@ -15,14 +15,17 @@ import tritonclient.http as httpclient
 from conftest import REPO
 from repository_helpers import (MAX_TOKENS, PROMPTS, explicit_mode_server, greedy_texts, process_group_rss,
                                 processes_mentioning, variant_model)
-from trellm_backend.add_model import TEMPLATE_ENTRIES, add_model, read_config, remove_model
+from trellm_backend.tools.add_model import TEMPLATE_ENTRIES, add_model, remove_model
+from trellm_backend.tools.repository import read_config
 from trellm_client.client import LLMClient, http_generate
+
+pytestmark = pytest.mark.server
 
 TEMPLATE = os.path.join(REPO, "model_repository")
 
 
 def run_add_model(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trellm_backend.add_model", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "trellm_backend.tools.add_model", *args], capture_output=True, text=True)
 
 
 def test_entries_follow_the_template(default_model_path, tmp_path):

@@ -1,15 +1,17 @@
-"""One table of request fields (backend/api.py FIELDS) against everything that lists them: the config.pbtxt input
+"""One table of request fields (backend/triton/fields.py FIELDS) against everything that lists them: the config.pbtxt input
 lists, the client's types, the README's field table; and the parsing rules of both contracts."""
 import json
 import os
 
 import numpy as np
 import pytest
-from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from trellm_backend import api
-from trellm_backend.serving import POSTPROCESS_INPUTS, VLLM_OUTPUTS, parse_vllm_request
+from trellm_backend.tools.repository import read_config
+from trellm_backend.triton import fields
+from trellm_backend.triton.ensemble import POSTPROCESS_INPUTS
+from trellm_backend.triton.llm import LLM_OUTPUTS
+from trellm_backend.triton.vllm import VLLM_OUTPUTS, parse_vllm_request
 from trellm_client.client import INPUT_TYPES, LIST_INPUTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,43 +20,64 @@ TYPE_NAMES = {v: k for k, v in model_config_pb2.DataType.items()}
 
 
 def load_config(model: str) -> model_config_pb2.ModelConfig:
-    with open(os.path.join(REPO, model, "config.pbtxt")) as f:
-        return text_format.Parse(f.read(), model_config_pb2.ModelConfig())
+    return read_config(os.path.join(REPO, model, "config.pbtxt"))
 
 
 def declared(config) -> dict[str, tuple[str, list[int], bool]]:
     return {i.name: (TYPE_NAMES[i.data_type], list(i.dims), i.optional) for i in config.input}
 
 
-def expected_field_inputs(fields) -> dict[str, tuple[str, list[int], bool]]:
-    return {t: (api.TRITON_TYPES[f.kind], [int(f.dims)], True) for f in fields for t in f.tensor_names}
+def expected_field_inputs(table) -> dict[str, tuple[str, list[int], bool]]:
+    return {t: (fields.TRITON_TYPES[f.kind], [int(f.dims)], True) for f in table for t in f.tensor_names}
+
+
+class FakeAutoCompleteConfig:
+    """Triton's auto_complete_model_config, as the Python backend hands it to auto_complete_config."""
+
+    def __init__(self, config):
+        self.inputs = [{"name": i.name} for i in config.input]
+        self.added = []
+
+    def as_dict(self):
+        return {"input": self.inputs + self.added}
+
+    def add_input(self, spec):
+        self.added.append(spec)
 
 
 def test_llm_inputs_are_the_field_table():
-    llm = declared(load_config("llm"))
+    """config.pbtxt declares the prompt and `stop`; auto_complete_config adds every field's tensors."""
+    config = load_config("llm")
+    fake = FakeAutoCompleteConfig(config)
+    fields.auto_complete_llm_inputs(fields.auto_complete_llm_inputs(fake))    # a second call adds nothing
+    for spec in fake.added:
+        config.input.add(name=spec["name"], data_type=model_config_pb2.DataType.Value(spec["data_type"]),
+                         dims=spec["dims"], optional=spec["optional"])
+    llm = declared(config)
     llm.pop("stop")   # the TRT-LLM-style stop request, not a request field
-    assert list(llm) == api.llm_tensor_names()
-    assert {k: v for k, v in llm.items() if k not in api.LLM_PROMPT_INPUTS} == expected_field_inputs(api.FIELDS)
+    assert list(llm) == fields.llm_tensor_names()
+    assert {k: v for k, v in llm.items() if k not in fields.LLM_PROMPT_INPUTS} == expected_field_inputs(fields.FIELDS)
 
 
 def test_ensemble_inputs_are_the_field_table_and_reach_llm():
     ens = load_config("ensemble")
     inputs = declared(ens)
-    assert list(inputs) == api.ensemble_tensor_names()
+    assert list(inputs) == fields.ensemble_tensor_names()
     assert all(optional for _, _, optional in inputs.values())   # text_input too: preprocess names it missing
-    ensemble_fields = [f for f in api.FIELDS if f.in_ensemble]
-    assert {k: v for k, v in inputs.items() if k not in api.ENSEMBLE_PROMPT_INPUTS} == \
+    ensemble_fields = [f for f in fields.FIELDS if f.in_ensemble]
+    assert {k: v for k, v in inputs.items() if k not in fields.ENSEMBLE_PROMPT_INPUTS} == \
         expected_field_inputs(ensemble_fields)
     steps = {s.model_name: s for s in ens.ensemble_scheduling.step}
     assert set(steps["llm"].input_map) == {"input_ids", "input_lengths",
                                            *(t for f in ensemble_fields for t in f.tensor_names)}
-    assert all(k == v for k, v in steps["llm"].input_map.items() if k not in api.LLM_PROMPT_INPUTS)
+    assert all(k == v for k, v in steps["llm"].input_map.items() if k not in fields.LLM_PROMPT_INPUTS)
     pre = declared(load_config("preprocess"))
-    assert set(steps["preprocess"].input_map) == set(pre) >= set(api.ENSEMBLE_PROMPT_INPUTS)
+    assert set(steps["preprocess"].input_map) == set(pre) >= set(fields.ENSEMBLE_PROMPT_INPUTS)
     # postprocess takes exactly what it reads from the llm's outputs, and the ensemble returns all it makes.
     post = load_config("postprocess")
     assert [i.name for i in post.input] == POSTPROCESS_INPUTS
-    assert {o.name for o in load_config("llm").output} >= set(POSTPROCESS_INPUTS)
+    assert [o.name for o in load_config("llm").output] == LLM_OUTPUTS
+    assert set(LLM_OUTPUTS) >= set(POSTPROCESS_INPUTS)
     assert [o.name for o in ens.output] == [o.name for o in post.output]
 
 
@@ -63,7 +86,7 @@ def test_vllm_model_inputs_and_outputs_follow_the_vllm_contract():
     inputs = declared(cfg)
     assert inputs.pop("text_input") == ("TYPE_STRING", [1], False)
     assert inputs == {n: ({"bool": "TYPE_BOOL", "str": "TYPE_STRING"}[k], [1], True)
-                      for n, k in api.VLLM_INPUTS.items()}
+                      for n, k in fields.VLLM_INPUTS.items()}
     assert cfg.max_batch_size == 0 and cfg.model_transaction_policy.decoupled
     outputs = {o.name: TYPE_NAMES[o.data_type] for o in cfg.output}
     assert outputs == {"text_output": "TYPE_STRING", "finish_reason": "TYPE_STRING",
@@ -75,7 +98,7 @@ def test_vllm_model_inputs_and_outputs_follow_the_vllm_contract():
 
 
 def test_client_types_match_the_ensemble():
-    ens = {t: f for f in api.FIELDS if f.in_ensemble for t in f.tensor_names}
+    ens = {t: f for f in fields.FIELDS if f.in_ensemble for t in f.tensor_names}
     assert set(INPUT_TYPES) == set(ens)
     numpy_of = {"int": np.int32, "uint": np.uint64, "float": np.float32, "bool": np.bool_, "str_list": np.object_}
     assert all(INPUT_TYPES[t] is numpy_of[f.kind] for t, f in ens.items())
@@ -85,8 +108,8 @@ def test_client_types_match_the_ensemble():
 def test_readme_documents_every_field():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    assert api.fields_markdown() in readme, "regenerate the README's field table: api.fields_markdown()"
-    for name in api.VLLM_INPUTS:
+    assert fields.fields_markdown() in readme, "regenerate the README's field table: fields.fields_markdown()"
+    for name in fields.VLLM_INPUTS:
         assert f"`{name}`" in readme
 
 
@@ -96,13 +119,13 @@ def t(v, dtype):
 
 
 def test_tensor_aliases_and_defaults():
-    values = api.values_from_tensors({"min_length": t(5, np.int32), "random_seed": t(7, np.uint64)})
-    params = api.sampling_params(values)
+    values = fields.values_from_tensors({"min_length": t(5, np.int32), "random_seed": t(7, np.uint64)})
+    params = fields.sampling_params(values)
     assert params.min_tokens == 5 and params.seed == 7 and params.temperature == 0.0   # greedy by default
     both = {"min_tokens": t(5, np.int32), "min_length": t(6, np.int32)}
     with pytest.raises(ValueError, match="aliases"):
-        api.values_from_tensors(both)
-    words = api.values_from_tensors({"stop_words": np.array([[b"\n\n", "日本".encode()]], dtype=np.object_)})
+        fields.values_from_tensors(both)
+    words = fields.values_from_tensors({"stop_words": np.array([[b"\n\n", "日本".encode()]], dtype=np.object_)})
     assert words == {"stop": ["\n\n", "日本"]}
 
 
@@ -125,16 +148,16 @@ def test_tensor_aliases_and_defaults():
 ])
 def test_tensor_errors_name_the_field_and_range(tensors, message):
     with pytest.raises(ValueError, match=message):
-        api.sampling_params(api.values_from_tensors(tensors))
+        fields.sampling_params(fields.values_from_tensors(tensors))
 
 
 def test_sampling_parameters_json_coerces_strings_like_genai_perf_sends():
-    values = api.values_from_sampling_json(json.dumps(
+    values = fields.values_from_sampling_json(json.dumps(
         {"max_tokens": "256", "min_tokens": "256", "ignore_eos": "false", "temperature": "0.5", "top_k": 3.0,
          "stop": "END", "stop_token_ids": ["5", 6], "n": 2, "seed": None}))
     assert values == {"max_tokens": 256, "min_tokens": 256, "ignore_eos": False, "temperature": 0.5, "top_k": 3,
                       "stop": ["END"], "stop_token_ids": [5, 6], "n": 2}
-    assert api.values_from_sampling_json('{"ignore_eos": "true"}') == {"ignore_eos": True}
+    assert fields.values_from_sampling_json('{"ignore_eos": "true"}') == {"ignore_eos": True}
 
 
 @pytest.mark.parametrize("sp, message", [
@@ -150,7 +173,7 @@ def test_sampling_parameters_json_coerces_strings_like_genai_perf_sends():
 ])
 def test_sampling_parameters_errors(sp, message):
     with pytest.raises(ValueError, match=message):
-        api.values_from_sampling_json(sp)
+        fields.values_from_sampling_json(sp)
 
 
 def test_vllm_request_defaults_and_what_goes_to_llm():
@@ -158,14 +181,14 @@ def test_vllm_request_defaults_and_what_goes_to_llm():
                               {"stream": True, "return_cumulative_logprob": True})
     assert spec.values["temperature"] == 1.0       # vLLM's default, unlike the ensemble's greedy default
     assert spec.values["return_log_probs"] and spec.stream and not spec.echo_prompt
-    tensors = api.tensors_from_values(spec.values)
+    tensors = fields.tensors_from_values(spec.values)
     assert tensors["max_tokens"].dtype == np.int32 and tensors["max_tokens"].shape == (1, 1)
-    back = api.sampling_params(api.values_from_tensors(tensors))    # what llm will parse
+    back = fields.sampling_params(fields.values_from_tensors(tensors))    # what llm will parse
     assert back.max_tokens == 4 and back.temperature == 1.0 and back.logprobs == 0
     with pytest.raises(ValueError, match="text_input is missing"):
         parse_vllm_request({"sampling_parameters": "{}"}, {})
 
 
 def test_unknown_request_parameters_are_reported():
-    assert api.request_parameters_error('{"triton_enable_empty_final_response": true}') is None
-    assert "max_tokns" in api.request_parameters_error('{"max_tokns": 5}')
+    assert fields.request_parameters_error('{"triton_enable_empty_final_response": true}') is None
+    assert "max_tokns" in fields.request_parameters_error('{"max_tokns": 5}')

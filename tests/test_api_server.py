@@ -15,6 +15,8 @@ import tritonclient.grpc as grpcclient
 
 from trellm_client.client import LLMClient, http_generate
 
+pytestmark = pytest.mark.server
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "The import statement"
 

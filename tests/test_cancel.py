@@ -23,12 +23,14 @@ import tritonclient.grpc as grpcclient
 
 from conftest import REPO, free_ports
 
+pytestmark = pytest.mark.server
+
 LLM_SETTINGS = {"max_num_seqs": "1", "max_queue_size": "2"}
 
 
 @pytest.fixture(scope="module")
 def server(default_model_path, tmp_path_factory):
-    from trellm_backend.launch import TritonServer
+    from trellm_backend.tools.launch import TritonServer
     root = tmp_path_factory.mktemp("cancel")
     repo = root / "model_repository"
     shutil.copytree(os.path.join(REPO, "model_repository"), repo)
@@ -191,4 +193,23 @@ def test_client_leaving_an_ensemble_stream_early_frees_blocks(server):
             next(stream)
         assert wait_for_blocks(server, lambda used: used > 0) > 0
         stream.close()
+    assert wait_for_blocks(server, lambda used: used == 0, timeout=5) == 0, "the ensemble request kept its blocks"
+
+
+def test_async_client_leaving_an_ensemble_stream_early_frees_blocks(server):
+    """AsyncLLMClient sends the same stop request as LLMClient when the caller stops reading."""
+    import asyncio
+
+    from trellm_client.client import AsyncLLMClient
+
+    async def leave_early():
+        async with AsyncLLMClient(server.grpc_url) as client:
+            stream = client.stream("The Python language", max_tokens=3000, min_tokens=3000)
+            for _ in range(3):
+                await stream.__anext__()
+            held = await asyncio.to_thread(wait_for_blocks, server, lambda used: used > 0)
+            await stream.aclose()
+            return held
+
+    assert asyncio.run(leave_early()) > 0
     assert wait_for_blocks(server, lambda used: used == 0, timeout=5) == 0, "the ensemble request kept its blocks"

@@ -5,8 +5,12 @@ import asyncio
 import subprocess
 import sys
 
+import pytest
+
 from conftest import free_ports
 from trellm_client.client import AsyncLLMClient, LLMClient
+
+pytestmark = pytest.mark.server
 
 PROMPT = "Lists"
 

@@ -20,6 +20,8 @@ from conftest import REPO, free_ports
 from repository_helpers import MAX_TOKENS, PROMPTS, greedy_texts
 from trellm_client.client import LLMClient, http_generate
 
+pytestmark = pytest.mark.server
+
 NGINX_TEMPLATE = os.path.join(REPO, "deploy", "nginx.conf.template")
 
 
@@ -89,7 +91,7 @@ def start_nginx(workdir: str, http_port: int, grpc_port: int, replicas) -> subpr
 @pytest.fixture(scope="module")
 def topology(default_model_path, tmp_path_factory):
     """Two replicas of the project's repository (only `ensemble` and its steps loaded) and nginx in front."""
-    from trellm_backend.launch import TritonServer
+    from trellm_backend.tools.launch import TritonServer
     root = tmp_path_factory.mktemp("deploy")
     replicas = []
     for i in range(2):

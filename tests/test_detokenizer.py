@@ -2,7 +2,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from trellm_backend.detokenizer import IncrementalDetokenizer
+from trellm_backend.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "  leading spaces and a tab\tthen words",
@@ -95,8 +95,8 @@ def test_byte_fallback_stream_equals_full_decode(sp_tokenizer, text, step):
 
 def test_stop_strings_on_byte_fallback_text(sp_tokenizer):
     """A stop string inside a run of byte tokens (a CJK word) stops there, and nothing of it is emitted."""
-    from trellm_backend.output_processor import OutputProcessor
-    from trellm_backend.request import SamplingParams
+    from trellm_backend.engine.output_processor import OutputProcessor
+    from trellm_backend.engine.request import SamplingParams
     tok = sp_tokenizer
     prompt = tok("Question:").input_ids
     ids = tok("lists 数据结构 and more", add_special_tokens=False).input_ids

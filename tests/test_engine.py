@@ -3,13 +3,17 @@ requests arriving at different steps (so batches mix prefill chunks and decodes,
 for the default model and for other Llama-family configurations. Also the KV block bookkeeping."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from hf_models import VARIANTS, hf_greedy, model_dir_for, random_prompts
-from trellm_backend.config import EngineConfig
-from trellm_backend.engine import LLMEngine
-from trellm_backend.request import SamplingParams
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.request import SamplingParams
 
 LENGTHS = [1, 7, 16, 17, 45, 90]       # one token, around a block boundary, several blocks
 ARRIVALS = [0, 0, 2, 3, 5, 9]          # engine step at which each request is added
@@ -133,6 +137,7 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(default_model_path):
     assert other_seed != alone
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("name, splits", [("default", None), ("qwen3-qknorm-hd8", "3"), ("qwen2-bias-gqa4", None)])
 def test_triton_kernels_match_transformers(monkeypatch, default_model_path, variant_dirs, name, splits):
     """The same parity with every hot-path op running as a Triton-lang kernel (interpreted on CPU); for Qwen3
@@ -156,3 +161,13 @@ def _counting(fn, calls):
         calls.append(1)
         return fn(*a, **k)
     return wrapper
+
+
+@pytest.mark.kernels
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CPU host's session runs test_kernels.py interpreted")
+def test_kernel_interpreter_tests_in_their_own_process():
+    """On a GPU host this session compiles the kernels, so the interpreter tests get a process of their own."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_kernels.py")],
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stdout[-3000:]

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from trellm_backend.config import EngineConfig
-from trellm_backend.engine import LLMEngine
-from trellm_backend.engine_loop import EngineLoop, QueueFull
-from trellm_backend.request import SamplingParams
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.loop import EngineLoop, QueueFull
+from trellm_backend.engine.request import SamplingParams
 
 LONG = SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True)
 

@@ -1,7 +1,8 @@
 """Triton-lang kernels against their PyTorch references, run on CPU through Triton's interpreter.
 
-TRITON_INTERPRET must be set before triton or any trellm_kernels.triton_* module is imported: triton reads it when
-@triton.jit decorates a kernel. Shapes are small because the interpreter runs every program in Python.
+These tests need TRITON_INTERPRET=1 from the start of the process (conftest.py says why): a CPU host's session has
+it; on a GPU host they are skipped in the session and run in a process of their own (test_engine.py).
+Shapes are small because the interpreter runs every program in Python.
 
 dtypes: the interpreter runs fp32 and fp16 kernels faithfully. bf16 is only partly supported, and tested with that
 in mind: loads, stores and bf16 -> fp32 casts are exact, but (1) arithmetic on bf16 tiles, tl.dot included, runs on
@@ -11,30 +12,18 @@ cannot reach); (2) fp32 -> bf16 casts truncate instead of rounding to nearest-ev
 bf16 results are compared with a tolerance even where fp32/fp16 results must match bit for bit.
 """
 import os
+import subprocess
+import sys
 
-_OUTER_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+from trellm_kernels import activation, attention, cpu_ops, kv_cache, linear, rmsnorm, rotary
+from trellm_kernels import triton_activation, triton_attention, triton_kv_cache, triton_rmsnorm, triton_rotary
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from trellm_kernels import activation, attention, cpu_ops, kv_cache, linear, rmsnorm, rotary  # noqa: E402
-from trellm_kernels import (triton_activation, triton_attention, triton_kv_cache, triton_rmsnorm,  # noqa: E402
-                            triton_rotary)
-
-# The kernels are decorated (as interpreted functions) by now. The interpreter still reads the flag while running,
-# so it is set for each test here, but not left behind for the rest of a pytest session: a tritonserver that
-# another test starts on a GPU machine would otherwise interpret its kernels.
-if _OUTER_INTERPRET is None:
-    del os.environ["TRITON_INTERPRET"]
-
-
-@pytest.fixture(autouse=True)
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 from process start (GPU host)")]
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 TOL = {F32: dict(atol=1e-4, rtol=1e-4), F16: dict(atol=1e-2, rtol=1e-2), BF16: dict(atol=2e-2, rtol=2e-2)}

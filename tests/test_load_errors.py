@@ -11,8 +11,10 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from repository_helpers import edit_json, explicit_mode_server
-from trellm_backend.add_model import add_model
+from trellm_backend.tools.add_model import add_model
 from trellm_client.client import LLMClient
+
+pytestmark = pytest.mark.server
 
 KV = str(32 << 20)
 

@@ -5,7 +5,11 @@ import re
 import time
 import urllib.request
 
+import pytest
+
 from trellm_client.client import LLMClient
+
+pytestmark = pytest.mark.server
 
 PROMPTS = ["The Python language", "A class", "Exceptions are raised when an error", "with"]
 MAX_TOKENS = 6
@@ -65,7 +69,7 @@ def test_metrics_match_the_requests_sent(triton_server):
 
 def test_server_with_metrics_off_still_serves(default_model_path, tmp_path):
     from conftest import REPO, free_ports
-    from trellm_backend.launch import TritonServer
+    from trellm_backend.tools.launch import TritonServer
     http, grpc, metrics = free_ports(3)
     server = TritonServer(f"{REPO}/model_repository", http, grpc, metrics, log_path=str(tmp_path / "server.log"),
                           extra_args=["--allow-metrics=false"])

@@ -7,9 +7,9 @@ import pytest
 
 from hf_models import hf_greedy, random_prompts
 from test_engine import GREEDY, MAX_TOKENS, run_staggered
-from trellm_backend.config import EngineConfig
-from trellm_backend.engine import LLMEngine
-from trellm_backend.request import SamplingParams
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.request import SamplingParams
 
 SYSTEM = random_prompts(7, 4096, [50])[0]                      # shared by every prompt: 3 full blocks of 16
 TAILS = random_prompts(8, 4096, [1, 5, 14, 20, 9, 30])
@@ -38,7 +38,7 @@ def run(model_path, **kwargs) -> tuple[LLMEngine, list[list[int]]]:
 def test_greedy_outputs_identical_with_and_without_prefix_cache(default_model_path, expected, settings):
     engine, got = run(default_model_path, kv_cache_bytes=32 << 20, **settings)
     assert got == expected
-    hits = engine.blocks.num_hits
+    hits = engine.kv.num_hits
     if settings["enable_prefix_caching"]:
         assert hits >= 3 * (len(PROMPTS) - 2), f"the shared 3-block system prompt was reused only {hits} times"
     else:

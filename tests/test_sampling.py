@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from hf_models import random_prompts
-from trellm_backend.config import EngineConfig
-from trellm_backend.engine import LLMEngine
-from trellm_backend.request import Request, SamplingParams
-from trellm_backend.sampler import apply_bans, apply_penalties, sample
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.request import Request, SamplingParams
+from trellm_backend.engine.sampler import apply_bans, apply_penalties, sample
 
 V = 12
 
@@ -162,8 +162,8 @@ def test_cumulative_logprob_is_the_sum(engine):
     lps = [o.logprobs[0] for o in outs]
     assert all(lp <= 0 for lp in lps) and outs[-1].cumulative_logprob == pytest.approx(sum(lps), abs=1e-4)
     assert all(o.top_logprobs[0][0] == 1 for o in outs)          # greedy: the sampled token ranks first
-    m = outs[-1].metrics
-    assert 0 < m[0] <= m[1] <= m[2] <= m[3]
+    t = outs[-1].times
+    assert 0 < t.arrival_ns <= t.first_scheduled_ns <= t.first_token_ns <= t.last_token_ns
 
 
 def test_stop_strings_need_a_tokenizer(default_model_path):

@@ -1,23 +1,37 @@
 """Property tests of the scheduler and block manager, with a cheap fake in place of the model runner.
 
-The fake "computes" a token by writing its id into a fake KV pool at the slot its block table gives, and checks
-that every position a request attends to holds that request's token: so a prefix-cache hit that handed out wrong
-contents, a block shared while still written, or a block table gone stale would all fail here.
+The fake "computes" a token by writing its id into a fake KV pool at the slot its block table gives, "attends" by
+reading every earlier position back through the table, and derives the next token from what it read: so a
+prefix-cache hit that handed out wrong contents, a block shared while still written, or a block table gone stale
+would change the outputs (and fail the invariant test's direct check too).
 """
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trellm_backend.block_manager import BlockManager, blocks_for
-from trellm_backend.request import Request, SamplingParams, Status
-from trellm_backend.scheduler import Scheduler
+import pytest
+
+from trellm_backend.engine.kv_cache_manager import KVCacheManager, blocks_for
+from trellm_backend.engine.request import Request, SamplingParams, Status
+from trellm_backend.engine.scheduler import ScheduledChunk, Scheduler
+
+pytestmark = pytest.mark.unit
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 20, 21], [30] * 9, []]
 
 
 def next_token(tokens: list[int]) -> int:
     return (sum(tokens[-3:]) * 31 + len(tokens)) % 50
+
+
+def fake_forward(kv: list[list[int]], block_size: int, chunk: ScheduledChunk) -> list[int]:
+    """Write the chunk's tokens at the slots of its block table, then read back every position it attends to."""
+    end = chunk.start + chunk.num_new_tokens
+    assert len(chunk.block_ids) * block_size >= end
+    for pos, token in enumerate(chunk.token_ids, chunk.start):
+        kv[chunk.block_ids[pos // block_size]][pos % block_size] = token
+    return [kv[chunk.block_ids[pos // block_size]][pos % block_size] for pos in range(end)]
 
 
 @st.composite
@@ -39,17 +53,17 @@ def workloads(draw):
                 chunked=draw(st.booleans()), prefix_caching=draw(st.booleans()), cap=draw(st.integers(0, 8)))
 
 
-def check_invariants(bm: BlockManager, sched: Scheduler, out, budget: int) -> None:
+def check_invariants(bm: KVCacheManager, sched: Scheduler, out, budget: int) -> None:
     assert sum(c.num_new_tokens for c in out.chunks) <= budget
     assert len(sched.running) <= sched.max_num_seqs
     refs = [0] * bm.num_blocks
     for r in sched.running:
         assert r.status is Status.RUNNING
-        assert len(r.block_ids) >= blocks_for(r.num_computed_tokens, bm.block_size)
-        for b in r.block_ids:
+        assert len(bm.block_ids(r.request_id)) >= blocks_for(r.num_computed_tokens, bm.block_size)
+        for b in bm.block_ids(r.request_id):
             refs[b] += 1
     for r in sched.waiting:
-        assert r.status is Status.WAITING and r.block_ids == [] and r.num_computed_tokens == 0
+        assert r.status is Status.WAITING and bm.block_ids(r.request_id) == [] and r.num_computed_tokens == 0
     assert refs == bm.ref_count, "reference counts must equal the block tables' use of each block"
     free = set(bm.free_ids)
     assert len(free) == len(bm.free_ids)
@@ -60,12 +74,12 @@ def check_invariants(bm: BlockManager, sched: Scheduler, out, budget: int) -> No
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
-def test_scheduler_and_block_manager_invariants(w):
+def test_scheduler_and_kv_cache_manager_invariants(w):
     bs = w["block_size"]
-    bm = BlockManager(w["num_blocks"], bs, w["prefix_caching"])
+    bm = KVCacheManager(w["num_blocks"], bs, w["prefix_caching"])
     sched = Scheduler(bm, w["max_num_seqs"], w["budget"], w["chunked"], w["cap"])
     pool_tokens = w["num_blocks"] * bs
-    kv = [[None] * bs for _ in range(w["num_blocks"])]
+    kv = [[-1] * bs for _ in range(w["num_blocks"])]
     pending = sorted(enumerate(w["reqs"]), key=lambda x: x[1][0])
     live: dict[int, Request] = {}
     done: dict[int, str] = {}
@@ -90,18 +104,12 @@ def test_scheduler_and_block_manager_invariants(w):
             assert all(c.num_new_tokens <= w["cap"] for c in out.chunks), "a prefill chunk exceeded the cap"
         for c in out.chunks:            # the fake forward pass
             req = c.request
-            start, end = req.num_computed_tokens, req.num_computed_tokens + c.num_new_tokens
-            assert len(req.block_ids) * bs >= end
-            for pos in range(start, end):
-                b, off = req.block_ids[pos // bs], pos % bs
-                kv[b][off] = req.token_ids[pos]
-            for pos in range(end):      # what attention reads must be this request's own tokens
-                assert kv[req.block_ids[pos // bs]][pos % bs] == req.token_ids[pos]
+            assert c.start + c.num_new_tokens == req.num_computed_tokens, "planned progress is the request's"
+            seen = fake_forward(kv, bs, c)
+            assert seen == req.token_ids[:len(seen)], "attention must read this request's own tokens"
         for c in out.chunks:
             req = c.request
-            samples = c.samples
-            req.num_computed_tokens += c.num_new_tokens
-            if samples:
+            if c.samples:
                 req.token_ids.append(next_token(req.token_ids))
                 if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= req.max_len:
                     sched.finish(req, "length")
@@ -113,27 +121,58 @@ def test_scheduler_and_block_manager_invariants(w):
     assert bm.num_used == 0 and sum(bm.ref_count) == 0 and len(bm.free_ids) == bm.num_blocks
 
 
+class WrongBlocksKVCacheManager(KVCacheManager):
+    """A prefix cache with a bug: every hit hands out the block after the right one."""
+
+    def get_computed_blocks(self, req):
+        return [(b + 1) % self.num_blocks for b in super().get_computed_blocks(req)]
+
+
+def run_fake_model(manager_cls, prefix_caching: bool, num_blocks: int):
+    """Six requests sharing a prefix, each token derived from what the fake model reads from its KV pool."""
+    bm = manager_cls(num_blocks, 4, prefix_caching)
+    sched = Scheduler(bm, 4, 8, True)
+    kv = [[-1] * 4 for _ in range(num_blocks)]
+    reqs = [Request(str(i), PREFIXES[0] + [i], SamplingParams(max_tokens=6), max_len=num_blocks * 4)
+            for i in range(6)]
+    for r in reqs:
+        sched.add(r)
+    while sched.has_work():
+        for c in sched.schedule().chunks:
+            seen = fake_forward(kv, 4, c)
+            if c.samples:
+                c.request.token_ids.append(next_token(seen))
+                if c.request.num_output_tokens >= 6:
+                    sched.finish(c.request, "length")
+    return [r.token_ids for r in reqs], bm.num_hits
+
+
 def test_outputs_do_not_depend_on_prefix_cache_or_pool():
-    """The fake model's outputs are a function of the tokens only, so they must match with and without caching."""
-    def run(prefix_caching, num_blocks):
-        bm = BlockManager(num_blocks, 4, prefix_caching)
-        sched = Scheduler(bm, 4, 8, True)
-        reqs = [Request(str(i), PREFIXES[0] + [i], SamplingParams(max_tokens=6), max_len=num_blocks * 4)
-                for i in range(6)]
-        for r in reqs:
-            sched.add(r)
-        while sched.has_work():
-            for c in sched.schedule().chunks:
-                r = c.request
-                samples = c.samples
-                r.num_computed_tokens += c.num_new_tokens
-                if samples:
-                    r.token_ids.append(next_token(r.token_ids))
-                    if r.num_output_tokens >= 6:
-                        sched.finish(r, "length")
-        return [r.token_ids for r in reqs], bm.num_hits
-    plain, no_hits = run(False, 64)
-    cached, hits = run(True, 64)
-    tight, _ = run(True, 12)
+    """The fake model's outputs come from what it reads out of the KV pool, so they match with and without caching
+    only if every cache hit handed out the right contents; a prefix cache that hands out wrong blocks shows."""
+    plain, no_hits = run_fake_model(KVCacheManager, False, 64)
+    cached, hits = run_fake_model(KVCacheManager, True, 64)
+    tight, _ = run_fake_model(KVCacheManager, True, 12)
     assert plain == cached == tight
     assert no_hits == 0 and hits > 0
+    wrong, wrong_hits = run_fake_model(WrongBlocksKVCacheManager, True, 64)
+    assert wrong_hits > 0 and wrong != plain
+
+
+def test_a_lookup_changes_nothing_and_planning_fixes_the_step():
+    """get_computed_blocks leaves the request and the pool alone; the scheduler alone moves num_computed_tokens,
+    and a chunk's facts (start, tokens, table, whether it samples) stay as planned when the request moves on."""
+    bm = KVCacheManager(8, 4)
+    sched = Scheduler(bm, 4, 64, True)
+    first = Request("a", list(range(10)), SamplingParams(max_tokens=2), max_len=32)
+    sched.add(first)
+    (chunk,) = sched.schedule().chunks
+    assert (chunk.start, chunk.num_new_tokens, chunk.samples) == (0, 10, True) and first.num_computed_tokens == 10
+    first.token_ids.append(7)
+    assert chunk.token_ids == list(range(10)) and chunk.samples and len(chunk.block_ids) == 3
+    second = Request("b", list(range(10)), SamplingParams(), max_len=32)
+    used, free, queries = bm.num_used, list(bm.free_ids), bm.num_queries
+    hit = bm.get_computed_blocks(second)
+    assert hit == bm.block_ids("a")[:2]
+    assert second.num_computed_tokens == 0 and second.num_cached_tokens == 0 and bm.block_ids("b") == []
+    assert bm.num_used == used and list(bm.free_ids) == free and bm.num_queries == queries

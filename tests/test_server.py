@@ -17,6 +17,8 @@ from tritonclient.utils import InferenceServerException
 from repository_helpers import greedy_texts
 from trellm_client.client import LLMClient, http_generate
 
+pytestmark = pytest.mark.server
+
 PROMPTS = ["The Python language", "A function definition", "Exceptions are raised when",
            "The import statement", "Lists", "class", "for loops iterate over the items of any sequence",
            "with statement"]

@@ -4,9 +4,10 @@ import json
 import numpy as np
 import pytest
 
-from trellm_backend.request import RequestOutput, SamplingParams
-from trellm_backend.serving import (ResponsePlan, fan_out, kv_block_counts, parse_llm_inputs, trtllm_outputs,
-                                    vllm_outputs)
+from trellm_backend.engine.request import RequestOutput, SamplingParams
+from trellm_backend.triton.ensemble import trtllm_outputs
+from trellm_backend.triton.llm import PerfMetrics, ResponsePlan, fan_out, parse_llm_inputs
+from trellm_backend.triton.vllm import vllm_outputs
 
 
 def arr(v, dtype):
@@ -91,4 +92,6 @@ def test_outputs_of_both_contracts():
 def test_kv_block_counts():
     plan = ResponsePlan(stream=False)
     p = plan.on_output(RequestOutput("r", [1], True, "length", 40, 10, num_cached_tokens=32))
-    assert kv_block_counts(p, 16) == (2, 2, 4)     # 50 tokens in 4 blocks, the first 2 from the prefix cache
+    m = PerfMetrics.of(p, 16)     # 50 tokens in 4 blocks, the first 2 from the prefix cache
+    assert (m.kv_cache_alloc_new_blocks, m.kv_cache_reused_blocks, m.kv_cache_alloc_total_blocks) == (2, 2, 4)
+    assert PerfMetrics.from_array(m.to_array()) == m

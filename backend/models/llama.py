@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trellm_backend.model_config import ModelConfig, ModelConfigError, cos_sin_cache
+from trellm_backend.models.config import ModelConfig, ModelConfigError
+from trellm_backend.models.rope import cos_sin_cache
 from trellm_kernels.activation import silu_and_mul
 from trellm_kernels.attention import paged_attention
 from trellm_kernels.kv_cache import write_kv

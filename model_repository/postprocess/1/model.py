@@ -1,8 +1,8 @@
-"""Triton adapter: what llm sends -> the ensemble's TRT-LLM-shaped outputs (backend/serving.py)."""
+"""Triton adapter: what llm sends -> the ensemble's TRT-LLM-shaped outputs (backend/triton/ensemble.py)."""
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from trellm_backend.serving import POSTPROCESS_INPUTS, trtllm_outputs
+from trellm_backend.triton.ensemble import POSTPROCESS_INPUTS, trtllm_outputs
 
 
 class TritonPythonModel:

@@ -1,14 +1,14 @@
 """Triton adapter: text_input (or chat messages) -> input_ids with the model folder's tokenizer
-(backend/tokenization.py). Also reports request parameters that name no input (a typo in an HTTP generate body)."""
+(backend/triton/tokenization.py). Also reports request parameters that name no input (a typo in an HTTP generate body)."""
 import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from trellm_backend.api import request_parameters_error
-from trellm_backend.serving import model_parameters, resolve_model_path
-from trellm_backend.tokenization import decode_utf8, encode_prompt, load_tokenizer
-from trellm_backend.validate import require_tokenizer_files
+from trellm_backend.triton.fields import request_parameters_error
+from trellm_backend.triton.parameters import model_parameters, resolve_model_path
+from trellm_backend.triton.tokenization import decode_utf8, encode_prompt, load_tokenizer
+from trellm_backend.triton.checks import require_tokenizer_files
 
 
 class TritonPythonModel:

@@ -1,20 +1,24 @@
-"""Triton adapter for the vLLM-shaped contract: parse (backend/serving.py parse_vllm_request), tokenize
-(backend/tokenization.py), stream from the llm model over BLS, reshape (serving.vllm_outputs). Each request is
-served by its own thread so that execute returns at once and requests run concurrently in the engine."""
+"""Triton adapter for the vLLM-shaped contract: parse (backend/triton/vllm.py parse_vllm_request), tokenize
+(backend/triton/tokenization.py), stream from the llm model over BLS, reshape (vllm_outputs). A BLS stream is read by blocking calls, so each request is served on a worker of one
+pool made at load: execute returns at once, requests run concurrently in the engine, and no thread is started
+per request."""
+import concurrent.futures
 import json
-import threading
 import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from trellm_backend.api import VLLM_INPUTS, request_parameters_error, tensors_from_values
-from trellm_backend.serving import (POSTPROCESS_INPUTS, model_parameters, parse_vllm_request, resolve_model_path,
-                                    vllm_outputs)
-from trellm_backend.tokenization import decode_utf8, encode_prompt, load_tokenizer
+from trellm_backend.triton.fields import VLLM_INPUTS, request_parameters_error, tensors_from_values
+from trellm_backend.triton.llm import LLM_OUTPUTS
+from trellm_backend.triton.parameters import model_parameters, resolve_model_path
+from trellm_backend.triton.responses import fail
+from trellm_backend.triton.vllm import parse_vllm_request, vllm_outputs
+from trellm_backend.triton.tokenization import decode_utf8, encode_prompt, load_tokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-LLM_OUTPUTS = [*POSTPROCESS_INPUTS, "token_ids", "top_logprobs"]
+# Requests streamed at once; more wait for a worker. Above what one engine runs (max_num_seqs) plus a margin.
+MAX_CONCURRENT_REQUESTS = 256
 
 
 class TritonPythonModel:
@@ -22,6 +26,7 @@ class TritonPythonModel:
         params = model_parameters(json.loads(args["model_config"]))
         self.llm_model = params["llm_model"]
         self.tokenizer = load_tokenizer(resolve_model_path(params["model_path"], args["model_repository"]))
+        self.workers = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="vllm_model")
 
     def execute(self, requests):
         for request in requests:
@@ -35,10 +40,13 @@ class TritonPythonModel:
                 spec = parse_vllm_request(strings, {k: v for k, v in bools.items() if v is not None})
                 ids = encode_prompt(self.tokenizer, spec.prompt)
             except ValueError as e:
-                _fail(sender, str(e))
+                fail(pb_utils, sender, str(e))
                 continue
-            threading.Thread(target=self._serve, args=(sender, spec, ids), daemon=True).start()
+            self.workers.submit(self._serve, sender, spec, ids)
         return None
+
+    def finalize(self):
+        self.workers.shutdown(wait=False, cancel_futures=True)
 
     def _serve(self, sender, spec, ids):
         request_id = uuid.uuid4().hex    # also names this request in a stop request
@@ -56,7 +64,7 @@ class TritonPythonModel:
                     sender.send(flags=FINAL)
                     return
                 if response.has_error():
-                    _fail(sender, response.error().message())
+                    fail(pb_utils, sender, response.error().message())
                     return
                 got = {n: t.as_numpy() for n in LLM_OUTPUTS
                        if (t := pb_utils.get_output_tensor_by_name(response, n)) is not None}
@@ -71,7 +79,7 @@ class TritonPythonModel:
                     return
             sender.send(flags=FINAL)
         except Exception as e:   # a failure here must still end the client's stream
-            _fail(sender, f"vllm_model: {e}")
+            fail(pb_utils, sender, f"vllm_model: {e}")
 
     def _stop(self, request_id):
         """Ask llm to abort the generation running under `request_id` (the client went away)."""
@@ -96,8 +104,3 @@ def _as_bool(value, name):
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be BOOL, got {type(value).__name__}")
     return bool(value)
-
-
-def _fail(sender, message):
-    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)),
-                flags=FINAL)

@@ -1,16 +1,19 @@
-"""The engine: requests in, token deltas out, one `step()` at a time. Not thread-safe; see engine_loop.py."""
+"""The engine: requests in, token deltas out, one `step()` at a time. Not thread-safe; see loop.py."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
-from trellm_backend.block_manager import BlockManager
-from trellm_backend.config import EngineConfig
-from trellm_backend.model_config import load_model_config
-from trellm_backend.model_runner import ModelRunner
-from trellm_backend.output_processor import OutputProcessor, bad_words_ids
-from trellm_backend.request import Request, RequestOutput, SamplingParams, Status
-from trellm_backend.scheduler import Scheduler
+from trellm_backend.engine.kv_cache_manager import KVCacheManager
+from trellm_backend.engine.limits import context_limit
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.models.config import load_model_config
+from trellm_backend.engine.runner import ModelRunner
+from trellm_backend.engine.output_processor import OutputProcessor, bad_words_ids
+from trellm_backend.engine.request import Request, RequestOutput, SamplingParams, Status
+from trellm_backend.engine.scheduler import Scheduler
+from trellm_backend.engine.stats import SchedulerStats
 
 log = logging.getLogger("trellm")
 
@@ -20,21 +23,14 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer   # with one, outputs carry text and stop strings work; without, token ids only
         self.model_config = mc = load_model_config(config.model_path)
-        limit = mc.max_position_embeddings
-        if mc.sliding_window:   # attention here is full-context: stay where that equals sliding-window attention
-            limit = min(limit, mc.sliding_window)
-        if config.max_model_len > limit:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds what {mc.path}/config.json allows "
-                             f"({limit})")
-        self.max_model_len = config.max_model_len or limit
+        self.max_model_len = context_limit(config, mc)
         self.runner = ModelRunner(config, mc, self.max_model_len)
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.long_prefill_token_threshold)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(mc.eos_token_ids)
-        self.pool_tokens = self.blocks.num_blocks * config.block_size
-        self.num_preemptions = 0
+        self.pool_tokens = self.kv.num_blocks * config.block_size
 
     # -- requests in ---------------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
@@ -49,7 +45,7 @@ class LLMEngine:
                              "for one generated token")
         if n + 1 > self.pool_tokens:
             raise ValueError(f"the prompt has {n} tokens but the whole KV cache holds {self.pool_tokens} "
-                             f"({self.blocks.num_blocks} blocks of {self.config.block_size}); it can never fit")
+                             f"({self.kv.num_blocks} blocks of {self.config.block_size}); it can never fit")
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -89,22 +85,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample; returns an output for each request that got a token."""
         sched = self.scheduler.schedule()
-        self.num_preemptions += len(sched.preempted)
         if not sched.chunks:
             return []
         sampled = iter(self.runner.execute(sched))
         outputs = []
         for chunk in sched.chunks:
-            req = chunk.request
-            samples = chunk.samples
-            req.num_computed_tokens += chunk.num_new_tokens
-            if not samples:
+            if not chunk.samples:
                 continue
+            req = chunk.request
             s = next(sampled)
             token = s.token_id
             req.token_ids.append(token)
-            req.last_token_time_ns = time.time_ns()
-            req.first_token_time_ns = req.first_token_time_ns or req.last_token_time_ns
+            req.times.last_token_ns = time.time_ns()
+            req.times.first_token_ns = req.times.first_token_ns or req.times.last_token_ns
             if s.logprob is not None:
                 req.cumulative_logprob += s.logprob
             reason = self._finish_reason(req, token)
@@ -136,8 +129,7 @@ class LLMEngine:
                              num_output_tokens=req.num_output_tokens, text=text,
                              logprobs=None if logprob is None else [logprob],
                              top_logprobs=None if top is None else [top], cumulative_logprob=req.cumulative_logprob,
-                             metrics=(req.arrival_time_ns, req.first_scheduled_time_ns, req.first_token_time_ns,
-                                      req.last_token_time_ns), num_cached_tokens=req.num_cached_tokens)
+                             times=dataclasses.replace(req.times), num_cached_tokens=req.num_cached_tokens)
 
     # -- convenience ---------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -152,4 +144,11 @@ class LLMEngine:
         return [out[rid] for rid in ids]
 
     def kv_blocks_used(self) -> int:
-        return self.blocks.num_used
+        return self.kv.num_used
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()

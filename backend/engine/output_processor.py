@@ -8,8 +8,8 @@ the text after it.
 """
 from __future__ import annotations
 
-from trellm_backend.detokenizer import WINDOW, IncrementalDetokenizer
-from trellm_backend.request import SamplingParams
+from trellm_backend.engine.detokenizer import WINDOW, IncrementalDetokenizer
+from trellm_backend.engine.request import SamplingParams
 
 
 class OutputProcessor:

@@ -1,6 +1,10 @@
 """Start a real tritonserver on a model repository, wait until its models are ready, stop it cleanly.
 
-    python -m trellm_backend.launch [--model-repository model_repository] [--http-port 8000] ...
+    python -m trellm_backend.tools.launch [--model-repository model_repository] [--http-port 8000] ...
+
+tritonserver's own log goes to a file (its path printed; `--verbose` shows it live instead): on a CPU host it is
+some eighty lines, among them harmless errors about CUDA, NVML and DCGM, which would bury the launcher's summary
+and break into the demo answer. When the server fails to start, the launcher prints the log's error lines.
 
 The server binary is `tritonserver` from PATH (the NGC container) or, without Docker, the Triton 2.51 that the
 `nvidia-pytriton` wheel carries: that copy is prepared once next to the virtual environment (the wheel's folder
@@ -16,13 +20,28 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.error
 import urllib.request
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_REPOSITORY = os.path.join(REPO_ROOT, "model_repository")
+from trellm_backend.tools.repository import default_repository
+
+DEFAULT_REPOSITORY = default_repository()
 MODEL_CONTROL_MODES = ("none", "poll", "explicit")
+# Error lines of tritonserver's log that a CPU-only host always prints: not failures of this repository.
+HARMLESS_ERRORS = ("cuda", "nvml", "dcgm", "gpu", "pinned memory")
+
+
+def log_errors(log_path: str) -> list[str]:
+    """tritonserver's error lines (glog `E...`) in its log, without the ones every CPU host prints."""
+    try:
+        with open(log_path, errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    return [line for line in lines if line[:1] == "E" and line[1:5].isdigit()
+            and not any(word in line.lower() for word in HARMLESS_ERRORS)]
 
 
 def _pytriton_dirs() -> tuple[str, str]:
@@ -172,11 +191,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --model-control-mode=explicit, a model to load at start (repeatable; '*' for all)")
     ap.add_argument("--demo-prompt", default=None, help="once ready, stream an answer to this prompt")
     ap.add_argument("--exit-after-demo", action="store_true", help="stop the server after the demo answer")
+    ap.add_argument("--log-file", default=None,
+                    help="where tritonserver's log goes (default: a file in the temporary folder, named by port)")
+    ap.add_argument("--verbose", action="store_true", help="show tritonserver's log live instead of writing a file")
     args, extra = ap.parse_known_args(argv)
 
+    log_path = None if args.verbose else (
+        args.log_file or os.path.join(tempfile.gettempdir(), f"trellm-tritonserver-{args.http_port}.log"))
+    if log_path and os.path.exists(log_path):
+        os.remove(log_path)   # this run's log only
     try:
         server = TritonServer(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
-                              extra_args=extra, model_control_mode=args.model_control_mode,
+                              log_path=log_path, extra_args=extra, model_control_mode=args.model_control_mode,
                               load_models=args.load_model)
     except ValueError as e:
         ap.error(str(e))
@@ -187,11 +213,19 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    if log_path:
+        print(f"starting tritonserver on {server.model_repository} (log: {log_path})", flush=True)
     try:
-        server.start()
+        try:
+            server.start()
+        except (RuntimeError, TimeoutError) as e:
+            errors = log_errors(log_path) if log_path else []
+            print(f"error: {e}" + "".join(f"\n  {line}" for line in errors), file=sys.stderr, flush=True)
+            return 1
+        log_line = f"\n  log     {log_path}" if log_path else ""
         print(f"\ntritonserver is ready\n  HTTP    http://localhost:{args.http_port}  (POST /v2/models/ensemble/generate"
               f"_stream)\n  gRPC    localhost:{args.grpc_port}\n  metrics http://localhost:{args.metrics_port}/metrics"
-              f"\nStop with Ctrl-C.\n", flush=True)
+              f"{log_line}\nStop with Ctrl-C.\n", flush=True)
         if args.demo_prompt:
             from trellm_client.client import LLMClient
             print(f"> {args.demo_prompt}", flush=True)
@@ -204,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
         while server.proc.poll() is None:
             time.sleep(0.5)
-        print(f"tritonserver exited with code {server.proc.returncode}", file=sys.stderr)
+        errors = log_errors(log_path) if log_path else []
+        print(f"tritonserver exited with code {server.proc.returncode}" + "".join(f"\n  {line}" for line in errors),
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nstopping tritonserver ...", file=sys.stderr, flush=True)

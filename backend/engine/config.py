@@ -4,6 +4,18 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 
+def parse_bool(value) -> bool:
+    """A boolean as config files and JSON clients write it: true/false/1/0 (any case) as text, 0/1, or a bool.
+    Raises ValueError on anything else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise ValueError(f"not a boolean: {value!r}")
+
+
 @dataclass
 class EngineConfig:
     model_path: str
@@ -19,7 +31,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 512   # most prompt tokens of one request per step (0: the whole budget)
     enable_prefix_caching: bool = True    # reuse the KV blocks of prompt prefixes seen before
-    enable_metrics: bool = True           # the Triton model reports vLLM-named metrics (backend/metrics.py)
+    enable_metrics: bool = True           # the Triton model reports vLLM-named metrics (backend/triton/metrics.py)
     max_queue_size: int = 512             # waiting requests beyond this are refused with UNAVAILABLE (backpressure)
 
     @classmethod
@@ -35,9 +47,7 @@ class EngineConfig:
             default = known[key].default
             try:
                 if isinstance(default, bool):
-                    if raw.lower() not in ("true", "false", "1", "0"):
-                        raise ValueError(raw)
-                    kwargs[key] = raw.lower() in ("true", "1")
+                    kwargs[key] = parse_bool(raw)
                 elif isinstance(default, int):
                     kwargs[key] = int(raw)
                 elif isinstance(default, float):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trellm_backend.request import Request
+from trellm_backend.engine.request import Request
 
 
 @dataclass

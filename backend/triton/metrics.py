@@ -2,8 +2,9 @@
 
 Families are created once at load through the Python backend's custom-metrics API (`pb_utils.MetricFamily`,
 passed in so this module imports without Triton). Every metric update is an IPC to the server, so none happens
-on the stepping thread: the engine loop only appends finished outputs to a queue, and a reporter thread turns
-them into histogram and counter updates and samples the gauges a few times a second.
+on the stepping thread: the engine loop only hands finished outputs to `record` (a queue put), and a reporter
+thread turns them into histogram and counter updates and samples the gauges from the loop's stats snapshot
+(engine/stats.py) a few times a second.
 """
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import logging
 import queue
 import threading
 
-from trellm_backend.request import RequestOutput
+from typing import Callable
+
+from trellm_backend.engine.request import RequestOutput
+from trellm_backend.engine.stats import SchedulerStats
 
 log = logging.getLogger("trellm")
 
@@ -47,9 +51,10 @@ FINISH_REASONS = ("stop", "length", "abort")
 class MetricsReporter:
     """Owns the metric families of one model and the thread that updates them."""
 
-    def __init__(self, pb_utils, loop, labels: dict[str, str], interval_s: float = 0.1):
-        self.loop, self.engine, self.interval_s = loop, loop.engine, interval_s
-        loop.finished = queue.Queue()
+    def __init__(self, pb_utils, labels: dict[str, str], interval_s: float = 0.1):
+        """Creates the families (raises where the server has metrics off); `start` begins reporting."""
+        self.interval_s = interval_s
+        self._finished: queue.Queue[RequestOutput] = queue.Queue()
         kind = pb_utils.MetricFamily
         self._families = []   # kept alive: a family that is garbage-collected leaves the endpoint
 
@@ -64,16 +69,25 @@ class MetricsReporter:
                         for r in FINISH_REASONS}
         self.counter = {n: f.Metric(labels=labels) for n, f in counters.items() if n != "vllm:request_success_total"}
         self.gauge = {n: family(n, d, kind.GAUGE).Metric(labels=labels) for n, d in GAUGES.items()}
-        self.gauge["trellm:kv_cache_total_blocks"].set(self.engine.blocks.num_blocks)
         self._reported = {"vllm:num_preemptions_total": 0, "vllm:prefix_cache_queries_total": 0,
                           "vllm:prefix_cache_hits_total": 0}
+        self._stats: Callable[[], SchedulerStats] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trellm-metrics", daemon=True)
+
+    def record(self, out: RequestOutput) -> None:
+        """A finished request's output, to be recorded by the reporter thread (safe on the stepping thread)."""
+        self._finished.put(out)
+
+    def start(self, stats: Callable[[], SchedulerStats]) -> None:
+        """Report from now on, sampling the gauges from `stats()` (EngineLoop.stats)."""
+        self._stats = stats
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -86,25 +100,26 @@ class MetricsReporter:
         """Record every finished request since the last call and sample the gauges."""
         while True:
             try:
-                out = self.loop.finished.get_nowait()
+                out = self._finished.get_nowait()
             except queue.Empty:
                 break
             self.record_finished(out)
-        e = self.engine
-        running, waiting, used = len(e.scheduler.running), self.loop.num_waiting(), e.blocks.num_used
-        self.gauge["vllm:num_requests_running"].set(running)
-        self.gauge["vllm:num_requests_waiting"].set(waiting)
-        self.gauge["trellm:kv_cache_used_blocks"].set(used)
-        self.gauge["vllm:kv_cache_usage_perc"].set(used / max(1, e.blocks.num_blocks))
-        for name, now in (("vllm:num_preemptions_total", e.num_preemptions),
-                          ("vllm:prefix_cache_queries_total", e.blocks.num_queries),
-                          ("vllm:prefix_cache_hits_total", e.blocks.num_hits)):
+        s = self._stats()
+        self.gauge["vllm:num_requests_running"].set(s.num_running)
+        self.gauge["vllm:num_requests_waiting"].set(s.num_waiting)
+        self.gauge["trellm:kv_cache_used_blocks"].set(s.kv_used_blocks)
+        self.gauge["trellm:kv_cache_total_blocks"].set(s.kv_total_blocks)
+        self.gauge["vllm:kv_cache_usage_perc"].set(s.kv_usage)
+        for name, now in (("vllm:num_preemptions_total", s.num_preemptions),
+                          ("vllm:prefix_cache_queries_total", s.prefix_cache_queries),
+                          ("vllm:prefix_cache_hits_total", s.prefix_cache_hits)):
             if now > self._reported[name]:
                 self.counter[name].increment(now - self._reported[name])
                 self._reported[name] = now
 
     def record_finished(self, out: RequestOutput) -> None:
-        arrival, scheduled, first, last = out.metrics
+        t = out.times
+        arrival, scheduled, first, last = t.arrival_ns, t.first_scheduled_ns, t.first_token_ns, t.last_token_ns
         self.counter["vllm:prompt_tokens_total"].increment(out.num_prompt_tokens)
         self.counter["vllm:generation_tokens_total"].increment(out.num_output_tokens)
         self.success.get(out.finish_reason or "abort", self.success["abort"]).increment(1)

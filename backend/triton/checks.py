@@ -14,11 +14,11 @@ import os
 
 import torch
 
-from trellm_backend.config import EngineConfig
-from trellm_backend.model_config import ModelConfig, ModelConfigError, load_model_config
-from trellm_backend.model_runner import resolve_device_dtype
-from trellm_backend.serving import resolve_model_path
-from trellm_backend.weights import safetensors_files, tensor_shapes
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.models.config import ModelConfig, ModelConfigError, load_model_config
+from trellm_backend.engine.limits import context_limit, kv_budget, kv_bytes_per_block, resolve_device_dtype
+from trellm_backend.triton.parameters import resolve_model_path
+from trellm_backend.models.weights import safetensors_files, tensor_shapes
 
 # One of these must exist for AutoTokenizer to build the model's tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -90,30 +90,16 @@ def weight_bytes(path: str, dtype: torch.dtype) -> int:
     return sum(math.prod(shape) * item for f in safetensors_files(path) for shape in tensor_shapes(f).values())
 
 
-def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * (torch.finfo(dtype).bits // 8)
-
-
-def context_limit(cfg: EngineConfig, mc: ModelConfig) -> int:
-    """The served max_model_len: the parameter, else the model's own limit (as the engine computes it)."""
-    limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
-    return cfg.max_model_len or limit
-
-
 def check_kv_budget(cfg: EngineConfig, mc: ModelConfig, device: torch.device, dtype: torch.dtype, weights: int,
                     config_file: str) -> int:
     """Raise unless the KV pool holds one sequence of max_model_len tokens; return the pool's bytes."""
     per_block = kv_bytes_per_block(mc, cfg.block_size, dtype)
-    max_len = context_limit(cfg, mc)
+    try:
+        max_len = context_limit(cfg, mc)
+    except ValueError as e:
+        raise ModelConfigError(f"{config_file}: {e}") from None
     need_blocks = -(-max_len // cfg.block_size)
-    if cfg.num_kv_blocks > 0:
-        param, given = f"num_kv_blocks={cfg.num_kv_blocks}", cfg.num_kv_blocks * per_block
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        param = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
-        given = int(max(free - weights, 0) * cfg.gpu_memory_utilization)
-    else:
-        param, given = f"kv_cache_bytes={cfg.kv_cache_bytes}", cfg.kv_cache_bytes
+    given, param = kv_budget(cfg, device, per_block, weights_to_load=weights)
     blocks = given // per_block
     if blocks < need_blocks:
         raise ModelConfigError(

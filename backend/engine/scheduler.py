@@ -7,28 +7,35 @@ requests in arrival order, up to
 running request is preempted (its blocks freed, its computed count reset) and put back at the head of the
 waiting queue; it is recomputed when readmitted (mostly from the prefix cache, which keeps its freed blocks).
 Waiting requests are not admitted in a step that preempted. A waiting request starts after the longest cached
-prefix of its tokens (block_manager.py).
+prefix of its tokens (kv_cache_manager.py).
 
-The output is plain data for the model runner: which requests, how many new tokens each.
+The scheduler alone advances request progress: once a step is planned, each scheduled request's
+`num_computed_tokens` already counts that step's tokens (vLLM v1 does the same), and the output is plain data fixed
+at planning time (where each chunk starts, its tokens, its block table, whether it samples), so the model runner
+and the engine read facts that no later update can change.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from trellm_backend.block_manager import BlockManager
-from trellm_backend.request import Request, Status
+from trellm_backend.engine.kv_cache_manager import KVCacheManager
+from trellm_backend.engine.request import Request, Status
+from trellm_backend.engine.stats import SchedulerStats
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledChunk:
-    request: Request
-    num_new_tokens: int       # tokens token_ids[num_computed: num_computed + num_new_tokens] run this step
+    request: Request          # for the sampler: its settings, tokens and generator
+    start: int                # position of the first new token (the request's computed tokens before this step)
+    token_ids: list[int]      # the tokens run this step: token_ids[start:start + num_new_tokens]
+    block_ids: list[int]      # the request's block table for this step
+    samples: bool             # the chunk reaches the end of the known tokens, so a next token is sampled
 
     @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the known tokens, so a next token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
@@ -38,9 +45,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0):
-        self.blocks = block_manager
+        self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -50,12 +57,21 @@ class Scheduler:
         self.prefill_cap = long_prefill_token_threshold if capped else max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _schedule(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        """Plan `n` tokens of `req` for this step and count them as computed."""
+        start = req.num_computed_tokens
+        req.num_computed_tokens = start + n
+        out.chunks.append(ScheduledChunk(req, start, req.token_ids[start:start + n],
+                                         list(self.kv.block_ids(req.request_id)),
+                                         samples=req.num_computed_tokens == req.num_tokens))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -67,7 +83,7 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget, self.prefill_cap)
             target = req.num_computed_tokens + n
-            while not self.blocks.can_grow(req, target):
+            while not self.kv.can_allocate_slots(req, target):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
@@ -75,8 +91,8 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:   # it preempted itself
                 break
-            self.blocks.grow(req, target)
-            out.chunks.append(ScheduledChunk(req, n))
+            self.kv.allocate_slots(req, target)
+            self._schedule(out, req, n)
             budget -= n
             i += 1
 
@@ -84,29 +100,36 @@ class Scheduler:
         # A cached prefix costs no budget: only the tokens after it are computed.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit = self.blocks.find_cached_prefix(req)
-            computed = len(hit) * self.blocks.block_size
+            hit = self.kv.get_computed_blocks(req)
+            computed = len(hit) * self.kv.block_size
             remaining = req.num_tokens - computed
             # Without chunked prefill a prompt waits for a step with room for all of it; one longer than a whole
             # step's budget (a long prompt, or a preempted request's prompt plus output) is chunked regardless.
             if not self.enable_chunked_prefill and budget < remaining <= self.max_num_batched_tokens:
                 break
             n = min(remaining, budget, self.prefill_cap)
-            if not self.blocks.can_admit(req, hit, computed + n):
+            if not self.kv.can_allocate(req, hit, computed + n):
                 break
             self.waiting.popleft()
-            self.blocks.admit(req, hit, computed + n)
+            self.kv.allocate(req, hit, computed + n)
+            req.num_computed_tokens = computed
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = computed
+                self.kv.count_prefix_query(req, hit)
+            if not req.times.first_scheduled_ns:
+                req.times.first_scheduled_ns = time.time_ns()
             req.status = Status.RUNNING
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, n))
+            self._schedule(out, req, n)
             budget -= n
         return out
 
     def _preempt(self, req: Request) -> None:
-        self.blocks.free(req)
+        self.kv.free(req, keep_hashes=True)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:
@@ -115,6 +138,11 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
-        self.blocks.free(req)
+        self.kv.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv
+        return SchedulerStats(len(self.running), len(self.waiting), kv.num_used, kv.num_blocks, self.num_preemptions,
+                              kv.num_queries, kv.num_hits)

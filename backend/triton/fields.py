@@ -6,18 +6,18 @@ the README's field table are all checked against it (tests/test_api.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from trellm_backend.request import SamplingParams
+from trellm_backend.engine.config import parse_bool
+from trellm_backend.engine.request import I32_MAX, Bounds, SamplingParams
 
-U64_MAX = (1 << 64) - 1
-I32_MAX = (1 << 31) - 1
 TRITON_TYPES = {"int": "TYPE_INT32", "uint": "TYPE_UINT64", "float": "TYPE_FP32", "bool": "TYPE_BOOL",
                 "str_list": "TYPE_STRING", "int_list": "TYPE_INT32"}
+_SAMPLING = {f.name: f for f in dataclasses.fields(SamplingParams)}
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,7 @@ class Field:
     name: str                      # SamplingParams attribute, or a request-level setting
     kind: str                      # int, uint, float, bool, str_list, int_list
     default: object
-    lo: float | None = None        # allowed range, inclusive unless lo_open
-    hi: float | None = None
-    lo_open: bool = False
+    bounds: Bounds | None = None   # allowed range (numbers only)
     tensors: tuple[str, ...] = ()  # ensemble/llm tensor names, aliases after the first; () = llm only, as `name`
     in_ensemble: bool = True       # declared by the TRT-LLM-shaped ensemble
     json: tuple[str, ...] = ()     # keys of the vLLM contract's sampling_parameters
@@ -42,84 +40,73 @@ class Field:
         return "-1" if self.kind.endswith("_list") else "1"
 
     def range_text(self) -> str:
-        if self.kind == "bool" or self.kind == "str_list":
-            return ""
-        lo = "-inf" if self.lo is None else _num(self.lo)
-        hi = "inf" if self.hi is None else _num(self.hi)
-        return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi is None else ']'}"
+        return "" if self.bounds is None else self.bounds.text()
 
     def check(self, value, shown: str):
         """Raise ValueError naming `shown` (the name the caller used) and the allowed range."""
-        values = value if isinstance(value, list) else [value]
-        for v in values:
-            if self.kind in ("bool", "str_list") or v is None:
-                continue
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ValueError(f"{shown} must be a finite number in {self.range_text()}, got {v}")
-            low_bad = self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo)
-            if low_bad or (self.hi is not None and v > self.hi):
-                raise ValueError(f"{shown} must be in {self.range_text()}, got {value}")
+        if self.bounds is not None:
+            self.bounds.check(value, shown)
 
 
-def _num(x) -> str:
-    if x == U64_MAX:
-        return "2**64-1"
-    if x == I32_MAX:
-        return "2**31-1"
-    return str(int(x)) if float(x).is_integer() else str(x)
+def _sampling(name: str, kind: str, **kw) -> Field:
+    """A field that is a SamplingParams attribute: its default and range are the engine's."""
+    f = _SAMPLING[name]
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return Field(name, kind, default, f.metadata.get("bounds"), **kw)
 
 
 # Request-level settings (not SamplingParams attributes) are marked in `doc` by where they act.
 FIELDS: list[Field] = [
-    Field("max_tokens", "int", 16, 1, 1 << 20, tensors=("max_tokens",), json=("max_tokens",),
-          doc="most tokens to generate"),
-    Field("min_tokens", "int", 0, 0, 1 << 20, tensors=("min_tokens", "min_length"), json=("min_tokens",),
-          doc="EOS and stop token ids are masked (and stop strings not matched) until this many tokens are out"),
-    Field("temperature", "float", 1.0, 0, 100, tensors=("temperature",), json=("temperature",),
-          doc="0 = greedy. The ensemble is greedy unless temperature, top_k, top_p or min_p is given (then 1.0)"),
-    Field("top_k", "int", 0, -1, I32_MAX, tensors=("top_k",), json=("top_k",),
-          doc="sample among the k most likely tokens; 0 or -1 = off"),
-    Field("top_p", "float", 1.0, 0, 1, lo_open=True, tensors=("top_p",), json=("top_p",),
-          doc="sample in the smallest set holding this much probability"),
-    Field("min_p", "float", 0.0, 0, 1, tensors=("min_p",), json=("min_p",),
-          doc="drop tokens less likely than min_p times the most likely one"),
-    Field("repetition_penalty", "float", 1.0, 0, 100, lo_open=True, tensors=("repetition_penalty",),
-          json=("repetition_penalty",), doc="prompt and output tokens: positive logits divided, negative multiplied"),
-    Field("presence_penalty", "float", 0.0, -2, 2, tensors=("presence_penalty",), json=("presence_penalty",),
-          doc="subtracted from the logit of every token already generated"),
-    Field("frequency_penalty", "float", 0.0, -2, 2, tensors=("frequency_penalty",), json=("frequency_penalty",),
-          doc="subtracted once per earlier occurrence in the output"),
-    Field("seed", "uint", None, 0, U64_MAX, tensors=("seed", "random_seed"), json=("seed",),
-          doc="same seed, same text whatever shares the batch; sample i of n uses seed + i"),
-    Field("end_id", "int", None, 0, I32_MAX, tensors=("end_id",),
+    _sampling("max_tokens", "int", tensors=("max_tokens",), json=("max_tokens",),
+              doc="most tokens to generate"),
+    _sampling("min_tokens", "int", tensors=("min_tokens", "min_length"), json=("min_tokens",),
+              doc="EOS and stop token ids are masked (and stop strings not matched) until this many tokens are out"),
+    _sampling("temperature", "float", tensors=("temperature",), json=("temperature",),
+              doc="0 = greedy. The ensemble is greedy unless temperature, top_k, top_p or min_p is given (then 1.0)"),
+    _sampling("top_k", "int", tensors=("top_k",), json=("top_k",),
+              doc="sample among the k most likely tokens; 0 or -1 = off"),
+    _sampling("top_p", "float", tensors=("top_p",), json=("top_p",),
+              doc="sample in the smallest set holding this much probability"),
+    _sampling("min_p", "float", tensors=("min_p",), json=("min_p",),
+              doc="drop tokens less likely than min_p times the most likely one"),
+    _sampling("repetition_penalty", "float", tensors=("repetition_penalty",),
+              json=("repetition_penalty",), doc="prompt and output tokens: positive logits divided, negative multiplied"),
+    _sampling("presence_penalty", "float", tensors=("presence_penalty",), json=("presence_penalty",),
+              doc="subtracted from the logit of every token already generated"),
+    _sampling("frequency_penalty", "float", tensors=("frequency_penalty",), json=("frequency_penalty",),
+              doc="subtracted once per earlier occurrence in the output"),
+    _sampling("seed", "uint", tensors=("seed", "random_seed"), json=("seed",),
+              doc="same seed, same text whatever shares the batch; sample i of n uses seed + i"),
+    Field("end_id", "int", None, Bounds(0, I32_MAX), tensors=("end_id",),
           doc="an extra stop token id (every EOS id of generation_config.json stops anyway)"),
-    Field("pad_id", "int", None, 0, I32_MAX, tensors=("pad_id",),
+    Field("pad_id", "int", None, Bounds(0, I32_MAX), tensors=("pad_id",),
           doc="accepted for compatibility; outputs are never padded"),
-    Field("stop_token_ids", "int_list", [], 0, I32_MAX, in_ensemble=False, json=("stop_token_ids",),
-          doc="token ids that end the answer (kept in the output tokens)"),
-    Field("ignore_eos", "bool", False, in_ensemble=False, json=("ignore_eos",),
-          doc="keep generating past EOS tokens"),
-    Field("stop", "str_list", [], tensors=("stop_words",), json=("stop",),
-          doc="stop strings, matched on the text across tokens; cut from the output (finish_reason stop)"),
-    Field("bad_words", "str_list", [], tensors=("bad_words",), json=("bad_words",),
-          doc="words never generated (each as tokenized alone and after a space)"),
-    Field("n", "int", 1, 1, 16, tensors=("num_return_sequences",), json=("n",),
-          doc="parallel samples; responses carry sequence_index"),
-    Field("logprobs", "int", None, 0, 20, in_ensemble=False, json=("logprobs",),
-          doc="logprob of each sampled token plus this many top alternatives"),
-    Field("return_log_probs", "bool", False, tensors=("return_log_probs",),
+    _sampling("stop_token_ids", "int_list", in_ensemble=False, json=("stop_token_ids",),
+              doc="token ids that end the answer (kept in the output tokens)"),
+    _sampling("ignore_eos", "bool", in_ensemble=False, json=("ignore_eos",),
+              doc="keep generating past EOS tokens"),
+    _sampling("stop", "str_list", tensors=("stop_words",), json=("stop",),
+              doc="stop strings, matched on the text across tokens; cut from the output (finish_reason stop)"),
+    _sampling("bad_words", "str_list", tensors=("bad_words",), json=("bad_words",),
+              doc="words never generated (each as tokenized alone and after a space)"),
+    _sampling("n", "int", tensors=("num_return_sequences",), json=("n",),
+              doc="parallel samples; responses carry sequence_index"),
+    _sampling("logprobs", "int", in_ensemble=False, json=("logprobs",),
+              doc="logprob of each sampled token plus this many top alternatives"),
+    Field("return_log_probs", "bool", False, None, tensors=("return_log_probs",),
           doc="fill cum_log_probs and output_log_probs"),
-    Field("beam_width", "int", 1, 1, 1, tensors=("beam_width",), doc="beam search is not supported: 1 only"),
-    Field("length_penalty", "float", 1.0, tensors=("length_penalty",),
+    Field("beam_width", "int", 1, Bounds(1, 1), tensors=("beam_width",), doc="beam search is not supported: 1 only"),
+    Field("length_penalty", "float", 1.0, Bounds(None, None), tensors=("length_penalty",),
           doc="accepted for compatibility; applies to beam search only"),
-    Field("stream", "bool", False, tensors=("stream",), doc="one response per new text (deltas) or one at the end"),
-    Field("exclude_input_in_output", "bool", False, tensors=("exclude_input_in_output",),
+    Field("stream", "bool", False, None, tensors=("stream",),
+          doc="one response per new text (deltas) or one at the end"),
+    Field("exclude_input_in_output", "bool", False, None, tensors=("exclude_input_in_output",),
           doc="non-streaming: without it the prompt is echoed before the answer"),
-    Field("return_num_input_tokens", "bool", False, tensors=("return_num_input_tokens",),
+    Field("return_num_input_tokens", "bool", False, None, tensors=("return_num_input_tokens",),
           doc="accepted; the ensemble always returns num_input_tokens"),
-    Field("return_num_output_tokens", "bool", False, tensors=("return_num_output_tokens",),
+    Field("return_num_output_tokens", "bool", False, None, tensors=("return_num_output_tokens",),
           doc="accepted; the ensemble always returns num_output_tokens"),
-    Field("return_perf_metrics", "bool", False, tensors=("return_perf_metrics",),
+    Field("return_perf_metrics", "bool", False, None, tensors=("return_perf_metrics",),
           doc="accepted; the ensemble always returns the timing and KV-cache fields"),
 ]
 BY_NAME = {f.name: f for f in FIELDS}
@@ -139,6 +126,22 @@ VLLM_INPUTS = {"stream": "bool", "sampling_parameters": "str", "exclude_input_in
 
 def llm_tensor_names() -> list[str]:
     return [*LLM_PROMPT_INPUTS, *(t for f in FIELDS for t in f.tensor_names)]
+
+
+def llm_field_inputs() -> list[dict]:
+    """The llm model's input declarations of every field tensor, as Triton's auto-complete takes them."""
+    return [{"name": t, "data_type": TRITON_TYPES[f.kind], "dims": [int(f.dims)], "optional": True}
+            for f in FIELDS for t in f.tensor_names]
+
+
+def auto_complete_llm_inputs(auto_complete_model_config):
+    """The llm model's `auto_complete_config`: declare every field's tensors (config.pbtxt lists only the prompt
+    and `stop`), so the inputs are typed once, here, as vllm_backend declares its own."""
+    declared = {i["name"] for i in auto_complete_model_config.as_dict().get("input", [])}
+    for spec in llm_field_inputs():
+        if spec["name"] not in declared:
+            auto_complete_model_config.add_input(spec)
+    return auto_complete_model_config
 
 
 def ensemble_tensor_names() -> list[str]:
@@ -186,13 +189,7 @@ def _coerce(f: Field, shown: str, v):
     """A JSON value converted by the field's type; numbers given as strings are accepted ("256", "0.5")."""
     try:
         if f.kind == "bool":
-            if isinstance(v, bool):
-                return v
-            if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0"):
-                return v.strip().lower() in ("true", "1")
-            if isinstance(v, int) and v in (0, 1):
-                return bool(v)
-            raise ValueError
+            return parse_bool(v)
         if f.kind in ("int", "uint"):
             if isinstance(v, bool):
                 raise ValueError
@@ -275,12 +272,6 @@ def sampling_params(values: dict[str, object]) -> SamplingParams:
     params = SamplingParams(**kwargs)
     params.validate()
     return params
-
-
-def validate_sampling_params(p: SamplingParams) -> None:
-    """Range checks of every SamplingParams field against FIELDS (engine-level callers included)."""
-    for f in SAMPLING_FIELDS:
-        f.check(getattr(p, f.name), f.name)
 
 
 def request_parameters_error(parameters_json: str) -> str | None:

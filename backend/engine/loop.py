@@ -4,7 +4,9 @@ Other threads only put commands in a queue; the loop thread alone touches the en
 before every step, so a submit or an abort takes effect within one step. A watcher thread asks each request's
 sink whether its client cancelled (in Triton an IPC round trip per request, so it stays off the stepping thread)
 and queues an abort for those that did. Submissions beyond `max_queue_size` waiting requests are refused with
-QueueFull (backpressure) instead of piling up.
+QueueFull (backpressure) instead of piling up. After each step the loop publishes the scheduler's stats snapshot,
+and hands each finished output to an optional `on_finished` callback (a metrics reporter's queue), so observers
+read what the loop thread made rather than reaching into the engine.
 """
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import logging
 import queue
 import threading
 import time
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import Callable, Protocol
 
-from trellm_backend.engine import LLMEngine
-from trellm_backend.request import Request, RequestOutput
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.request import Request, RequestOutput
+from trellm_backend.engine.stats import SchedulerStats
 
 log = logging.getLogger("trellm")
 
@@ -32,17 +36,42 @@ class QueueFull(RuntimeError):
     """The waiting queue is at `max_queue_size`; the caller should answer UNAVAILABLE and the client retry."""
 
 
+# The loop's inbox messages.
+@dataclass(frozen=True)
+class Add:
+    request: Request
+    sink: OutputSink
+    client_id: str | None
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AbortClient:
+    client_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
 class EngineLoop:
     CANCEL_POLL_S = 0.005
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None):
+        """`on_finished` is called on the loop thread with every finished output: it must only queue it."""
         self.engine = engine
         self.max_queue_size = engine.config.max_queue_size
-        self._inbox: queue.Queue = queue.Queue()
+        self._on_finished = on_finished
+        self._stats = engine.stats()
+        self._inbox: queue.Queue[Add | Abort | AbortClient | Stop] = queue.Queue()
         self._sinks: dict[str, OutputSink] = {}
         self._client_ids: dict[str, set[str]] = {}    # a client's request id -> engine request ids (loop thread)
         self._client_id_of: dict[str, str] = {}
-        self.finished: queue.Queue | None = None      # set by a metrics reporter: every finished output goes there
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="trellm-engine", daemon=True)
         self._thread.start()
@@ -53,6 +82,11 @@ class EngineLoop:
         """Requests not yet running: submitted but not drained, plus the scheduler's waiting queue."""
         return self._inbox.qsize() + len(self.engine.scheduler.waiting)
 
+    def stats(self) -> SchedulerStats:
+        """The latest snapshot of the scheduler, with requests still in the inbox counted as waiting."""
+        snapshot = self._stats
+        return replace(snapshot, num_waiting=snapshot.num_waiting + self._inbox.qsize())
+
     def submit(self, request: Request, sink: OutputSink, client_id: str | None = None) -> None:
         """Queue a request built (and validated) by `engine.make_request`. `client_id` (Triton's request id) lets
         a later `abort_client_id` find it. Raises QueueFull when `max_queue_size` requests already wait."""
@@ -60,19 +94,19 @@ class EngineLoop:
         if waiting >= self.max_queue_size:
             raise QueueFull(f"the server is at capacity: {waiting} requests are waiting (max_queue_size="
                             f"{self.max_queue_size}); retry later")
-        self._inbox.put(("add", request, (sink, client_id or None)))
+        self._inbox.put(Add(request, sink, client_id or None))
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id, None))
+        self._inbox.put(Abort(request_id))
 
     def abort_client_id(self, client_id: str) -> None:
         """Abort every request submitted under `client_id` (a TRT-LLM-style stop request)."""
-        self._inbox.put(("abort_client", client_id, None))
+        self._inbox.put(AbortClient(client_id))
 
     def stop(self) -> None:
         """Abort everything in flight and end the threads."""
         self._stopping = True
-        self._inbox.put(("stop", None, None))
+        self._inbox.put(Stop())
         self._thread.join(timeout=30)
         self._watcher.join(timeout=5)
 
@@ -92,26 +126,30 @@ class EngineLoop:
     def _drain(self, block: bool) -> None:
         while True:
             try:
-                cmd, arg, sink = self._inbox.get(block=block, timeout=0.5 if block else None)
+                msg = self._inbox.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
                 return
             block = False
-            if cmd == "add":
-                sink, client_id = sink
+            if isinstance(msg, Add):
                 try:
-                    self.engine.add(arg)
+                    self.engine.add(msg.request)
                 except ValueError as e:
-                    sink.fail(str(e))
+                    msg.sink.fail(str(e))
                     continue
-                self._sinks[arg.request_id] = sink
-                if client_id is not None:
-                    self._client_ids.setdefault(client_id, set()).add(arg.request_id)
-                    self._client_id_of[arg.request_id] = client_id
-            elif cmd == "abort":
-                self._abort(arg)
-            elif cmd == "abort_client":
-                for rid in list(self._client_ids.get(arg, ())):
+                rid = msg.request.request_id
+                self._sinks[rid] = msg.sink
+                if msg.client_id is not None:
+                    self._client_ids.setdefault(msg.client_id, set()).add(rid)
+                    self._client_id_of[rid] = msg.client_id
+            elif isinstance(msg, Abort):
+                self._abort(msg.request_id)
+            elif isinstance(msg, AbortClient):
+                for rid in list(self._client_ids.get(msg.client_id, ())):
                     self._abort(rid)
+
+    def _finished(self, out: RequestOutput) -> None:
+        if self._on_finished is not None:
+            self._on_finished(out)
 
     def _forget(self, request_id: str) -> OutputSink | None:
         client_id = self._client_id_of.pop(request_id, None)
@@ -124,8 +162,8 @@ class EngineLoop:
 
     def _abort(self, request_id: str) -> None:
         out = self.engine.abort(request_id)
-        if out is not None and self.finished is not None:
-            self.finished.put(out)
+        if out is not None:
+            self._finished(out)
         sink = self._forget(request_id)
         if out is not None and sink is not None:
             try:
@@ -136,6 +174,7 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopping:
             self._drain(block=not self.engine.has_unfinished())
+            self._stats = self.engine.stats()
             if self._stopping:
                 break
             if not self.engine.has_unfinished():
@@ -148,9 +187,10 @@ class EngineLoop:
                     self.engine.abort(rid)
                     self._forget(rid).fail(f"engine error: {e}")
                 continue
+            self._stats = self.engine.stats()
             for out in outputs:
-                if out.finished and self.finished is not None:
-                    self.finished.put(out)
+                if out.finished:
+                    self._finished(out)
                 sink = self._sinks.get(out.request_id)
                 if sink is None:
                     continue

@@ -1,8 +1,10 @@
 """Bookkeeping of the paged KV cache: which fixed-size blocks are free, which belong to which request, and which
 hold a known prefix that a later request may reuse (prefix caching).
 
-The cache tensor itself lives in the model runner; this class only hands out block ids. A request's block table
-(`request.block_ids`) is append-only while it runs and released whole when it finishes, is aborted or preempted.
+The cache tensor itself lives in the model runner; this class only hands out block ids. It owns every request's
+block table (`req_to_blocks`, as vLLM v1's KVCacheManager does) and its prefix hashes; a table is append-only
+while the request runs and released whole when it finishes, is aborted or preempted. Looking up a cached prefix
+changes nothing; request progress (`num_computed_tokens`) is the scheduler's alone.
 
 Prefix caching: a block whose tokens are all known is registered under a chained hash of (parent block's hash,
 its tokens, the request's cache salt for the first block). A block is shared by reference count; when the count
@@ -15,14 +17,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from trellm_backend.request import Request
+from trellm_backend.engine.request import Request
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
-class BlockManager:
+class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -33,7 +35,12 @@ class BlockManager:
         self.block_key: list[tuple | None] = [None] * num_blocks     # (parent hash, tokens) of a cached block
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}                             # hash -> block id
-        self.num_queries = 0        # prompt blocks looked up since start (for the hit rate)
+        self.req_to_blocks: dict[str, list[int]] = {}                # request id -> its block table
+        # Per request: (hash, key) of its full blocks, computed once and kept across preemption; and how many of
+        # its blocks are registered in the cache.
+        self.req_to_hashes: dict[str, list[tuple[int, tuple]]] = {}
+        self.num_registered: dict[str, int] = {}
+        self.num_queries = 0        # prompt blocks looked up at first admission (for the hit rate)
         self.num_hits = 0
 
     @property
@@ -41,11 +48,15 @@ class BlockManager:
         """Blocks referenced by at least one request."""
         return self.num_blocks - len(self.free_ids)
 
+    def block_ids(self, request_id: str) -> list[int]:
+        """The block table of a request (empty when it holds none)."""
+        return self.req_to_blocks.get(request_id, [])
+
     # -- prefix cache ----------------------------------------------------------------------------------------
     def _keys(self, req: Request, num_blocks: int):
         """(hash, key) of the first `num_blocks` full blocks of `req`'s tokens, computed once per block."""
         bs = self.block_size
-        hashes = req.block_hashes
+        hashes = self.req_to_hashes.setdefault(req.request_id, [])
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[i - 1][0] if i else hash(("salt", req.cache_salt))
@@ -53,10 +64,11 @@ class BlockManager:
             hashes.append((hash(key), key))
         return hashes[:num_blocks]
 
-    def find_cached_prefix(self, req: Request) -> list[int]:
-        """Ids of cached blocks holding the longest known prefix of `req`; nothing is taken yet. The last token
-        is never covered, so a hit still leaves at least one token to compute (its logits give the next token)."""
-        if not self.enable_prefix_caching or req.block_ids:
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        """Ids of cached blocks holding the longest known prefix of `req`; nothing is taken, and the request is not
+        touched. The last token is never covered, so a hit still leaves at least one token to compute (its logits
+        give the next token)."""
+        if not self.enable_prefix_caching or self.req_to_blocks.get(req.request_id):
             return []
         hit = []
         for h, key in self._keys(req, (req.num_tokens - 1) // self.block_size):
@@ -66,50 +78,54 @@ class BlockManager:
             hit.append(bid)
         return hit
 
-    def can_admit(self, req: Request, hit: list[int], num_tokens: int) -> bool:
+    def count_prefix_query(self, req: Request, hit: list[int]) -> None:
+        """Count a first admission's lookup for the hit-rate counters."""
+        if self.enable_prefix_caching:
+            self.num_queries += (req.num_tokens - 1) // self.block_size
+            self.num_hits += len(hit)
+
+    def can_allocate(self, req: Request, hit: list[int], num_tokens: int) -> bool:
         """Whether `req`, reusing the cached blocks `hit`, can get blocks for `num_tokens` tokens."""
         reclaimed = sum(1 for b in hit if self.ref_count[b] == 0)   # free now, but no longer once taken
         return blocks_for(num_tokens, self.block_size) - len(hit) <= len(self.free_ids) - reclaimed
 
-    def admit(self, req: Request, hit: list[int], num_tokens: int) -> None:
-        """Take the cached blocks `hit` (their tokens count as computed) and grow to `num_tokens` tokens."""
+    def allocate(self, req: Request, hit: list[int], num_tokens: int) -> None:
+        """Take the cached blocks `hit` for `req`'s table and grow it to hold `num_tokens` tokens."""
+        table = self.req_to_blocks.setdefault(req.request_id, [])
         for bid in hit:
             if self.ref_count[bid] == 0:
                 del self.free_ids[bid]
             self.ref_count[bid] += 1
-            req.block_ids.append(bid)
-        req.num_computed_tokens = len(hit) * self.block_size
-        if req.num_preemptions == 0:
-            req.num_cached_tokens = req.num_computed_tokens
-            self.num_queries += (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
-            self.num_hits += len(hit)
-        self.grow(req, num_tokens)
+            table.append(bid)
+        self.allocate_slots(req, num_tokens)
 
     # -- allocation --------------------------------------------------------------------------------------------
     def blocks_missing(self, req: Request, num_tokens: int) -> int:
         """How many more blocks `req` needs to hold `num_tokens` tokens."""
-        return max(0, blocks_for(num_tokens, self.block_size) - len(req.block_ids))
+        return max(0, blocks_for(num_tokens, self.block_size) - len(self.block_ids(req.request_id)))
 
-    def can_grow(self, req: Request, num_tokens: int) -> bool:
+    def can_allocate_slots(self, req: Request, num_tokens: int) -> bool:
         return self.blocks_missing(req, num_tokens) <= len(self.free_ids)
 
-    def grow(self, req: Request, num_tokens: int) -> None:
-        """Give `req` enough blocks for `num_tokens` tokens (the caller checked `can_grow`), and register the
-        blocks those tokens fill. Registering at scheduling time is safe: the tokens are known, and their K/V is
+    def allocate_slots(self, req: Request, num_tokens: int) -> None:
+        """Give `req` enough blocks for `num_tokens` tokens (the caller checked `can_allocate_slots`), and register
+        the blocks those tokens fill. Registering at scheduling time is safe: the tokens are known, and their K/V is
         written in this step's forward pass before any later step can read it."""
+        table = self.req_to_blocks.setdefault(req.request_id, [])
         for _ in range(self.blocks_missing(req, num_tokens)):
             bid, _ = self.free_ids.popitem(last=False)
             self._evict(bid)
             self.ref_count[bid] = 1
-            req.block_ids.append(bid)
+            table.append(bid)
         if self.enable_prefix_caching:
             full = num_tokens // self.block_size
-            for i, (h, key) in enumerate(self._keys(req, full)[req.num_registered_blocks:], req.num_registered_blocks):
-                bid = req.block_ids[i]
+            done = self.num_registered.get(req.request_id, 0)
+            for i, (h, key) in enumerate(self._keys(req, full)[done:], done):
+                bid = table[i]
                 if self.block_hash[bid] is None and h not in self.cached:
                     self.block_hash[bid], self.block_key[bid] = h, key
                     self.cached[h] = bid
-            req.num_registered_blocks = max(req.num_registered_blocks, full)
+            self.num_registered[req.request_id] = max(done, full)
 
     def _evict(self, bid: int) -> None:
         h = self.block_hash[bid]
@@ -118,15 +134,17 @@ class BlockManager:
                 del self.cached[h]
             self.block_hash[bid] = self.block_key[bid] = None
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Request, keep_hashes: bool = False) -> None:
         """Drop `req`'s references; blocks nobody else uses go to the free list, tail blocks first, so a shared
-        prefix outlives the private ends of the sequences that used it."""
-        for bid in reversed(req.block_ids):
+        prefix outlives the private ends of the sequences that used it. `keep_hashes`: the request comes back
+        (preemption), and its tokens' hashes are still right."""
+        for bid in reversed(self.req_to_blocks.pop(req.request_id, [])):
             self.ref_count[bid] -= 1
             if self.ref_count[bid] == 0:
                 self.free_ids[bid] = None
-        req.block_ids = []
-        req.num_registered_blocks = 0
+        self.num_registered.pop(req.request_id, None)
+        if not keep_hashes:
+            self.req_to_hashes.pop(req.request_id, None)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use stay where they are)."""

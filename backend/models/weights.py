@@ -7,7 +7,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from trellm_backend.model_config import ModelConfigError
+from trellm_backend.models.config import ModelConfigError
 
 
 def safetensors_files(path: str) -> list[str]:

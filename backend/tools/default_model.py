@@ -6,9 +6,9 @@ training run on the same text, so the demo prints words rather than noise. The r
 (config.json, model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json with a chat
 template) that goes through the same loading path as any downloaded checkpoint.
 
-    python -m trellm_backend.default_model hf_models/tiny-llama
-    python -m trellm_backend.default_model hf_models/llama-40m --size 40m   # the benchmark's model, random init
-    python -m trellm_backend.default_model hf_models/anchor --size anchor   # the CPU-throughput anchor, random init
+    python -m trellm_backend.tools.default_model hf_models/tiny-llama
+    python -m trellm_backend.tools.default_model hf_models/llama-40m --size 40m   # the benchmark's model, random init
+    python -m trellm_backend.tools.default_model hf_models/anchor --size anchor   # the CPU-throughput anchor, random init
 """
 from __future__ import annotations
 

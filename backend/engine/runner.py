@@ -5,31 +5,19 @@ Batch preparation works on whole tensors: Python touches each scheduled sequence
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
-from trellm_backend.config import EngineConfig
-from trellm_backend.model_config import DTYPES, ModelConfig
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.limits import kv_budget, kv_bytes_per_block, resolve_device_dtype
+from trellm_backend.models.config import ModelConfig
 from trellm_backend.models.llama import AttentionMetadata, LlamaModel
-from trellm_backend.sampler import SampledToken, sample
-from trellm_backend.scheduler import SchedulerOutput
-from trellm_backend.weights import load_state_dict
+from trellm_backend.engine.sampler import SampledToken, sample
+from trellm_backend.engine.scheduler import SchedulerOutput
+from trellm_backend.models.weights import load_state_dict
 from trellm_kernels import cpu_ops
 
 log = logging.getLogger("trellm")
-
-
-def resolve_device_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> tuple[torch.device, torch.dtype]:
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
-    if cfg.dtype == "auto":
-        dtype = model_cfg.torch_dtype if device.type == "cuda" else torch.float32
-    elif cfg.dtype in DTYPES:
-        dtype = DTYPES[cfg.dtype]
-    else:
-        raise ValueError(f"dtype={cfg.dtype!r} is not one of auto, {', '.join(DTYPES)}")
-    return device, dtype
 
 
 class ModelRunner:
@@ -49,21 +37,12 @@ class ModelRunner:
                  self.block_size, self.num_blocks * self.block_size, self.kv_cache.numel() *
                  self.kv_cache.element_size() / 2**20, str(self.dtype).removeprefix("torch."), self.device)
 
-    def bytes_per_block(self) -> int:
-        m = self.model_cfg
-        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8
-
     def _num_kv_blocks(self) -> int:
-        if self.cfg.num_kv_blocks > 0:
-            return self.cfg.num_kv_blocks
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.cfg.gpu_memory_utilization)
-        else:
-            budget = self.cfg.kv_cache_bytes
-        n = budget // self.bytes_per_block()
+        per_block = kv_bytes_per_block(self.model_cfg, self.block_size, self.dtype)
+        budget, setting = kv_budget(self.cfg, self.device, per_block)
+        n = budget // per_block
         if n < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {self.bytes_per_block()} bytes; "
+            raise ValueError(f"KV cache budget of {budget} bytes ({setting}) holds no block of {per_block} bytes; "
                              "raise kv_cache_bytes (CPU) or gpu_memory_utilization (GPU)")
         return n
 
@@ -72,16 +51,11 @@ class ModelRunner:
         """Run the scheduled chunks; return the sampled token of each chunk that samples, in chunk order."""
         chunks = sched.chunks
         ids: list[int] = []
-        starts, q_lens, tables = [], [], []
-        now = time.time_ns()
         for c in chunks:
-            r, s = c.request, c.request.num_computed_tokens
-            if not r.first_scheduled_time_ns:
-                r.first_scheduled_time_ns = now
-            ids.extend(r.token_ids[s:s + c.num_new_tokens])
-            starts.append(s)
-            q_lens.append(c.num_new_tokens)
-            tables.append(r.block_ids)
+            ids.extend(c.token_ids)
+        starts = [c.start for c in chunks]
+        q_lens = [c.num_new_tokens for c in chunks]
+        tables = [c.block_ids for c in chunks]
         B, T = len(chunks), len(ids)
         max_blocks = max(len(t) for t in tables)
         dev = self.device

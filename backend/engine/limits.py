@@ -1,0 +1,46 @@
+"""The engine's size rules, each written once: the device and dtype a config resolves to, the context length it
+serves, the bytes of one KV block, and the KV pool those settings give. The engine sizes itself with them, and
+the load-time checks (triton/checks.py) predict the same numbers before a byte of weights is read."""
+from __future__ import annotations
+
+import torch
+
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.models.config import DTYPES, ModelConfig
+
+
+def resolve_device_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if cfg.device == "auto" else cfg.device))
+    if cfg.dtype == "auto":
+        dtype = model_cfg.torch_dtype if device.type == "cuda" else torch.float32
+    elif cfg.dtype in DTYPES:
+        dtype = DTYPES[cfg.dtype]
+    else:
+        raise ValueError(f"dtype={cfg.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return device, dtype
+
+
+def context_limit(cfg: EngineConfig, mc: ModelConfig) -> int:
+    """The served max_model_len: the parameter, else the model's own limit. Attention here is full-context, so a
+    sliding-window model is served only as far as the two agree. Raises ValueError past the model's limit."""
+    limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
+    if cfg.max_model_len > limit:
+        raise ValueError(f"max_model_len={cfg.max_model_len} exceeds what {mc.path}/config.json allows ({limit})")
+    return cfg.max_model_len or limit
+
+
+def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * (torch.finfo(dtype).bits // 8)
+
+
+def kv_budget(cfg: EngineConfig, device: torch.device, per_block: int, weights_to_load: int = 0) -> tuple[int, str]:
+    """Bytes of the KV pool, and the setting that decides them. On a GPU: a fraction of the memory the weights
+    leave free (`weights_to_load`: bytes of weights not on the device yet)."""
+    if cfg.num_kv_blocks > 0:
+        return cfg.num_kv_blocks * per_block, f"num_kv_blocks={cfg.num_kv_blocks}"
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return (int(max(free - weights_to_load, 0) * cfg.gpu_memory_utilization),
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization}")
+    return cfg.kv_cache_bytes, f"kv_cache_bytes={cfg.kv_cache_bytes}"

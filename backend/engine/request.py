@@ -1,0 +1,151 @@
+"""A request as the engine sees it: sampling settings, token ids, and how far the model has computed them."""
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+U64_MAX = (1 << 64) - 1
+I32_MAX = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """An allowed range, inclusive unless lo_open; None = unbounded on that side."""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+
+    def text(self) -> str:
+        lo = "-inf" if self.lo is None else _num(self.lo)
+        hi = "inf" if self.hi is None else _num(self.hi)
+        return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi is None else ']'}"
+
+    def check(self, value, shown: str) -> None:
+        """Raise ValueError naming `shown` (the name the caller used) and the range; None and lists' None pass."""
+        for v in value if isinstance(value, list) else [value]:
+            if v is None:
+                continue
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{shown} must be a finite number in {self.text()}, got {v}")
+            low_bad = self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo)
+            if low_bad or (self.hi is not None and v > self.hi):
+                raise ValueError(f"{shown} must be in {self.text()}, got {value}")
+
+
+def _num(x) -> str:
+    if x == U64_MAX:
+        return "2**64-1"
+    if x == I32_MAX:
+        return "2**31-1"
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _bounded(default, lo=None, hi=None, lo_open=False):
+    kw = {"default_factory": list} if default == [] else {"default": default}
+    return field(**kw, metadata={"bounds": Bounds(lo, hi, lo_open)})
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping settings. temperature 0 means greedy. These defaults and ranges are the
+    request fields' (triton/fields.py reads them from here)."""
+    max_tokens: int = _bounded(16, 1, 1 << 20)
+    min_tokens: int = _bounded(0, 0, 1 << 20)       # EOS and stop ids are masked until this many tokens are out
+    temperature: float = _bounded(1.0, 0, 100)
+    top_k: int = _bounded(0, -1, I32_MAX)           # 0 (or -1) = off
+    top_p: float = _bounded(1.0, 0, 1, lo_open=True)
+    min_p: float = _bounded(0.0, 0, 1)              # drop tokens below min_p * the top token's probability
+    repetition_penalty: float = _bounded(1.0, 0, 100, lo_open=True)   # prompt and output: logit / p if > 0, else * p
+    presence_penalty: float = _bounded(0.0, -2, 2)  # subtracted once from each token already in the output
+    frequency_penalty: float = _bounded(0.0, -2, 2)  # subtracted per occurrence in the output
+    seed: int | None = _bounded(None, 0, U64_MAX)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = _bounded([], 0, I32_MAX)
+    stop: list[str] = field(default_factory=list)          # stop strings (need the engine's tokenizer)
+    bad_words: list[str] = field(default_factory=list)     # never generated (tokenized by the engine)
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    n: int = _bounded(1, 1, 16)                      # parallel samples (fanned out by the serving layer)
+    logprobs: int | None = _bounded(None, 0, 20)     # None: none; k: the sampled token's logprob and the top k
+    skip_special_tokens: bool = True
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field and the allowed range."""
+        for f in fields(self):
+            if "bounds" in f.metadata:
+                f.metadata["bounds"].check(getattr(self, f.name), f.name)
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class RequestTimes:
+    """Life-cycle timestamps (time.time_ns()) for TRT-LLM's perf-metric outputs and the latency metrics: the
+    scheduler stamps the first scheduling, the engine the tokens."""
+    arrival_ns: int
+    first_scheduled_ns: int = 0
+    first_token_ns: int = 0
+    last_token_ns: int = 0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_len: int                                  # prompt + output may not exceed this (context / pool limit)
+    token_ids: list[int] = field(init=False)      # prompt then generated tokens
+    num_computed_tokens: int = 0                  # tokens whose K/V are in the cache (moved by the scheduler only)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None      # a seeded request draws from its own stream
+    num_preemptions: int = 0
+    cumulative_logprob: float = 0.0
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(time.time_ns()))
+    output_processor: object | None = None        # text and stop strings (output_processor.py), with a tokenizer
+    cache_salt: str | None = None                 # requests with different salts never share cached blocks
+    num_cached_tokens: int = 0                    # prompt tokens found in the prefix cache at first admission
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None   # "stop", "length" or "abort" once finished
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    text: str = ""                     # new text (with a tokenizer): complete characters, stop strings cut off
+    logprobs: list[float] | None = None                      # of each new token, when asked
+    # Per new token: (its rank, the top alternatives as (id, logprob)), when asked.
+    top_logprobs: list[tuple[int, list[tuple[int, float]]]] | None = None
+    cumulative_logprob: float = 0.0
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(0))
+    num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache

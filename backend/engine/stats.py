@@ -1,0 +1,20 @@
+"""A snapshot of the scheduler's state for metrics (vLLM's SchedulerStats): made on the engine thread after each
+step, read by any thread, so a metrics reporter never reaches into the scheduler or the KV cache manager."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+    num_preemptions: int = 0          # since start
+    prefix_cache_queries: int = 0     # prompt blocks looked up, since start
+    prefix_cache_hits: int = 0        # of which found in the cache
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_blocks / max(1, self.kv_total_blocks)

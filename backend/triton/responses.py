@@ -1,0 +1,73 @@
+"""The response side of a decoupled Triton model, with `pb_utils` passed in (so it is unit-tested with a fake).
+
+One Triton request of `llm` may fan out into n engine requests (parallel samples); they share one response sender,
+and FINAL must ride on the last response of the last sequence to finish. A sender whose FINAL is out must never
+be asked `is_cancelled()` again: on tritonserver 2.51 that reads a freed response factory and segfaults.
+"""
+from __future__ import annotations
+
+import threading
+
+from trellm_backend.engine.request import RequestOutput
+from trellm_backend.triton.llm import ResponsePlan, response_tensors
+
+
+def fail(pb_utils, sender, message: str, code=None) -> None:
+    """End a request with one error response (INVALID_ARG unless `code` says otherwise)."""
+    error = pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG if code is None else code)
+    sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def is_stop_request(pb_utils, request) -> bool:
+    """A TRT-LLM-style stop request: `stop`=true (with the request_id of the generation to abort)."""
+    t = pb_utils.get_input_tensor_by_name(request, "stop")
+    return t is not None and bool(t.as_numpy().reshape(-1)[0])
+
+
+class ResponseGroup:
+    """The response sender of one Triton request, shared by its n sequences."""
+
+    def __init__(self, pb_utils, sender, num_sequences: int, block_size: int):
+        self.pb = pb_utils
+        self.sender, self.remaining, self.block_size = sender, num_sequences, block_size
+        self.lock = threading.Lock()
+        self.done = False
+
+    def send(self, tensors: dict, sequence_finished: bool) -> None:
+        pb = self.pb
+        with self.lock:
+            if self.done:
+                return
+            self.remaining -= sequence_finished
+            self.done = self.remaining == 0
+            response = pb.InferenceResponse(output_tensors=[pb.Tensor(n, v) for n, v in tensors.items()])
+            self.sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if self.done else 0)
+
+    def fail(self, message: str, code=None) -> None:
+        with self.lock:
+            if not self.done:
+                self.done = True
+                fail(self.pb, self.sender, message, code)
+
+    def is_cancelled(self) -> bool:
+        with self.lock:
+            return not self.done and self.sender.is_cancelled()
+
+
+class SequenceSink:
+    """The engine loop's OutputSink for one sequence: its outputs, shaped by a ResponsePlan, go out through the
+    group's sender."""
+
+    def __init__(self, group: ResponseGroup, sequence_index: int, plan: ResponsePlan):
+        self.group, self.index, self.plan = group, sequence_index, plan
+
+    def send(self, output: RequestOutput) -> None:
+        p = self.plan.on_output(output)
+        if p is not None:
+            self.group.send(response_tensors(p, self.index, self.group.block_size), p.finished)
+
+    def fail(self, message: str) -> None:
+        self.group.fail(message)
+
+    def is_cancelled(self) -> bool:
+        return self.group.is_cancelled()

@@ -1,0 +1,63 @@
+"""MetricsReporter against a fake pb_utils: gauges come from the stats snapshot it is given, counters advance by
+the snapshot's deltas, and finished outputs become histogram observations (no server, no engine)."""
+from __future__ import annotations
+
+from trellm_backend.engine.request import RequestOutput, RequestTimes
+from trellm_backend.engine.stats import SchedulerStats
+from trellm_backend.triton.metrics import MetricsReporter
+
+
+class FakeMetric:
+    def __init__(self):
+        self.value, self.observed = 0.0, []
+
+    def set(self, v):
+        self.value = v
+
+    def increment(self, v):
+        self.value += v
+
+    def observe(self, v):
+        self.observed.append(v)
+
+
+class FakeMetricFamily:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    created: dict = {}
+
+    def __init__(self, name, description, kind):
+        self.name = name
+
+    def Metric(self, labels, buckets=None):
+        m = FakeMetric()
+        FakeMetricFamily.created[(self.name, labels.get("finished_reason"))] = m
+        return m
+
+
+class FakePbUtils:
+    MetricFamily = FakeMetricFamily
+
+
+def test_gauges_and_counters_follow_the_snapshot():
+    reporter = MetricsReporter(FakePbUtils, {"model": "llm"}, interval_s=3600)   # updated by hand below
+    m = FakeMetricFamily.created
+    stats = [SchedulerStats(2, 3, 10, 40, 1, 8, 4)]
+    reporter.start(lambda: stats[0])
+    reporter.update()
+    assert m[("vllm:num_requests_running", None)].value == 2 and m[("vllm:num_requests_waiting", None)].value == 3
+    assert m[("vllm:kv_cache_usage_perc", None)].value == 0.25 and m[("trellm:kv_cache_total_blocks", None)].value == 40
+    stats[0] = SchedulerStats(0, 0, 0, 40, 3, 12, 9)
+    reporter.update()
+    assert m[("vllm:num_preemptions_total", None)].value == 3
+    assert m[("vllm:prefix_cache_queries_total", None)].value == 12 and m[("vllm:prefix_cache_hits_total", None)].value == 9
+
+    s = 1_000_000_000
+    reporter.record(RequestOutput("a", [1], True, "length", num_prompt_tokens=5, num_output_tokens=3,
+                                  times=RequestTimes(s, 2 * s, 3 * s, 5 * s)))
+    reporter.update()
+    assert m[("vllm:request_queue_time_seconds", None)].observed == [1.0]
+    assert m[("vllm:time_to_first_token_seconds", None)].observed == [2.0]
+    assert m[("vllm:e2e_request_latency_seconds", None)].observed == [4.0]
+    assert m[("vllm:request_time_per_output_token_seconds", None)].observed == [1.0]
+    assert m[("vllm:request_success_total", "length")].value == 1 and m[("vllm:prompt_tokens_total", None)].value == 5
+    reporter.stop()

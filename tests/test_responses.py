@@ -1,0 +1,94 @@
+"""The llm model's response plumbing (backend/triton/responses.py) against a fake pb_utils: FINAL rides on the last
+response of the last sequence, errors end a request once, and a sender is never asked is_cancelled() after FINAL."""
+from __future__ import annotations
+
+import numpy as np
+
+from trellm_backend.engine.request import RequestOutput
+from trellm_backend.triton.llm import LLM_OUTPUTS, PerfMetrics, ResponsePlan
+from trellm_backend.triton.responses import ResponseGroup, SequenceSink, fail, is_stop_request
+
+FINAL = 1
+
+
+class FakePbUtils:
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
+
+    class TritonError:
+        INVALID_ARG, UNAVAILABLE = "INVALID_ARG", "UNAVAILABLE"
+
+        def __init__(self, message, code):
+            self.message, self.code = message, code
+
+    class Tensor:
+        def __init__(self, name, value):
+            self.name, self.value = name, value
+
+        def as_numpy(self):
+            return self.value
+
+    class InferenceResponse:
+        def __init__(self, output_tensors=(), error=None):
+            self.tensors = {t.name: t.value for t in output_tensors}
+            self.error = error
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        value = request.get(name)
+        return None if value is None else FakePbUtils.Tensor(name, value)
+
+
+class FakeSender:
+    def __init__(self):
+        self.sent, self.cancelled, self.asked_after_final = [], False, False
+
+    def send(self, response, flags=0):
+        self.sent.append((response, flags))
+
+    def is_cancelled(self):
+        if any(flags == FINAL for _, flags in self.sent):
+            self.asked_after_final = True
+        return self.cancelled
+
+
+def output(rid, token, text, finished=False, reason=None):
+    return RequestOutput(rid, [token], finished, reason, num_prompt_tokens=3, num_output_tokens=1, text=text)
+
+
+def test_final_rides_on_the_last_sequence_to_finish():
+    sender = FakeSender()
+    group = ResponseGroup(FakePbUtils, sender, num_sequences=2, block_size=16)
+    sinks = [SequenceSink(group, i, ResponsePlan(stream=True)) for i in range(2)]
+    sinks[0].send(output("a", 5, "x"))
+    sinks[1].send(output("b", 6, "y", finished=True, reason="length"))
+    assert [flags for _, flags in sender.sent] == [0, 0]
+    assert not sinks[0].is_cancelled()
+    sinks[0].send(output("a", 7, "z", finished=True, reason="stop"))
+    assert [flags for _, flags in sender.sent] == [0, 0, FINAL]
+    last = sender.sent[-1][0].tensors
+    assert list(last) == LLM_OUTPUTS
+    assert last["text_output"].tolist() == [[b"z"]] and last["sequence_index"].tolist() == [[0]]
+    assert PerfMetrics.from_array(last["perf_metrics"]).kv_cache_alloc_total_blocks == 1
+    sender.cancelled = True
+    assert not sinks[1].is_cancelled() and not sender.asked_after_final   # never asked once FINAL is out
+    sinks[1].fail("late")                                                 # nothing more after FINAL
+    assert len(sender.sent) == 3
+
+
+def test_a_failure_ends_the_request_once_with_its_code():
+    sender = FakeSender()
+    group = ResponseGroup(FakePbUtils, sender, num_sequences=2, block_size=16)
+    group.fail("the server is at capacity", FakePbUtils.TritonError.UNAVAILABLE)
+    group.fail("again")
+    SequenceSink(group, 0, ResponsePlan(stream=True)).send(output("a", 5, "x"))
+    ((response, flags),) = sender.sent
+    assert flags == FINAL and response.error.code == "UNAVAILABLE" and response.error.message.endswith("capacity")
+    other = FakeSender()
+    fail(FakePbUtils, other, "top_p must be in (0, 1]")
+    assert other.sent[0][0].error.code == "INVALID_ARG" and other.sent[0][1] == FINAL
+
+
+def test_stop_requests_are_recognised():
+    assert is_stop_request(FakePbUtils, {"stop": np.array([[True]])})
+    assert not is_stop_request(FakePbUtils, {"stop": np.array([[False]])})
+    assert not is_stop_request(FakePbUtils, {"input_ids": np.array([[1]])})

@@ -7,6 +7,10 @@ and queues an abort for those that did. Submissions beyond `max_queue_size` wait
 QueueFull (backpressure) instead of piling up. After each step the loop publishes the scheduler's stats snapshot,
 and hands each finished output to an optional `on_finished` callback (a metrics reporter's queue), so observers
 read what the loop thread made rather than reaching into the engine.
+
+Outputs leave through a third thread, the responder: the stepping thread only queues (sink, output) pairs, so
+building and sending responses (in Triton an IPC per response) overlaps the next forward pass instead of
+delaying it. One responder keeps each request's responses in order; a send that fails aborts the request.
 """
 from __future__ import annotations
 
@@ -59,6 +63,19 @@ class Stop:
     pass
 
 
+# The responder's messages: an output to send, or an error that ends a request.
+@dataclass(frozen=True)
+class Send:
+    sink: OutputSink
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
+class Fail:
+    sink: OutputSink
+    message: str
+
+
 class EngineLoop:
     CANCEL_POLL_S = 0.005
 
@@ -73,6 +90,9 @@ class EngineLoop:
         self._client_ids: dict[str, set[str]] = {}    # a client's request id -> engine request ids (loop thread)
         self._client_id_of: dict[str, str] = {}
         self._stopping = False
+        self._outbox: queue.SimpleQueue[Send | Fail | None] = queue.SimpleQueue()
+        self._responder = threading.Thread(target=self._respond, name="trellm-responses", daemon=True)
+        self._responder.start()
         self._thread = threading.Thread(target=self._run, name="trellm-engine", daemon=True)
         self._thread.start()
         self._watcher = threading.Thread(target=self._watch_cancellations, name="trellm-cancel", daemon=True)
@@ -108,7 +128,26 @@ class EngineLoop:
         self._stopping = True
         self._inbox.put(Stop())
         self._thread.join(timeout=30)
+        self._outbox.put(None)
+        self._responder.join(timeout=10)
         self._watcher.join(timeout=5)
+
+    def _respond(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            try:
+                if isinstance(msg, Fail):
+                    msg.sink.fail(msg.message)
+                else:
+                    msg.sink.send(msg.output)
+            except Exception:  # a client that went away must not stop the others
+                if isinstance(msg, Send) and not msg.output.finished:
+                    log.exception("sending output of %s failed", msg.output.request_id)
+                    self.abort(msg.output.request_id)
+                else:
+                    log.debug("last response of a request not delivered", exc_info=True)
 
     def _watch_cancellations(self) -> None:
         while not self._stopping:
@@ -134,7 +173,7 @@ class EngineLoop:
                 try:
                     self.engine.add(msg.request)
                 except ValueError as e:
-                    msg.sink.fail(str(e))
+                    self._outbox.put(Fail(msg.sink, str(e)))
                     continue
                 rid = msg.request.request_id
                 self._sinks[rid] = msg.sink
@@ -166,10 +205,7 @@ class EngineLoop:
             self._finished(out)
         sink = self._forget(request_id)
         if out is not None and sink is not None:
-            try:
-                sink.send(out)
-            except Exception:  # the client is gone: nothing to tell it
-                log.debug("final response of aborted %s not delivered", request_id)
+            self._outbox.put(Send(sink, out))
 
     def _run(self) -> None:
         while not self._stopping:
@@ -185,7 +221,7 @@ class EngineLoop:
                 log.exception("engine step failed")
                 for rid in list(self._sinks):
                     self.engine.abort(rid)
-                    self._forget(rid).fail(f"engine error: {e}")
+                    self._outbox.put(Fail(self._forget(rid), f"engine error: {e}"))
                 continue
             self._stats = self.engine.stats()
             for out in outputs:
@@ -196,10 +232,6 @@ class EngineLoop:
                     continue
                 if out.finished:
                     self._forget(out.request_id)
-                try:
-                    sink.send(out)
-                except Exception:  # a client that went away must not stop the others
-                    log.exception("sending output of %s failed", out.request_id)
-                    self._abort(out.request_id)
+                self._outbox.put(Send(sink, out))
         for rid in list(self._sinks):
             self._abort(rid)

@@ -280,6 +280,8 @@ void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Without the GIL: the server's responder thread builds and sends responses while attention runs.
   m.def("paged_attention", &paged_attention_cpu,
-        "Paged attention over a mixed batch of prefill chunks and decodes, reading the cache in place (CPU)");
+        "Paged attention over a mixed batch of prefill chunks and decodes, reading the cache in place (CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -76,19 +76,24 @@ def repository_for(src: str, model_dir: str, dest: str, llm_params: dict[str, st
     return dest
 
 
-async def measure(args, plan, send_min_tokens: bool) -> list[dict]:
+async def measure(args, plan, model: str) -> tuple[list[dict], bool]:
+    """Every level of `plan` against entry point `model`; also whether min_tokens could be sent."""
+    names = await grpc_load.model_inputs(args.url, model)
+    send_min_tokens = "min_tokens" in names
+    send_ids = "input_ids" in names and "text_input" not in names   # `llm` itself: prompts as token ids
     levels = []
     total = sum(len(items) for _, _, items in plan)
-    with tqdm(total=total, unit="req", desc="benchmark", file=sys.stderr, disable=args.no_progress) as bar:
+    with tqdm(total=total, unit="req", desc=model, file=sys.stderr, disable=args.no_progress) as bar:
         # One short request first: the first request of a fresh server pays one-off costs.
         warmup = dataclasses.replace(plan[0][2][0], output_tokens=4)
-        await grpc_load.run_level(args.url, args.model, [warmup], 1, send_min_tokens)
+        await grpc_load.run_level(args.url, model, [warmup], 1, send_min_tokens, send_ids=send_ids)
         for name, concurrency, items in plan:
             bar.set_postfix_str(f"{name} c={concurrency}")
-            timings, wall, kv_peak = await grpc_load.run_level(args.url, args.model, items, concurrency,
-                                                                send_min_tokens, args.metrics_url, bar.update)
+            timings, wall, kv_peak = await grpc_load.run_level(args.url, model, items, concurrency,
+                                                                send_min_tokens, args.metrics_url, bar.update,
+                                                                send_ids=send_ids)
             levels.append(report.summarize(name, concurrency, timings, wall, kv_peak))
-    return levels
+    return levels, send_min_tokens
 
 
 def baseline_requests(args, levels: list[dict], plan) -> tuple[str, dict, list, list[tuple[list[int], int]]]:
@@ -257,7 +262,9 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address (ignored with --start-server)")
     ap.add_argument("--metrics-url", default=None, help="Prometheus endpoint (default: same host, port 8002)")
-    ap.add_argument("--model", default="ensemble", help="the entry point to load (TRT-LLM-shaped tensors)")
+    ap.add_argument("--model", default="ensemble",
+                    help="the entry point to load (TRT-LLM-shaped tensors); a comma list (ensemble,llm) measures each "
+                         "in turn on the same server, the first one against the baselines")
     ap.add_argument("--model-dir", default=DEFAULT_MODEL_DIR,
                     help="the served model's Hugging Face folder: tokenizer for prompts, weights for baselines")
     ap.add_argument("--profiles", default="low,high,variable")
@@ -327,9 +334,11 @@ def main(argv=None) -> int:
         plan = [(name, c, make_items(maker, chosen[name], n, args.seed))
                 for name in args.profiles.split(",")
                 for c, n in zip(chosen[name].concurrency, chosen[name].requests_per_level)]
-        send_min_tokens = "min_tokens" in asyncio.run(grpc_load.model_inputs(args.url, args.model))
         started = time.time()
-        levels = asyncio.run(measure(args, plan, send_min_tokens))
+        models = args.model.split(",")
+        levels, send_min_tokens = asyncio.run(measure(args, plan, models[0]))
+        # Further entry points on the same server and requests: what each hop costs, in one run.
+        others = {m: asyncio.run(measure(args, plan, m))[0] for m in models[1:]}
     finally:
         if server is not None:
             server.stop()   # before the baselines, which want the cores to themselves
@@ -339,7 +348,8 @@ def main(argv=None) -> int:
            "model_dir": os.path.abspath(args.model_dir), "entry_point": args.model, "seed": args.seed,
            "min_tokens_sent": send_min_tokens, "kv_gauges": grpc_load.KV_USAGE_GAUGES, "cpu_count": os.cpu_count(),
            "engine_settings": args.engine_settings, "levels": levels, "baselines": baselines,
-           "greedy_agreement": agreement, "failed_baselines": args.failed_baselines}
+           "greedy_agreement": agreement, "failed_baselines": args.failed_baselines,
+           "other_entry_points": others}
     json_path = os.path.join(args.out, "benchmark.json")
     with open(json_path, "w") as f:
         json.dump(doc, f, indent=1)
@@ -348,6 +358,12 @@ def main(argv=None) -> int:
     if baselines:
         print()
         print(report.comparison(levels, baselines, args.baseline_profile, args.model))
+    for m, other in others.items():
+        print(f"\n{m} (same server, same requests):")
+        print(report.table(other, []))
+        for mine, theirs in zip(levels, other):
+            print(f"{mine['profile']} c={mine['concurrency']}: {models[0]} / {m} output tok/s = "
+                  f"{mine['output_tok_s'] / theirs['output_tok_s']:.2f}")
     for pair, a in agreement.items():
         print(f"greedy tokens, {pair}: {a['identical']}/{a['requests']} requests identical, "
               f"{a['mean_agreeing_prefix']:.1%} of each answer agrees before the first difference (mean)")

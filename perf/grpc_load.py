@@ -45,10 +45,15 @@ async def model_inputs(url: str, model: str) -> set[str]:
     return {i["name"] for i in meta["inputs"]}
 
 
-async def _one(client, grpc, model: str, item, send_min_tokens: bool, t0: float) -> RequestTiming:
-    inputs = [_input(grpc, "text_input", item.prompt.encode(), "BYTES"),
-              _input(grpc, "max_tokens", item.output_tokens, "INT32"),
-              _input(grpc, "stream", True, "BOOL")]
+async def _one(client, grpc, model: str, item, send_min_tokens: bool, t0: float, send_ids: bool) -> RequestTiming:
+    if send_ids:   # `llm` directly: the prompt's token ids, no tokenizing step
+        ids = grpc.InferInput("input_ids", [1, len(item.prompt_ids)], "INT32")
+        ids.set_data_from_numpy(np.array([item.prompt_ids], dtype=np.int32))
+        inputs = [ids, _input(grpc, "input_lengths", len(item.prompt_ids), "INT32")]
+    else:
+        inputs = [_input(grpc, "text_input", item.prompt.encode(), "BYTES")]
+    inputs += [_input(grpc, "max_tokens", item.output_tokens, "INT32"), _input(grpc, "stream", True, "BOOL"),
+               _input(grpc, "return_num_output_tokens", True, "BOOL")]
     if send_min_tokens:
         inputs.append(_input(grpc, "min_tokens", item.output_tokens, "INT32"))
 
@@ -111,9 +116,11 @@ async def _watch_gauge(metrics_url: str | None, peak: list, stop: asyncio.Event)
 
 
 async def run_level(url: str, model: str, items: list, concurrency: int, send_min_tokens: bool,
-                    metrics_url: str | None = None, on_done=None) -> tuple[list[RequestTiming], float, float | None]:
+                    metrics_url: str | None = None, on_done=None,
+                    send_ids: bool = False) -> tuple[list[RequestTiming], float, float | None]:
     """Send `items` with `concurrency` in flight; returns the timings (in item order), the wall time and the peak
-    of KV_USAGE_GAUGES seen meanwhile (None when the server does not export it)."""
+    of KV_USAGE_GAUGES seen meanwhile (None when the server does not export it). `send_ids`: prompts as token ids
+    (the `llm` model) instead of text."""
     import tritonclient.grpc.aio as grpc
     client = grpc.InferenceServerClient(url)
     queue = list(enumerate(items))[::-1]
@@ -123,7 +130,7 @@ async def run_level(url: str, model: str, items: list, concurrency: int, send_mi
     async def user():
         while queue:
             index, item = queue.pop()
-            timings[index] = await _one(client, grpc, model, item, send_min_tokens, t0)
+            timings[index] = await _one(client, grpc, model, item, send_min_tokens, t0, send_ids)
             if on_done:
                 on_done()
 

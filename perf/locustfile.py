@@ -73,7 +73,8 @@ class GrpcStreamUser(User):
     def _inputs(self, prompt: str, max_tokens: int):
         values = [("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
                   ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
-                  ("stream", np.array([[True]]), "BOOL")]
+                  ("stream", np.array([[True]]), "BOOL"),
+                  ("return_num_output_tokens", np.array([[True]]), "BOOL")]
         inputs = []
         for name, arr, dtype in values:
             tensor = grpcclient.InferInput(name, list(arr.shape), dtype)

@@ -9,7 +9,6 @@ from tritonclient.grpc import model_config_pb2
 
 from trellm_backend.tools.repository import read_config
 from trellm_backend.triton import fields
-from trellm_backend.triton.ensemble import POSTPROCESS_INPUTS
 from trellm_backend.triton.llm import LLM_OUTPUTS
 from trellm_backend.triton.vllm import VLLM_OUTPUTS, parse_vllm_request
 from trellm_client.client import INPUT_TYPES, LIST_INPUTS
@@ -73,12 +72,12 @@ def test_ensemble_inputs_are_the_field_table_and_reach_llm():
     assert all(k == v for k, v in steps["llm"].input_map.items() if k not in fields.LLM_PROMPT_INPUTS)
     pre = declared(load_config("preprocess"))
     assert set(steps["preprocess"].input_map) == set(pre) >= set(fields.ENSEMBLE_PROMPT_INPUTS)
-    # postprocess takes exactly what it reads from the llm's outputs, and the ensemble returns all it makes.
-    post = load_config("postprocess")
-    assert [i.name for i in post.input] == POSTPROCESS_INPUTS
-    assert [o.name for o in load_config("llm").output] == LLM_OUTPUTS
-    assert set(LLM_OUTPUTS) >= set(POSTPROCESS_INPUTS)
-    assert [o.name for o in ens.output] == [o.name for o in post.output]
+    # No postprocessing step: every ensemble output is an llm output of the same type and shape, mapped by name.
+    assert list(steps) == ["preprocess", "llm"]
+    llm_out = {o.name: (o.data_type, list(o.dims)) for o in load_config("llm").output}
+    assert list(llm_out) == LLM_OUTPUTS
+    assert {k: v for k, v in steps["llm"].output_map.items()} == {o.name: o.name for o in ens.output}
+    assert all(llm_out[o.name] == (o.data_type, list(o.dims)) for o in ens.output)
 
 
 def test_vllm_model_inputs_and_outputs_follow_the_vllm_contract():

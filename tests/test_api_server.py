@@ -120,7 +120,8 @@ def test_ensemble_stop_words_finish_reason_and_min_length(triton_server, greedy_
         assert all(ch.text for ch in chunks[:-1])
         assert c.stream_chunks(PROMPT, max_tokens=20).__next__().finish_reason == "length"
         # min_length (genai-perf's alias of min_tokens) holds off every EOS id and end_id.
-        forced = list(c.stream_chunks(PROMPT, stream=True, max_tokens=12, min_length=12, end_id=0))
+        forced = list(c.stream_chunks(PROMPT, stream=True, max_tokens=12, min_length=12, end_id=0,
+                                          return_num_output_tokens=True))
         assert forced[-1].num_output_tokens == 12
 
 
@@ -130,7 +131,7 @@ def test_ensemble_chat_messages_use_the_chat_template(triton_server, default_mod
     expected_ids = AutoTokenizer.from_pretrained(default_model_path).apply_chat_template(
         messages, tokenize=True, add_generation_prompt=True, return_dict=False)
     with LLMClient(triton_server.grpc_url) as c:
-        chunks = list(c.stream_chunks(messages=messages, stream=True, max_tokens=8))
+        chunks = list(c.stream_chunks(messages=messages, stream=True, max_tokens=8, return_num_input_tokens=True))
     assert chunks[-1].num_input_tokens == len(expected_ids)
     assert "".join(ch.text for ch in chunks)
 

@@ -51,7 +51,7 @@ def test_cli_models_lists_both_entry_points(triton_server):
     run = cli("--url", triton_server.grpc_url, "models")
     assert run.returncode == 0, run.stderr
     ready = {line.split("\t")[0] for line in run.stdout.splitlines() if "\tREADY" in line}
-    assert {"ensemble", "vllm_model", "llm", "preprocess", "postprocess"} <= ready
+    assert {"ensemble", "vllm_model", "llm", "preprocess"} <= ready
 
 
 def test_cli_says_when_the_server_is_down():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from trellm_backend.engine.request import RequestOutput
-from trellm_backend.triton.llm import LLM_OUTPUTS, PerfMetrics, ResponsePlan
+from trellm_backend.triton.llm import ResponsePlan
 from trellm_backend.triton.responses import ResponseGroup, SequenceSink, fail, is_stop_request
 
 FINAL = 1
@@ -66,9 +66,8 @@ def test_final_rides_on_the_last_sequence_to_finish():
     sinks[0].send(output("a", 7, "z", finished=True, reason="stop"))
     assert [flags for _, flags in sender.sent] == [0, 0, FINAL]
     last = sender.sent[-1][0].tensors
-    assert list(last) == LLM_OUTPUTS
+    assert set(last) == {"text_output", "finish_reason", "token_ids", "batch_index", "sequence_index"}
     assert last["text_output"].tolist() == [[b"z"]] and last["sequence_index"].tolist() == [[0]]
-    assert PerfMetrics.from_array(last["perf_metrics"]).kv_cache_alloc_total_blocks == 1
     sender.cancelled = True
     assert not sinks[1].is_cancelled() and not sender.asked_after_final   # never asked once FINAL is out
     sinks[1].fail("late")                                                 # nothing more after FINAL

@@ -1,4 +1,4 @@
-"""End to end on a real tritonserver: client -> ensemble (preprocess -> llm -> postprocess) -> engine.
+"""End to end on a real tritonserver: client -> ensemble (preprocess -> llm) -> engine.
 
 The text that comes back is compared with what Hugging Face transformers generates greedily from the same
 weights, decoded by the same tokenizer."""

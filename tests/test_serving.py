@@ -1,12 +1,13 @@
 """The llm step's contract without Triton: tensors -> requests, engine outputs -> responses of both contracts."""
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 from trellm_backend.engine.request import RequestOutput, SamplingParams
-from trellm_backend.triton.ensemble import trtllm_outputs
-from trellm_backend.triton.llm import PerfMetrics, ResponsePlan, fan_out, parse_llm_inputs
+from trellm_backend.triton.llm import (LLM_OUTPUTS, OutputSwitches, PerfMetrics, ResponsePlan, fan_out,
+                                      parse_llm_inputs, response_tensors)
 from trellm_backend.triton.vllm import vllm_outputs
 
 
@@ -69,16 +70,10 @@ def test_outputs_of_both_contracts():
            "output_log_probs": np.array([[-0.25, -1.5]], dtype=np.float32),
            "cum_log_probs": np.array([[-1.75]], dtype=np.float32),
            "num_input_tokens": arr(4, np.int32), "num_output_tokens": arr(9, np.int32),
-           "sequence_index": arr(1, np.int32), "perf_metrics": np.array([[1, 2, 3, 4, 2, 1, 3]], dtype=np.int64),
+           "sequence_index": arr(1, np.int32),
            "token_ids": np.array([[7, 8]], dtype=np.int32),
            "top_logprobs": np.array([[json.dumps([[1, [[7, -0.25]]], [2, [[9, -1.0]]]]).encode()]],
                                     dtype=np.object_)}
-    trt = trtllm_outputs(llm)
-    assert trt["output_log_probs"].shape == (1, 1, 2) and trt["cum_log_probs"].shape == (1, 1)
-    assert trt["sequence_index"].item() == 1 and trt["batch_index"].item() == 0
-    assert [trt[k].item() for k in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
-                                    "last_token_time_ns", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
-                                    "kv_cache_alloc_total_blocks")] == [1, 2, 3, 4, 2, 1, 3]
     assert set(vllm_outputs(llm, {})) == {"text_output"}
     v = vllm_outputs(llm, {k: True for k in ("return_finish_reason", "return_cumulative_logprob",
                                              "return_logprobs", "return_num_input_tokens",
@@ -94,4 +89,28 @@ def test_kv_block_counts():
     p = plan.on_output(RequestOutput("r", [1], True, "length", 40, 10, num_cached_tokens=32))
     m = PerfMetrics.of(p, 16)     # 50 tokens in 4 blocks, the first 2 from the prefix cache
     assert (m.kv_cache_alloc_new_blocks, m.kv_cache_reused_blocks, m.kv_cache_alloc_total_blocks) == (2, 2, 4)
-    assert PerfMetrics.from_array(m.to_array()) == m
+    assert {k: v.item() for k, v in m.tensors().items()} == dataclasses.asdict(m)
+    assert m.tensors()["arrival_time_ns"].dtype == np.int64 and m.tensors()["kv_cache_reused_blocks"].dtype == np.int32
+
+
+def test_response_carries_what_the_request_switched_on():
+    """Five outputs always; logprobs, counts and perf fields only on request, each never empty."""
+    plan = ResponsePlan(stream=True)
+    out = RequestOutput("r", [7, 8], True, "stop", 4, 2, text="ab", logprobs=[-0.5, -1.0])
+    p = plan.on_output(out)
+    plain = response_tensors(p, 0, 16)
+    assert set(plain) == {"text_output", "finish_reason", "token_ids", "batch_index", "sequence_index"}
+    full = response_tensors(p, 1, 16, OutputSwitches(True, True, True, True))
+    assert set(full) == set(LLM_OUTPUTS)
+    assert full["output_log_probs"].shape == (1, 1, 2) and full["cum_log_probs"].shape == (1, 1)
+    assert full["num_input_tokens"].item() == 4 and full["num_output_tokens"].item() == 2
+    assert full["sequence_index"].item() == 1 and full["kv_cache_alloc_total_blocks"].item() == 1
+
+
+def test_return_switches_are_parsed():
+    ids = np.array([[1, 2, 3]], dtype=np.int32)
+    assert parse_llm_inputs({"input_ids": ids}).outputs == OutputSwitches()
+    spec = parse_llm_inputs({"input_ids": ids, "return_log_probs": np.array([[True]]),
+                             "return_num_output_tokens": np.array([[True]]),
+                             "return_perf_metrics": np.array([[True]])})
+    assert spec.outputs == OutputSwitches(log_probs=True, num_output_tokens=True, perf_metrics=True)

@@ -103,11 +103,11 @@ FIELDS: list[Field] = [
     Field("exclude_input_in_output", "bool", False, None, tensors=("exclude_input_in_output",),
           doc="non-streaming: without it the prompt is echoed before the answer"),
     Field("return_num_input_tokens", "bool", False, None, tensors=("return_num_input_tokens",),
-          doc="accepted; the ensemble always returns num_input_tokens"),
+          doc="add the num_input_tokens output"),
     Field("return_num_output_tokens", "bool", False, None, tensors=("return_num_output_tokens",),
-          doc="accepted; the ensemble always returns num_output_tokens"),
+          doc="add the num_output_tokens output (tokens so far)"),
     Field("return_perf_metrics", "bool", False, None, tensors=("return_perf_metrics",),
-          doc="accepted; the ensemble always returns the timing and KV-cache fields"),
+          doc="add TRT-LLM's timing and KV-cache outputs"),
 ]
 BY_NAME = {f.name: f for f in FIELDS}
 BY_TENSOR = {t: f for f in FIELDS for t in f.tensor_names}

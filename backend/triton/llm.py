@@ -14,12 +14,24 @@ from trellm_backend.engine.request import RequestOutput, RequestTimes, SamplingP
 from trellm_backend.triton import fields
 
 
+@dataclass(frozen=True)
+class OutputSwitches:
+    """Which optional outputs a request asked for (TRT-LLM's return_* switches). Every response carries
+    text_output, finish_reason, token_ids, batch_index and sequence_index; the rest only when switched on, so a
+    streamed token costs a few small tensors instead of seventeen, and no declared output is ever sent empty."""
+    log_probs: bool = False          # output_log_probs, cum_log_probs, top_logprobs (return_log_probs or logprobs)
+    num_input_tokens: bool = False
+    num_output_tokens: bool = False
+    perf_metrics: bool = False       # the seven PerfMetrics outputs
+
+
 @dataclass
 class LLMRequestSpec:
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
     echo_prompt: bool
+    outputs: OutputSwitches = OutputSwitches()
 
 
 def parse_llm_inputs(tensors: dict[str, np.ndarray]) -> LLMRequestSpec:
@@ -39,8 +51,12 @@ def parse_llm_inputs(tensors: dict[str, np.ndarray]) -> LLMRequestSpec:
         ids = ids[: int(np.asarray(tensors["input_lengths"]).reshape(-1)[0])]
     values = fields.values_from_tensors(tensors)
     params = fields.sampling_params(values)
+    outputs = OutputSwitches(log_probs=params.logprobs is not None,
+                             num_input_tokens=bool(values.get("return_num_input_tokens", False)),
+                             num_output_tokens=bool(values.get("return_num_output_tokens", False)),
+                             perf_metrics=bool(values.get("return_perf_metrics", False)))
     return LLMRequestSpec(ids.astype(np.int64).tolist(), params, bool(values.get("stream", False)),
-                          echo_prompt=not values.get("exclude_input_in_output", False))
+                          echo_prompt=not values.get("exclude_input_in_output", False), outputs=outputs)
 
 
 def fan_out(params: SamplingParams) -> list[SamplingParams]:
@@ -102,8 +118,7 @@ class ResponsePlan:
 
 @dataclass(frozen=True)
 class PerfMetrics:
-    """TRT-LLM's perf fields of one response, in the order of the `perf_metrics` tensor that carries them from
-    `llm` to `postprocess` (an ensemble step passes tensors, so they travel packed; these names unpack them)."""
+    """TRT-LLM's perf fields of one response, each sent as its own output (return_perf_metrics)."""
     arrival_time_ns: int
     first_scheduled_time_ns: int
     first_token_time_ns: int
@@ -121,30 +136,36 @@ class PerfMetrics:
         return cls(t.arrival_ns, t.first_scheduled_ns, t.first_token_ns, t.last_token_ns, total - reused, reused,
                    total)
 
-    def to_array(self) -> np.ndarray:
-        return np.array([dataclasses.astuple(self)], dtype=np.int64)
-
-    @classmethod
-    def from_array(cls, a: np.ndarray) -> "PerfMetrics":
-        return cls(*(int(v) for v in np.asarray(a).reshape(-1)))
+    def tensors(self) -> dict[str, np.ndarray]:
+        return {name: np.array([[value]], dtype=np.int64 if name.endswith("_ns") else np.int32)
+                for name, value in dataclasses.asdict(self).items()}
 
 
-# What every llm response carries (config.pbtxt output list; tests/test_api.py checks).
+# Every output llm may send, in config.pbtxt order (tests/test_api.py checks). The shapes are the TRT-LLM
+# ensemble's, so the ensemble maps them straight to its own outputs with no postprocessing step.
+PERF_OUTPUTS = [f.name for f in dataclasses.fields(PerfMetrics)]
 LLM_OUTPUTS = ["text_output", "finish_reason", "token_ids", "output_log_probs", "top_logprobs", "cum_log_probs",
-               "num_input_tokens", "num_output_tokens", "sequence_index", "perf_metrics"]
+               "num_input_tokens", "num_output_tokens", "batch_index", "sequence_index", *PERF_OUTPUTS]
 
 
-def response_tensors(p: ResponsePayload, sequence_index: int, block_size: int) -> dict[str, np.ndarray]:
-    """One llm response's tensors ([1, ...]: batch of one), named as LLM_OUTPUTS."""
-    return {
+def response_tensors(p: ResponsePayload, sequence_index: int, block_size: int,
+                     outputs: OutputSwitches = OutputSwitches()) -> dict[str, np.ndarray]:
+    """One llm response's tensors ([1, ...]: batch of one, beam of one): the fixed five and the switched-on rest."""
+    out = {
         "text_output": np.array([[p.text.encode("utf-8")]], dtype=np.object_),
         "finish_reason": np.array([[(p.finish_reason or "").encode()]], dtype=np.object_),
         "token_ids": np.array([p.token_ids], dtype=np.int32),
-        "output_log_probs": np.array([p.logprobs], dtype=np.float32),
-        "top_logprobs": np.array([[p.top_logprobs_json().encode()]], dtype=np.object_),
-        "cum_log_probs": np.array([[p.cumulative_logprob]], dtype=np.float32),
-        "num_input_tokens": np.array([[p.num_input_tokens]], dtype=np.int32),
-        "num_output_tokens": np.array([[p.num_output_tokens]], dtype=np.int32),
+        "batch_index": np.zeros((1, 1), dtype=np.int32),     # one prompt per request
         "sequence_index": np.array([[sequence_index]], dtype=np.int32),
-        "perf_metrics": PerfMetrics.of(p, block_size).to_array(),
     }
+    if outputs.log_probs:
+        out["output_log_probs"] = np.array([[p.logprobs]], dtype=np.float32)
+        out["top_logprobs"] = np.array([[p.top_logprobs_json().encode()]], dtype=np.object_)
+        out["cum_log_probs"] = np.array([[p.cumulative_logprob]], dtype=np.float32)
+    if outputs.num_input_tokens:
+        out["num_input_tokens"] = np.array([[p.num_input_tokens]], dtype=np.int32)
+    if outputs.num_output_tokens:
+        out["num_output_tokens"] = np.array([[p.num_output_tokens]], dtype=np.int32)
+    if outputs.perf_metrics:
+        out.update(PerfMetrics.of(p, block_size).tensors())
+    return out

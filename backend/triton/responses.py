@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 from trellm_backend.engine.request import RequestOutput
-from trellm_backend.triton.llm import ResponsePlan, response_tensors
+from trellm_backend.triton.llm import OutputSwitches, ResponsePlan, response_tensors
 
 
 def fail(pb_utils, sender, message: str, code=None) -> None:
@@ -55,16 +55,17 @@ class ResponseGroup:
 
 
 class SequenceSink:
-    """The engine loop's OutputSink for one sequence: its outputs, shaped by a ResponsePlan, go out through the
-    group's sender."""
+    """The engine loop's OutputSink for one sequence: its outputs, shaped by a ResponsePlan and cut to the outputs
+    the request switched on, go out through the group's sender."""
 
-    def __init__(self, group: ResponseGroup, sequence_index: int, plan: ResponsePlan):
-        self.group, self.index, self.plan = group, sequence_index, plan
+    def __init__(self, group: ResponseGroup, sequence_index: int, plan: ResponsePlan,
+                 outputs: OutputSwitches = OutputSwitches()):
+        self.group, self.index, self.plan, self.outputs = group, sequence_index, plan, outputs
 
     def send(self, output: RequestOutput) -> None:
         p = self.plan.on_output(output)
         if p is not None:
-            self.group.send(response_tensors(p, self.index, self.group.block_size), p.finished)
+            self.group.send(response_tensors(p, self.index, self.group.block_size, self.outputs), p.finished)
 
     def fail(self, message: str) -> None:
         self.group.fail(message)

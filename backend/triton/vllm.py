@@ -69,6 +69,8 @@ def parse_vllm_request(strings: dict[str, str | None], bools: dict[str, bool]) -
     flags = {k: bools.get(k, False) for k in fields.VLLM_INPUTS if k.startswith("return_")}
     if flags["return_cumulative_logprob"] and values.get("logprobs") is None:
         values["return_log_probs"] = True    # logprobs of the sampled tokens only
+    if flags["return_num_input_tokens"]:
+        values["return_num_input_tokens"] = True   # llm sends only the outputs its request switches on
     fields.sampling_params(values)              # every range error now, before anything is sent to llm
     stream = bools.get("stream", False)
     values["stream"] = stream

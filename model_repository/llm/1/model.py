@@ -73,7 +73,7 @@ class TritonPythonModel:
             group = ResponseGroup(pb_utils, sender, len(reqs), self.engine.config.block_size)
             try:
                 for i, req in enumerate(reqs):
-                    self.loop.submit(req, SequenceSink(group, i, ResponsePlan(spec.stream, echo)),
+                    self.loop.submit(req, SequenceSink(group, i, ResponsePlan(spec.stream, echo), spec.outputs),
                                      client_id=request.request_id())
             except QueueFull as e:
                 for submitted in reqs[:i]:

@@ -314,6 +314,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.failed_baselines = []
     os.makedirs(args.out, exist_ok=True)
+    if "," in args.model and not any(p.startswith("enable_prefix_caching=") for p in args.llm_param):
+        # The second entry point sends the same prompts: with the cache on it would find them all cached.
+        args.llm_param.append("enable_prefix_caching=false")
+        print("several entry points on the same requests: prefix caching off (enable_prefix_caching=false)",
+              file=sys.stderr)
     server = None
     if args.start_server:
         from trellm_backend.tools.launch import TritonServer

@@ -117,12 +117,13 @@ def main():
     ap.add_argument("--chunk", type=int, default=256, help="new tokens of the prefill case")
     ap.add_argument("--prefix", type=int, default=256, help="cached tokens before the prefill chunk")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--options", default="reference,dispatch,cpp,sdpa,flex")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args()
     if cpu_ops.load() is None:
         sys.exit(cpu_ops.error())
-    H, KVH, D, bs = 8, 4, 64, 16
+    H, KVH, D, bs = 8, 4, 64, args.block_size
     cases = {f"decode {args.seqs} x {args.ctx}": [(args.ctx - 1, 1)] * args.seqs,
              f"prefill {args.chunk} after {args.prefix}": [(args.prefix, args.chunk)]}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per layer (H={H}, KVH={KVH}, D={D}, "

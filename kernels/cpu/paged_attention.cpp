@@ -54,23 +54,9 @@ struct WorkItem {
 
 // Scores of `rows` query vectors (already scaled, float, [rows][D]) against one block's keys, transposed to
 // [D][BS] so the inner loop runs along the block's slots. BS is a compile-time constant for the common sizes.
-template <int BS>
-inline void block_scores(const float* qs, int64_t rows, int64_t D, const float* kt, float* s) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float acc[BS];
-    for (int j = 0; j < BS; ++j) acc[j] = 0.f;
-    const float* qr = qs + r * D;
-    for (int64_t d = 0; d < D; ++d) {
-      const float qd = qr[d];
-      const float* kd = kt + d * BS;
-#pragma omp simd
-      for (int j = 0; j < BS; ++j) acc[j] += qd * kd[j];
-    }
-    for (int j = 0; j < BS; ++j) s[r * BS + j] = acc[j];
-  }
-}
-
-inline void block_scores_any(const float* qs, int64_t rows, int64_t D, const float* kt, float* s, int64_t BS) {
+template <int BS_FIXED>
+inline void block_scores(const float* qs, int64_t rows, int64_t D, const float* kt, float* s, int64_t bs) {
+  const int64_t BS = BS_FIXED > 0 ? BS_FIXED : bs;
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * BS;
     for (int64_t j = 0; j < BS; ++j) sr[j] = 0.f;
@@ -146,8 +132,7 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
       }
       for (int64_t j = valid; j < BS; ++j)
         for (int64_t d = 0; d < D; ++d) kt[d * BS + j] = 0.f;
-      if constexpr (BS_FIXED > 0) block_scores<BS_FIXED>(qs, rows, D, kt, s);
-      else block_scores_any(qs, rows, D, kt, s, BS);
+      block_scores<BS_FIXED>(qs, rows, D, kt, s, BS);
     } else {
       // Few rows per head (decodes): dot products along D straight from the cache, slot by slot, so a
       // sequence's block is read front to back once for all its heads.

@@ -6,6 +6,8 @@ requests, and what share of each step the scheduler and batch preparation take n
 Prints one line per run; use ratios from one run when comparing settings on a shared machine.
 --profile-step instead waits until every request is decoding, then prints how long a decode step takes, the share
 of paged attention in it, and a torch.profiler table of one step: where a step's time goes.
+--anchor instead runs the benchmark's anchor requests (perf/workload.py, 48 at t=0, exact output lengths) and
+splits the time between prefill steps and decode steps.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool size (default: the engine's)")
     ap.add_argument("--profile-step", action="store_true", help="profile one decode step of the whole batch")
+    ap.add_argument("--anchor", action="store_true", help="the anchor profile's requests, time by step kind")
     args = ap.parse_args()
 
     extra = {} if args.kv_cache_bytes is None else {"kv_cache_bytes": args.kv_cache_bytes}
@@ -42,6 +45,8 @@ def main():
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.gen_len, temperature=0.0, ignore_eos=True)
     engine.generate([torch.randint(10, vocab, (16,), generator=g).tolist()], params)   # warm-up
+    if args.anchor:
+        return split_anchor_steps(engine, args.model)
 
     for i in range(args.requests):
         engine.add_request(str(i), torch.randint(10, vocab, (args.prompt_len,), generator=g).tolist(), params)
@@ -68,6 +73,36 @@ def main():
           f"wall={wall:.2f}s output_tok/s={generated / wall:.1f} "
           f"total_tok/s={(generated + args.requests * args.prompt_len) / wall:.1f} "
           f"model_share={model_time / wall:.1%} overhead_per_step_ms={(wall - model_time) / steps * 1e3:.2f}")
+
+
+def split_anchor_steps(engine: LLMEngine, model_dir: str):
+    """Run the anchor profile's requests and report prefill and decode steps apart."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from workload import PromptMaker, make_items, profiles
+    items = make_items(PromptMaker(model_dir), profiles()["anchor"], 48, 0)
+    for i, it in enumerate(items):
+        engine.add_request(str(i), it.prompt_ids, SamplingParams(max_tokens=it.output_tokens, temperature=0.0,
+                                                                 min_tokens=it.output_tokens, ignore_eos=True))
+    execute = engine.runner.execute
+    kinds = {"prefill": [0, 0.0, 0], "decode": [0, 0.0, 0]}   # steps, seconds, sequences
+
+    def timed(plan):
+        t = time.perf_counter()
+        r = execute(plan)
+        k = kinds["prefill" if sum(c.num_new_tokens for c in plan.chunks) > len(plan.chunks) else "decode"]
+        k[0], k[1], k[2] = k[0] + 1, k[1] + time.perf_counter() - t, k[2] + len(plan.chunks)
+        return r
+
+    engine.runner.execute = timed
+    start, generated = time.perf_counter(), 0
+    while engine.has_unfinished():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    wall = time.perf_counter() - start
+    print(f"anchor: {len(items)} requests, {generated} output tokens in {wall:.1f} s = {generated / wall:.1f} tok/s")
+    for name, (steps, seconds, seqs) in kinds.items():
+        print(f"  {name}: {steps} steps, {seconds:.1f} s, {seconds / max(steps, 1) * 1e3:.0f} ms a step, "
+              f"{seqs / max(steps, 1):.1f} sequences a step")
 
 
 def profile_decode_step(engine: LLMEngine, num_requests: int, timed_steps: int = 5):

@@ -213,3 +213,31 @@ def test_async_client_leaving_an_ensemble_stream_early_frees_blocks(server):
 
     assert asyncio.run(leave_early()) > 0
     assert wait_for_blocks(server, lambda used: used == 0, timeout=5) == 0, "the ensemble request kept its blocks"
+
+
+def test_request_id_in_flight_is_refused(server):
+    """Two running generations may not share a request id (a stop request names one): the second is refused by
+    name while the first runs on; requests without an id are never refused (reuse after the end: test_engine_loop)."""
+    client, results = open_stream(server)
+    client.async_stream_infer("llm", llm_inputs(), request_id="twice")
+    first_responses(results)
+    client.async_stream_infer("llm", llm_inputs(max_tokens=2), request_id="twice")
+    deadline = time.monotonic() + 10
+    refused = None
+    while refused is None and time.monotonic() < deadline:
+        result, error = results.get(timeout=10)
+        if error is not None:
+            refused = error
+    assert refused is not None and "'twice' is already in flight" in str(refused), refused
+    stopper = grpcclient.InferenceServerClient(server.grpc_url)
+    stopper.start_stream(callback=lambda *_: None)
+    stopper.async_stream_infer("llm", [tensor("stop", True, np.bool_)], request_id="twice")
+    assert wait_for_blocks(server, lambda used: used == 0, timeout=10) == 0
+    again = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate",
+                                   data=json.dumps({"input_ids": [1, 100, 200], "max_tokens": 2}).encode())
+    stopper.stop_stream()
+    stopper.close()
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    with urllib.request.urlopen(again, timeout=30) as r:   # HTTP generate sends no id: never refused
+        assert r.status == 200

@@ -8,7 +8,7 @@ import pytest
 
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
-from trellm_backend.engine.loop import EngineLoop, QueueFull
+from trellm_backend.engine.loop import DuplicateClientId, EngineLoop, QueueFull
 from trellm_backend.engine.request import SamplingParams
 
 LONG = SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True)
@@ -49,10 +49,12 @@ def wait_until(predicate, timeout=30.0):
         time.sleep(0.01)
 
 
-def submit(loop, rid, client_id=None):
-    sink = Sink()
-    loop.submit(loop.engine.make_request(rid, [1, 50, 60, 70], LONG), sink, client_id=client_id)
-    return sink
+def submit(loop, rid, client_id=None, n=1):
+    """Submit one client request of `n` engine requests (ids rid, rid.1, ...); returns the sink, or the n sinks."""
+    sinks = [Sink() for _ in range(n)]
+    loop.submit([loop.engine.make_request(rid if i == 0 else f"{rid}.{i}", [1, 50, 60, 70], LONG) for i in range(n)],
+                sinks, client_id=client_id)
+    return sinks[0] if n == 1 else sinks
 
 
 def test_cancelled_sink_is_aborted_and_frees_blocks(loop):
@@ -68,7 +70,7 @@ def test_cancelled_sink_is_aborted_and_frees_blocks(loop):
 def test_abort_by_client_id_and_bounded_queue(loop):
     running = submit(loop, "r", client_id="job-1")
     wait_until(lambda: len(running.outputs) >= 1)
-    waiting = [submit(loop, f"w{i}", client_id="job-2") for i in range(2)]
+    waiting = submit(loop, "w", client_id="job-2", n=2)      # two samples of one client request
     with pytest.raises(QueueFull, match=r"max_queue_size=2"):
         submit(loop, "too-many")
     loop.abort_client_id("job-2")                      # both waiting requests share this client id
@@ -79,3 +81,19 @@ def test_abort_by_client_id_and_bounded_queue(loop):
     wait_until(lambda: loop.engine.kv_blocks_used() == 0 and loop.num_waiting() == 0, timeout=5)
     accepted = submit(loop, "after")                    # room again once the queue drained
     wait_until(lambda: len(accepted.outputs) >= 1)
+
+
+def test_a_request_id_in_flight_is_refused_until_it_finishes(loop):
+    """A stop request names a request id, so two running requests may not share one; the id is free again once
+    every sample under it is over (here: aborted)."""
+    first = submit(loop, "x", client_id="job", n=2)
+    wait_until(lambda: all(len(s.outputs) >= 1 for s in first))
+    with pytest.raises(DuplicateClientId, match="'job' is already in flight"):
+        submit(loop, "y", client_id="job")
+    loop.abort_client_id("job")
+    assert all(s.done.wait(5) for s in first)
+    wait_until(lambda: loop.engine.kv_blocks_used() == 0, timeout=5)
+    again = submit(loop, "z", client_id="job")
+    wait_until(lambda: len(again.outputs) >= 1)
+    anonymous = [submit(loop, f"anon{i}") for i in range(2)]     # no request id: never refused
+    wait_until(lambda: all(len(s.outputs) >= 1 for s in anonymous))

@@ -40,6 +40,10 @@ class QueueFull(RuntimeError):
     """The waiting queue is at `max_queue_size`; the caller should answer UNAVAILABLE and the client retry."""
 
 
+class DuplicateClientId(ValueError):
+    """A client request id that is already in flight: refused, so that a stop request naming it is unambiguous."""
+
+
 # The loop's inbox messages.
 @dataclass(frozen=True)
 class Add:
@@ -89,6 +93,10 @@ class EngineLoop:
         self._sinks: dict[str, OutputSink] = {}
         self._client_ids: dict[str, set[str]] = {}    # a client's request id -> engine request ids (loop thread)
         self._client_id_of: dict[str, str] = {}
+        # Client ids in flight, with how many of their engine requests are not finished yet. Written by the
+        # submitting thread and the loop thread, hence the lock.
+        self._live_clients: dict[str, int] = {}
+        self._clients_lock = threading.Lock()
         self._stopping = False
         self._outbox: queue.SimpleQueue[Send | Fail | None] = queue.SimpleQueue()
         self._responder = threading.Thread(target=self._respond, name="trellm-responses", daemon=True)
@@ -107,14 +115,35 @@ class EngineLoop:
         snapshot = self._stats
         return replace(snapshot, num_waiting=snapshot.num_waiting + self._inbox.qsize())
 
-    def submit(self, request: Request, sink: OutputSink, client_id: str | None = None) -> None:
-        """Queue a request built (and validated) by `engine.make_request`. `client_id` (Triton's request id) lets
-        a later `abort_client_id` find it. Raises QueueFull when `max_queue_size` requests already wait."""
+    def submit(self, requests: list[Request], sinks: list[OutputSink], client_id: str | None = None) -> None:
+        """Queue the engine requests of one client request (its n samples), built and validated by
+        `engine.make_request`, each with its sink. `client_id` (Triton's request id) lets a later
+        `abort_client_id` find them. Raises QueueFull when `max_queue_size` requests already wait, and
+        DuplicateClientId when requests under `client_id` are still in flight."""
         waiting = self.num_waiting()
         if waiting >= self.max_queue_size:
             raise QueueFull(f"the server is at capacity: {waiting} requests are waiting (max_queue_size="
                             f"{self.max_queue_size}); retry later")
-        self._inbox.put(Add(request, sink, client_id or None))
+        client_id = client_id or None
+        if client_id is not None:
+            with self._clients_lock:
+                if client_id in self._live_clients:
+                    raise DuplicateClientId(f"request id {client_id!r} is already in flight; request ids of "
+                                            "running requests must be unique (a stop request names one)")
+                self._live_clients[client_id] = len(requests)
+        for request, sink in zip(requests, sinks):
+            self._inbox.put(Add(request, sink, client_id))
+
+    def _release_client(self, client_id: str | None) -> None:
+        """One engine request under `client_id` is over; the id is free again once all of them are."""
+        if client_id is None:
+            return
+        with self._clients_lock:
+            left = self._live_clients.get(client_id, 0) - 1
+            if left > 0:
+                self._live_clients[client_id] = left
+            else:
+                self._live_clients.pop(client_id, None)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))
@@ -173,6 +202,7 @@ class EngineLoop:
                 try:
                     self.engine.add(msg.request)
                 except ValueError as e:
+                    self._release_client(msg.client_id)
                     self._outbox.put(Fail(msg.sink, str(e)))
                     continue
                 rid = msg.request.request_id
@@ -192,6 +222,7 @@ class EngineLoop:
 
     def _forget(self, request_id: str) -> OutputSink | None:
         client_id = self._client_id_of.pop(request_id, None)
+        self._release_client(client_id)
         if client_id is not None:
             ids = self._client_ids[client_id]
             ids.discard(request_id)

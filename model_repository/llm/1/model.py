@@ -7,7 +7,7 @@ import logging
 import triton_python_backend_utils as pb_utils
 
 from trellm_backend.engine.engine import LLMEngine
-from trellm_backend.engine.loop import EngineLoop, QueueFull
+from trellm_backend.engine.loop import DuplicateClientId, EngineLoop, QueueFull
 from trellm_backend.triton.checks import serving_config
 from trellm_backend.triton.fields import auto_complete_llm_inputs, llm_tensor_names
 from trellm_backend.triton.llm import ResponsePlan, fan_out, parse_llm_inputs
@@ -71,14 +71,13 @@ class TritonPythonModel:
             if spec.echo_prompt and not spec.stream:
                 echo = self.tokenizer.decode(spec.prompt_ids, skip_special_tokens=True)
             group = ResponseGroup(pb_utils, sender, len(reqs), self.engine.config.block_size)
+            sinks = [SequenceSink(group, i, ResponsePlan(spec.stream, echo), spec.outputs) for i in range(len(reqs))]
             try:
-                for i, req in enumerate(reqs):
-                    self.loop.submit(req, SequenceSink(group, i, ResponsePlan(spec.stream, echo), spec.outputs),
-                                     client_id=request.request_id())
+                self.loop.submit(reqs, sinks, client_id=request.request_id())
             except QueueFull as e:
-                for submitted in reqs[:i]:
-                    self.loop.abort(submitted.request_id)
                 group.fail(str(e), pb_utils.TritonError.UNAVAILABLE)
+            except DuplicateClientId as e:
+                group.fail(str(e))
         return None
 
     def finalize(self):

@@ -97,3 +97,32 @@ def test_a_request_id_in_flight_is_refused_until_it_finishes(loop):
     wait_until(lambda: len(again.outputs) >= 1)
     anonymous = [submit(loop, f"anon{i}") for i in range(2)]     # no request id: never refused
     wait_until(lambda: all(len(s.outputs) >= 1 for s in anonymous))
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(loop, monkeypatch):
+    """An exception in a step (or in taking a request in) ends the requests in flight with a named error, frees
+    their blocks, and the loop thread keeps serving: it can never die silently with requests hanging."""
+    real_step, real_add = loop.engine.step, loop.engine.add
+    broken = {"step": True, "add": True}
+
+    def step():
+        if broken["step"]:
+            broken["step"] = False
+            raise RuntimeError("simulated kernel failure")
+        return real_step()
+
+    def add(request):
+        if broken["add"]:
+            broken["add"] = False
+            raise KeyError("simulated bookkeeping bug")
+        return real_add(request)
+
+    monkeypatch.setattr(loop.engine, "add", add)
+    first = submit(loop, "bad-add")
+    assert first.done.wait(5) and "KeyError" in first.errors[0]
+    monkeypatch.setattr(loop.engine, "step", step)
+    second = submit(loop, "bad-step")
+    assert second.done.wait(5) and "simulated kernel failure" in second.errors[0]
+    wait_until(lambda: loop.engine.kv_blocks_used() == 0, timeout=5)
+    healthy = submit(loop, "after")
+    wait_until(lambda: len(healthy.outputs) >= 2)

@@ -201,9 +201,12 @@ class EngineLoop:
             if isinstance(msg, Add):
                 try:
                     self.engine.add(msg.request)
-                except ValueError as e:
+                except Exception as e:   # ValueError: the request's fault, named; anything else: ours
+                    if not isinstance(e, ValueError):
+                        log.exception("adding %s failed", msg.request.request_id)
                     self._release_client(msg.client_id)
-                    self._outbox.put(Fail(msg.sink, str(e)))
+                    self._outbox.put(Fail(msg.sink, str(e) if isinstance(e, ValueError)
+                                          else f"engine error: {type(e).__name__}: {e}"))
                     continue
                 rid = msg.request.request_id
                 self._sinks[rid] = msg.sink
@@ -238,31 +241,39 @@ class EngineLoop:
         if out is not None and sink is not None:
             self._outbox.put(Send(sink, out))
 
+    def _iterate(self) -> None:
+        """Take in commands, run one step, queue its outputs."""
+        self._drain(block=not self.engine.has_unfinished())
+        self._stats = self.engine.stats()
+        if self._stopping or not self.engine.has_unfinished():
+            return
+        outputs = self.engine.step()
+        self._stats = self.engine.stats()
+        for out in outputs:
+            if out.finished:
+                self._finished(out)
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                self._forget(out.request_id)
+            self._outbox.put(Send(sink, out))
+
+    def _fail_all(self, message: str) -> None:
+        """End every request in flight with an error, freeing its blocks as far as the engine still can."""
+        for rid in list(self._sinks):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("abort of %s failed", rid)
+            self._outbox.put(Fail(self._forget(rid), message))
+
     def _run(self) -> None:
         while not self._stopping:
-            self._drain(block=not self.engine.has_unfinished())
-            self._stats = self.engine.stats()
-            if self._stopping:
-                break
-            if not self.engine.has_unfinished():
-                continue
             try:
-                outputs = self.engine.step()
-            except Exception as e:  # a failed step must not take the server down: fail the requests in it
-                log.exception("engine step failed")
-                for rid in list(self._sinks):
-                    self.engine.abort(rid)
-                    self._outbox.put(Fail(self._forget(rid), f"engine error: {e}"))
-                continue
-            self._stats = self.engine.stats()
-            for out in outputs:
-                if out.finished:
-                    self._finished(out)
-                sink = self._sinks.get(out.request_id)
-                if sink is None:
-                    continue
-                if out.finished:
-                    self._forget(out.request_id)
-                self._outbox.put(Send(sink, out))
+                self._iterate()
+            except Exception as e:  # nothing may end this thread: fail what is in flight and go on
+                log.exception("engine loop iteration failed")
+                self._fail_all(f"engine error: {type(e).__name__}: {e}")
         for rid in list(self._sinks):
             self._abort(rid)

@@ -157,6 +157,25 @@ def test_bad_words_are_never_generated(engine):
     assert word not in banned and banned != text
 
 
+def test_bad_words_of_parallel_samples_are_tokenized_once(engine, monkeypatch):
+    """n samples of one request share one tokenization of its bad words (it ran per sample, on the thread that
+    admits every request); a request with other words gets its own."""
+    import trellm_backend.engine.engine as engine_module
+    from trellm_backend.engine.output_processor import bad_words_ids
+    from trellm_backend.triton.llm import fan_out
+    calls = []
+    monkeypatch.setattr(engine_module, "bad_words_ids", lambda tok, words: calls.append(words) or
+                        bad_words_ids(tok, words))
+    words = [f"w{i}" for i in range(300)] + ["self"]
+    samples = fan_out(SamplingParams(n=8, max_tokens=4, temperature=1.0, seed=3, bad_words=words))
+    reqs = [engine.make_request(f"r#{i}", [1, 2, 3], p) for i, p in enumerate(samples)]
+    assert len(calls) == 1
+    assert all(r.params.bad_words_ids == reqs[0].params.bad_words_ids for r in reqs)
+    assert [1 for ids in reqs[0].params.bad_words_ids if ids == engine.tokenizer("self", add_special_tokens=False).input_ids]
+    engine.make_request("other", [1, 2, 3], SamplingParams(max_tokens=4, bad_words=["the"]))
+    assert len(calls) == 2
+
+
 def test_cumulative_logprob_is_the_sum(engine):
     outs = run(engine, [1, 50, 60], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0))
     lps = [o.logprobs[0] for o in outs]

@@ -22,6 +22,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None):
         self.config = config
         self.tokenizer = tokenizer   # with one, outputs carry text and stop strings work; without, token ids only
+        self._last_bad_words: tuple[tuple[str, ...] | None, list[list[int]]] = (None, [])
         self.model_config = mc = load_model_config(config.model_path)
         self.max_model_len = context_limit(config, mc)
         self.runner = ModelRunner(config, mc, self.max_model_len)
@@ -55,7 +56,11 @@ class LLMEngine:
         if (params.stop or params.bad_words) and self.tokenizer is None:
             raise ValueError("stop strings and bad words need the engine's tokenizer")
         if params.bad_words:
-            params.bad_words_ids = bad_words_ids(self.tokenizer, params.bad_words)
+            # The n samples of one request arrive one after another with the same words: tokenize them once.
+            key = tuple(params.bad_words)
+            if self._last_bad_words[0] != key:
+                self._last_bad_words = (key, bad_words_ids(self.tokenizer, params.bad_words))
+            params.bad_words_ids = self._last_bad_words[1]
         req = Request(request_id, list(prompt_token_ids), params, max_len=min(self.max_model_len, self.pool_tokens))
         if self.tokenizer is not None:
             req.output_processor = OutputProcessor(self.tokenizer, req.prompt_token_ids, params)

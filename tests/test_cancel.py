@@ -88,6 +88,16 @@ def open_stream(server):
     return client, results
 
 
+def first_error(results, timeout=10.0):
+    """The first error on a stream within `timeout` seconds, or None."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result, error = results.get(timeout=timeout)
+        if error is not None:
+            return error
+    return None
+
+
 def first_responses(results, n=3):
     for _ in range(n):
         result, error = results.get(timeout=60)
@@ -163,12 +173,7 @@ def test_full_queue_answers_unavailable(server):
         client.async_stream_infer("llm", llm_inputs(), request_id=rid)
     time.sleep(0.5)
     client.async_stream_infer("llm", llm_inputs(), request_id="one-too-many")
-    deadline = time.monotonic() + 10
-    refused = None
-    while refused is None and time.monotonic() < deadline:
-        result, error = results.get(timeout=10)
-        if error is not None:
-            refused = error
+    refused = first_error(results)
     assert refused is not None, "the fourth request was not refused"
     assert "max_queue_size=2" in str(refused), str(refused)
     # The model answers with TritonError.UNAVAILABLE, but Triton 2.51 passes only the message on: a gRPC stream
@@ -222,12 +227,7 @@ def test_request_id_in_flight_is_refused(server):
     client.async_stream_infer("llm", llm_inputs(), request_id="twice")
     first_responses(results)
     client.async_stream_infer("llm", llm_inputs(max_tokens=2), request_id="twice")
-    deadline = time.monotonic() + 10
-    refused = None
-    while refused is None and time.monotonic() < deadline:
-        result, error = results.get(timeout=10)
-        if error is not None:
-            refused = error
+    refused = first_error(results)
     assert refused is not None and "'twice' is already in flight" in str(refused), refused
     stopper = grpcclient.InferenceServerClient(server.grpc_url)
     stopper.start_stream(callback=lambda *_: None)

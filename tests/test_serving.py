@@ -114,3 +114,13 @@ def test_return_switches_are_parsed():
                              "return_num_output_tokens": np.array([[True]]),
                              "return_perf_metrics": np.array([[True]])})
     assert spec.outputs == OutputSwitches(log_probs=True, num_output_tokens=True, perf_metrics=True)
+
+
+@pytest.mark.parametrize("lengths,message", [(-1, r"input_lengths=-1 is out of range: it must be in \[1, 3\]"),
+                                             (0, "input_lengths=0"), (4, r"input_lengths=4 .*\[1, 3\]"),
+                                             ([1, 2], "must be one integer")])
+def test_input_lengths_is_checked_against_input_ids(lengths, message):
+    ids = np.array([[5, 6, 7]], dtype=np.int32)
+    with pytest.raises(ValueError, match=message):
+        parse_llm_inputs({"input_ids": ids, "input_lengths": np.array([lengths], dtype=np.int32).reshape(1, -1)})
+    assert parse_llm_inputs({"input_ids": ids, "input_lengths": np.array([[2]], dtype=np.int32)}).prompt_ids == [5, 6]

@@ -48,7 +48,14 @@ def parse_llm_inputs(tensors: dict[str, np.ndarray]) -> LLMRequestSpec:
     if not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"input_ids has dtype {ids.dtype}; expected integers")
     if "input_lengths" in tensors:
-        ids = ids[: int(np.asarray(tensors["input_lengths"]).reshape(-1)[0])]
+        lengths = np.asarray(tensors["input_lengths"]).reshape(-1)
+        if lengths.size != 1 or not np.issubdtype(lengths.dtype, np.integer):
+            raise ValueError(f"input_lengths must be one integer, got {lengths.size} value(s) of {lengths.dtype}")
+        n = int(lengths[0])
+        if not 1 <= n <= ids.size:
+            raise ValueError(f"input_lengths={n} is out of range: it must be in [1, {ids.size}] "
+                             f"(the number of input_ids sent)")
+        ids = ids[:n]
     values = fields.values_from_tensors(tensors)
     params = fields.sampling_params(values)
     outputs = OutputSwitches(log_probs=params.logprobs is not None,

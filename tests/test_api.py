@@ -169,6 +169,7 @@ def test_sampling_parameters_json_coerces_strings_like_genai_perf_sends():
     ('{"max_token": 5, "tempreature": 1}', "unknown field.*max_token, tempreature"),
     ('[1, 2]', "must be a JSON object"),
     ('{"max_tokens": ', "not valid JSON"),
+    ('{"stop": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
 ])
 def test_sampling_parameters_errors(sp, message):
     with pytest.raises(ValueError, match=message):

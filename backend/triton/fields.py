@@ -224,6 +224,9 @@ def values_from_sampling_json(text: str) -> dict[str, object]:
         obj = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as e:
         raise ValueError(f"sampling_parameters is not valid JSON: {e}") from None
+    except RecursionError:   # json's parser recurses once per nesting level
+        raise ValueError("sampling_parameters is nested too deeply: it must be a flat JSON object of sampling "
+                         "fields") from None
     if not isinstance(obj, dict):
         raise ValueError("sampling_parameters must be a JSON object of sampling fields")
     unknown = sorted(k for k in obj if k not in BY_JSON)

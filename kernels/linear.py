@@ -15,9 +15,14 @@ import torch
 
 @dataclass
 class Weight:
-    """A linear layer's weight [out, in] (kept for the reference and other devices) and its prepared form."""
-    weight: torch.Tensor
-    prepared: torch.Tensor | None = None   # oneDNN's layout on a CPU, None where `weight` is used directly
+    """A linear layer's weight [out, in], held once: dense, or only in its prepared layout (keeping both would
+    double the memory of every linear layer)."""
+    dense: torch.Tensor | None
+    prepared: torch.Tensor | None = None   # oneDNN's layout on a CPU
+
+    def tensor(self) -> torch.Tensor:
+        """The weight as a dense [out, in] tensor (a copy when only the prepared layout is held)."""
+        return self.dense if self.dense is not None else self.prepared.to_dense()
 
 
 def cpu_linear_mode() -> str:
@@ -31,12 +36,12 @@ def prepare_weight(w: torch.Tensor, typical_tokens: int = 64) -> Weight:
     """Prepare W for `linear`; `typical_tokens` is oneDNN's hint for the layout (any token count works)."""
     if w.device.type == "cpu" and w.dtype == torch.float32 and cpu_linear_mode() == "onednn" \
             and torch.backends.mkldnn.is_available():
-        return Weight(w, torch.ops.mkldnn._reorder_linear_weight(w, typical_tokens))
+        return Weight(None, torch.ops.mkldnn._reorder_linear_weight(w, typical_tokens))
     return Weight(w)
 
 
 def linear_reference(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.nn.functional.linear(x, w.weight, bias)
+    return torch.nn.functional.linear(x, w.tensor(), bias)
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

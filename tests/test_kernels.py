@@ -408,6 +408,7 @@ def test_linear_prepared_weight(monkeypatch, mode, dtype):
     w, b = randn(g, 300, 96, dtype=dtype), randn(g, 300, dtype=dtype)
     prepared = linear.prepare_weight(w)
     assert (prepared.prepared is not None) == (mode == "onednn" and dtype == F32)
+    assert (prepared.dense is None) == (prepared.prepared is not None)     # never both: one copy of the weight
     for tokens in (1, 7, 64, 513):
         x = randn(g, tokens, 96, dtype=dtype)
         close(linear.linear(x, prepared, b), torch.nn.functional.linear(x, w, b))

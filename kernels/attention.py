@@ -43,13 +43,19 @@ def paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block
         sel = torch.tensor(group, device=q.device)
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, seq_lens[sel], block_tables[sel], scale,
                                       kv_lens[group[-1]])
-    for b in range(B):
-        if lens[b] > 1:
-            s, n = starts[b], lens[b]
-            cu = torch.tensor([0, n], device=q.device, dtype=cu_seqlens_q.dtype)
-            out[s:s + n] = _padded_attention(q[s:s + n], k_cache, v_cache, cu, seq_lens[b:b + 1],
-                                             block_tables[b:b + 1], scale, n, kv_lens[b])
+    _chunks_alone(out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, longer_than=1)
     return out
+
+
+def _chunks_alone(out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, longer_than: int):
+    """Write into `out` the attention of every chunk with more than `longer_than` query rows, each chunk alone
+    as the padded reference (a few GEMMs for its rows)."""
+    starts, ends, kv_lens = cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), seq_lens.tolist()
+    for b, (s, e) in enumerate(zip(starts, ends)):
+        if e - s > longer_than:
+            cu = torch.tensor([0, e - s], device=q.device, dtype=cu_seqlens_q.dtype)
+            out[s:e] = _padded_attention(q[s:e], k_cache, v_cache, cu, seq_lens[b:b + 1], block_tables[b:b + 1],
+                                         scale, e - s, kv_lens[b])
 
 
 def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seqlen_k: int):
@@ -128,10 +134,5 @@ def _paged_attention_cpu(ops, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block
     ops.paged_attention(out, q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), cu, lens,
                         block_tables.int().contiguous(), scale, CPU_OP_MAX_Q_LEN)
     if max_seqlen_q > CPU_OP_MAX_Q_LEN:
-        starts, ends, kv_lens = cu[:-1].tolist(), cu[1:].tolist(), lens.tolist()
-        for b, (s, e) in enumerate(zip(starts, ends)):
-            if e - s > CPU_OP_MAX_Q_LEN:
-                one = torch.tensor([0, e - s], dtype=cu.dtype)
-                out[s:e] = _padded_attention(q[s:e], k_cache, v_cache, one, lens[b:b + 1], block_tables[b:b + 1],
-                                             scale, e - s, kv_lens[b])
+        _chunks_alone(out, q, k_cache, v_cache, cu, lens, block_tables, scale, longer_than=CPU_OP_MAX_Q_LEN)
     return out

@@ -49,7 +49,6 @@ class DuplicateClientId(ValueError):
 class Add:
     request: Request
     sink: OutputSink
-    client_id: str | None
 
 
 @dataclass(frozen=True)
@@ -91,11 +90,10 @@ class EngineLoop:
         self._stats = engine.stats()
         self._inbox: queue.Queue[Add | Abort | AbortClient | Stop] = queue.Queue()
         self._sinks: dict[str, OutputSink] = {}
-        self._client_ids: dict[str, set[str]] = {}    # a client's request id -> engine request ids (loop thread)
+        # A client's request id -> its engine requests not over yet, and back. Filled when submitted (so a
+        # duplicate id is refused at once), emptied by the loop thread, hence the lock.
+        self._client_ids: dict[str, set[str]] = {}
         self._client_id_of: dict[str, str] = {}
-        # Client ids in flight, with how many of their engine requests are not finished yet. Written by the
-        # submitting thread and the loop thread, hence the lock.
-        self._live_clients: dict[str, int] = {}
         self._clients_lock = threading.Lock()
         self._stopping = False
         self._outbox: queue.SimpleQueue[Send | Fail | None] = queue.SimpleQueue()
@@ -127,23 +125,13 @@ class EngineLoop:
         client_id = client_id or None
         if client_id is not None:
             with self._clients_lock:
-                if client_id in self._live_clients:
+                if client_id in self._client_ids:
                     raise DuplicateClientId(f"request id {client_id!r} is already in flight; request ids of "
                                             "running requests must be unique (a stop request names one)")
-                self._live_clients[client_id] = len(requests)
+                self._client_ids[client_id] = {r.request_id for r in requests}
+                self._client_id_of.update((r.request_id, client_id) for r in requests)
         for request, sink in zip(requests, sinks):
-            self._inbox.put(Add(request, sink, client_id))
-
-    def _release_client(self, client_id: str | None) -> None:
-        """One engine request under `client_id` is over; the id is free again once all of them are."""
-        if client_id is None:
-            return
-        with self._clients_lock:
-            left = self._live_clients.get(client_id, 0) - 1
-            if left > 0:
-                self._live_clients[client_id] = left
-            else:
-                self._live_clients.pop(client_id, None)
+            self._inbox.put(Add(request, sink))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))
@@ -204,19 +192,17 @@ class EngineLoop:
                 except Exception as e:   # ValueError: the request's fault, named; anything else: ours
                     if not isinstance(e, ValueError):
                         log.exception("adding %s failed", msg.request.request_id)
-                    self._release_client(msg.client_id)
+                    self._forget(msg.request.request_id)
                     self._outbox.put(Fail(msg.sink, str(e) if isinstance(e, ValueError)
                                           else f"engine error: {type(e).__name__}: {e}"))
                     continue
-                rid = msg.request.request_id
-                self._sinks[rid] = msg.sink
-                if msg.client_id is not None:
-                    self._client_ids.setdefault(msg.client_id, set()).add(rid)
-                    self._client_id_of[rid] = msg.client_id
+                self._sinks[msg.request.request_id] = msg.sink
             elif isinstance(msg, Abort):
                 self._abort(msg.request_id)
             elif isinstance(msg, AbortClient):
-                for rid in list(self._client_ids.get(msg.client_id, ())):
+                with self._clients_lock:
+                    rids = list(self._client_ids.get(msg.client_id, ()))
+                for rid in rids:
                     self._abort(rid)
 
     def _finished(self, out: RequestOutput) -> None:
@@ -224,13 +210,13 @@ class EngineLoop:
             self._on_finished(out)
 
     def _forget(self, request_id: str) -> OutputSink | None:
-        client_id = self._client_id_of.pop(request_id, None)
-        self._release_client(client_id)
-        if client_id is not None:
-            ids = self._client_ids[client_id]
-            ids.discard(request_id)
-            if not ids:
-                del self._client_ids[client_id]
+        with self._clients_lock:
+            client_id = self._client_id_of.pop(request_id, None)
+            if client_id is not None:
+                ids = self._client_ids[client_id]
+                ids.discard(request_id)
+                if not ids:    # every engine request under the id is over: it may be used again
+                    del self._client_ids[client_id]
         return self._sinks.pop(request_id, None)
 
     def _abort(self, request_id: str) -> None:

@@ -18,7 +18,8 @@ from trellm_backend.triton import fields
 class OutputSwitches:
     """Which optional outputs a request asked for (TRT-LLM's return_* switches). Every response carries
     text_output, finish_reason, token_ids, batch_index and sequence_index; the rest only when switched on, so a
-    streamed token costs a few small tensors instead of seventeen, and no declared output is ever sent empty."""
+    streamed token costs five small tensors unless more were asked for, and an output nobody asked for is never
+    sent empty. (A final response with no new token, e.g. an abort, still carries an empty token_ids.)"""
     log_probs: bool = False          # output_log_probs, cum_log_probs, top_logprobs (return_log_probs or logprobs)
     num_input_tokens: bool = False
     num_output_tokens: bool = False

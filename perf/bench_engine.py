@@ -34,11 +34,12 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool size (default: the engine's)")
+    ap.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
     ap.add_argument("--profile-step", action="store_true", help="profile one decode step of the whole batch")
     ap.add_argument("--anchor", action="store_true", help="the anchor profile's requests, time by step kind")
     args = ap.parse_args()
 
-    extra = {} if args.kv_cache_bytes is None else {"kv_cache_bytes": args.kv_cache_bytes}
+    extra = {k: v for k, v in (("kv_cache_bytes", args.kv_cache_bytes), ("block_size", args.block_size)) if v is not None}
     engine = LLMEngine(EngineConfig(model_path=args.model, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens, **extra))
     vocab = engine.model_config.vocab_size

@@ -15,7 +15,10 @@ import os
 import sys
 import time
 
-import torch
+from trellm_backend.tools.launch import openmp_wait_defaults
+
+os.environ.update(openmp_wait_defaults(os.environ))   # the OpenMP wait policy the server runs with, before torch loads
+import torch  # noqa: E402
 import torch.nn.functional as F
 
 from trellm_kernels import cpu_ops
@@ -150,5 +153,4 @@ def main():
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     main()

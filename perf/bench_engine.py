@@ -15,7 +15,10 @@ import argparse
 import os
 import time
 
-import torch
+from trellm_backend.tools.launch import openmp_wait_defaults
+
+os.environ.update(openmp_wait_defaults(os.environ))   # the OpenMP wait policy the server runs with, before torch loads
+import torch  # noqa: E402
 
 import trellm_backend.models.llama as llama
 from trellm_backend.engine.config import EngineConfig

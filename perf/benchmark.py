@@ -32,9 +32,10 @@ import sys
 import tempfile
 import time
 
-# The launcher runs the server's torch with sleeping idle OpenMP workers; the baselines in this process get the
-# same setting (it must be set before torch loads), and spinning workers would also steal the server's cores.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The baselines in this process get the OpenMP wait policy the launcher gives the server (set before torch loads).
+from trellm_backend.tools.launch import openmp_wait_defaults  # noqa: E402
+
+os.environ.update(openmp_wait_defaults(os.environ))
 
 from tqdm import tqdm  # noqa: E402
 
@@ -191,8 +192,8 @@ def run_vllm(vllm_python: str, model_dir: str, requests: list[tuple[list[int], i
         req_path, out_path = os.path.join(workdir, f"{name}_requests.json"), os.path.join(workdir, f"{name}.json")
         with open(req_path, "w") as f:
             json.dump(spec, f)
-        env = {**os.environ, **env_extra}
-        env.pop("OMP_WAIT_POLICY", None)   # ours (PASSIVE, for this process's torch) is not vLLM's default
+        env = {k: v for k, v in os.environ.items() if k not in openmp_wait_defaults({})}   # ours is not vLLM's default
+        env.update(env_extra)
         print(f"[baseline] {name}: vLLM offline engine "
               f"({' '.join(f'{k}={v}' for k, v in env_extra.items()) or 'default settings'})", file=sys.stderr,
               flush=True)

@@ -24,6 +24,7 @@ case "$MODEL" in
   *) echo "unknown entry point $MODEL (ensemble or vllm_model)" >&2; exit 2 ;;
 esac
 # perf_analyzer from tritonclient[all] links libcudart even on a CPU machine: the pip CUDA runtime provides it.
+rm -f "$OUT/profile_export.json"   # perf_analyzer refuses to overwrite it, so a second run would fail
 export LD_LIBRARY_PATH=$PWD/.venv/lib/python3.11/site-packages/nvidia/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 .venv/bin/perf_analyzer -m "$MODEL" -u "$URL" -i grpc --streaming --input-data "$OUT/inputs.json" \
   --concurrency-range "$RANGE" --measurement-interval 5000 --profile-export-file "$OUT/profile_export.json" "$@"

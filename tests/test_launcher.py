@@ -10,9 +10,15 @@ import pytest
 
 from conftest import REPO, free_ports
 from repository_helpers import processes_mentioning
-from trellm_backend.tools.launch import TritonServer
+from trellm_backend.tools.launch import TritonServer, openmp_wait_defaults
 
 pytestmark = pytest.mark.server
+
+
+def test_openmp_wait_default_leaves_a_callers_choice_alone():
+    assert openmp_wait_defaults({}) == {"GOMP_SPINCOUNT": "10000"}
+    assert openmp_wait_defaults({"OMP_WAIT_POLICY": "PASSIVE"}) == {}, "an operator's wait policy must win"
+    assert openmp_wait_defaults({"GOMP_SPINCOUNT": "0"}) == {}
 
 
 def test_load_models_need_explicit_model_control():

@@ -59,13 +59,18 @@ def kv_budget_below_one_sequence(folder):
         "max_model_len=2048 tokens needs 4194304 bytes"]
 
 
+def negative_block_size(folder):
+    return {"block_size": "-16"}, ["config.pbtxt: block_size=-16 must be a positive number of tokens, or 0 for the "
+                                   "device's default (128 on CPU, 16 on CUDA)"]
+
+
 def larger_than_memory(folder):
     return {"kv_cache_bytes": str(1 << 45)}, [
         "config.pbtxt: the model does not fit in memory", f"KV cache {1 << 45} bytes", "MemAvailable in /proc/meminfo"]
 
 
 CASES = [missing_weights, truncated_weights, unsupported_architecture, tokenizer_larger_than_vocabulary,
-         missing_tokenizer, kv_budget_below_one_sequence, larger_than_memory]
+         missing_tokenizer, kv_budget_below_one_sequence, negative_block_size, larger_than_memory]
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +132,8 @@ def test_ensemble_load_reports_the_engine_error_everywhere(server, default_model
     folder = broken_copy(default_model_path, str(root / "hf_ensemble_case"))
     add_model("tight", folder, s.model_repository, {"kv_cache_bytes": "1000000"})
     expected = (f"{s.model_repository}/tight_llm/config.pbtxt: KV cache too small: kv_cache_bytes=1000000 gives "
-                "1000000 bytes (30 blocks), but one sequence of max_model_len=2048 tokens needs 4194304 bytes "
-                "(128 blocks of 16 tokens x 32768 bytes)")
+                "1000000 bytes (3 blocks), but one sequence of max_model_len=2048 tokens needs 4194304 bytes "
+                "(16 blocks of 128 tokens x 262144 bytes)")   # the CPU's default block size
     client = httpclient.InferenceServerClient(s.http_url)
     with pytest.raises(InferenceServerException) as err:
         client.load_model("tight")

@@ -23,7 +23,7 @@ def expected(default_model_path):
 
 
 def run(model_path, **kwargs) -> tuple[LLMEngine, list[list[int]]]:
-    engine = LLMEngine(EngineConfig(model_path=model_path, **kwargs))
+    engine = LLMEngine(EngineConfig(model_path=model_path, block_size=16, **kwargs))   # the blocks counted above
     got = run_staggered(engine, PROMPTS, ARRIVALS, GREEDY)
     assert engine.kv_blocks_used() == 0, "blocks still referenced after every request finished"
     return engine, got
@@ -54,7 +54,7 @@ def test_prefix_cache_under_preemption(default_model_path, expected):
 
 
 def test_reused_blocks_are_reported_per_request(default_model_path):
-    engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20))
+    engine = LLMEngine(EngineConfig(model_path=default_model_path, block_size=16, kv_cache_bytes=16 << 20))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     first = engine.make_request("a", PROMPTS[0], params)
     engine.add(first)

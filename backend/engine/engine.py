@@ -6,7 +6,7 @@ import logging
 import time
 
 from trellm_backend.engine.kv_cache_manager import KVCacheManager
-from trellm_backend.engine.limits import context_limit
+from trellm_backend.engine.limits import context_limit, resolve_block_size, resolve_device_dtype
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.models.config import load_model_config
 from trellm_backend.engine.runner import ModelRunner
@@ -20,10 +20,12 @@ log = logging.getLogger("trellm")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None):
-        self.config = config
+        self.model_config = mc = load_model_config(config.model_path)
+        device, _ = resolve_device_dtype(config, mc)
+        # `config` as served: defaults that depend on the device are settled here, once.
+        self.config = config = dataclasses.replace(config, block_size=resolve_block_size(config, device))
         self.tokenizer = tokenizer   # with one, outputs carry text and stop strings work; without, token ids only
         self._last_bad_words: tuple[tuple[str, ...] | None, list[list[int]]] = (None, [])
-        self.model_config = mc = load_model_config(config.model_path)
         self.max_model_len = context_limit(config, mc)
         self.runner = ModelRunner(config, mc, self.max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -82,6 +82,18 @@ def prepare_server() -> tuple[list[str], dict[str, str]]:
     return [os.path.join(dest, "bin", "tritonserver"), f"--backend-directory={os.path.join(dest, 'backends')}"], env
 
 
+def openmp_wait_defaults(environ) -> dict[str, str]:
+    """How long an idle OpenMP worker of torch spins before it sleeps, unless the caller chose (torch's wheels use
+    libgomp). The server, the stubs and the engine share the cores: libgomp's default (~3 ms of spinning) cut
+    streamed throughput by 3x on 2 cores, while sleeping at once (OMP_WAIT_POLICY=PASSIVE) pays a futex wake-up on
+    every parallel region of a step. ~0.1 ms keeps the workers awake between the back-to-back operations of one
+    forward pass and asleep between steps: 1.1-1.2x engine tokens/s, the same on a small model
+    (perf/RESULTS.md)."""
+    if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
+        return {}
+    return {"GOMP_SPINCOUNT": "10000"}
+
+
 class TritonServer:
     """A tritonserver process. Use as a context manager, or call start() and stop()."""
 
@@ -117,9 +129,7 @@ class TritonServer:
             f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}", "--exit-timeout-secs=10",
             f"--model-control-mode={self.model_control_mode}", *(f"--load-model={m}" for m in self.load_models),
             *self.extra_args]
-        # Idle OpenMP workers of the llm stub's torch must sleep, not spin: the server, the stubs and the engine
-        # share the cores, and spinning workers cut streamed throughput by 3x on a 2-core machine.
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **env_add}
+        env = {**os.environ, **openmp_wait_defaults(os.environ), **env_add}
         self._log = open(self.log_path, "ab") if self.log_path else None
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=self._log,
                                      stderr=subprocess.STDOUT if self._log else None)

@@ -8,6 +8,7 @@ model does not, since a pool that cannot hold one full-length sequence would ref
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,7 +17,8 @@ import torch
 
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.models.config import ModelConfig, ModelConfigError, load_model_config
-from trellm_backend.engine.limits import context_limit, kv_budget, kv_bytes_per_block, resolve_device_dtype
+from trellm_backend.engine.limits import (context_limit, kv_budget, kv_bytes_per_block, resolve_block_size,
+                                         resolve_device_dtype)
 from trellm_backend.triton.parameters import resolve_model_path
 from trellm_backend.models.weights import safetensors_files, tensor_shapes
 
@@ -46,6 +48,10 @@ def check_model(cfg: EngineConfig, config_file: str) -> ModelConfig:
     mc = load_model_config(cfg.model_path)            # architecture and config.json values
     check_tokenizer(mc)
     device, dtype = resolve_device_dtype(cfg, mc)
+    try:
+        cfg = dataclasses.replace(cfg, block_size=resolve_block_size(cfg, device))
+    except ValueError as e:
+        raise ModelConfigError(f"{config_file}: {e}") from None
     weights = weight_bytes(mc.path, dtype)            # also rejects missing, truncated or corrupt files
     kv = check_kv_budget(cfg, mc, device, dtype, weights, config_file)
     check_memory(mc.path, device, weights, kv, config_file)

@@ -74,12 +74,12 @@ def test_block_size_32_and_no_chunking(default_model_path):
 def test_preemption_keeps_outputs_identical(default_model_path):
     # 14 blocks of 16 tokens cannot hold all six sequences (up to 110 tokens each): some are preempted and
     # recomputed, and their tokens must not change.
-    engine = check_parity(default_model_path, 4096, num_kv_blocks=14, max_num_batched_tokens=64)
+    engine = check_parity(default_model_path, 4096, num_kv_blocks=14, block_size=16, max_num_batched_tokens=64)
     assert engine.num_preemptions > 0
 
 
 def test_abort_frees_blocks_at_once(default_model_path):
-    engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20))
+    engine = LLMEngine(EngineConfig(model_path=default_model_path, block_size=16, kv_cache_bytes=16 << 20))
     for i, p in enumerate(random_prompts(1, 4096, [40, 33, 5])):
         engine.add_request(str(i), p, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
     for _ in range(3):
@@ -106,7 +106,7 @@ def test_stops_on_every_eos_id_and_max_tokens(default_model_path):
 
 
 def test_bad_requests_are_refused_with_the_numbers(default_model_path):
-    engine = LLMEngine(EngineConfig(model_path=default_model_path, max_model_len=64, num_kv_blocks=3))
+    engine = LLMEngine(EngineConfig(model_path=default_model_path, max_model_len=64, num_kv_blocks=3, block_size=16))
     with pytest.raises(ValueError, match="empty"):
         engine.make_request("a", [], SamplingParams())
     with pytest.raises(ValueError, match="64"):

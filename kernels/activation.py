@@ -2,6 +2,7 @@
 import torch
 import torch.nn.functional as F
 
+from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
 
 
@@ -15,4 +16,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x):
         from trellm_kernels.triton_activation import silu_and_mul_triton
         return silu_and_mul_triton(x)
+    ops = cpu_ops.for_tensor(x)
+    if ops is not None and x.is_contiguous():
+        out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+        ops.silu_and_mul(out, x)
+        return out
     return silu_and_mul_reference(x)

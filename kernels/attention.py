@@ -5,10 +5,12 @@ seq_lens[b] slots reached through block_tables[b]. Query row i of b sits at posi
 attends causally. Query heads are grouped onto their KV head (GQA).
 
 Three implementations behind one dispatch: the Triton-lang kernels on CUDA, the C++ operator of kernels/cpu/ on a
-CPU (it reads the blocks in place; see cpu_ops.py for how it is built), and the PyTorch reference below, which is
-the tests' oracle and the CPU fallback when no compiler is present.
+CPU for decodes and short chunks (it reads the blocks in place; see cpu_ops.py for how it is built) with torch's
+fused attention for long prefill chunks, and the PyTorch reference below, which is the tests' oracle and the CPU
+fallback when no compiler is present.
 """
 import torch
+import torch.nn.functional as F
 
 from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
@@ -115,7 +117,7 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         from trellm_kernels.triton_attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                                       max_seqlen_q, max_seqlen_k)
-    ops = cpu_ops.load() if q.device.type == "cpu" else None
+    ops = cpu_ops.for_tensor(q)
     if ops is not None:
         return _paged_attention_cpu(ops, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                                     max_seqlen_q)
@@ -123,7 +125,7 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
                                      max_seqlen_q, max_seqlen_k)
 
 
-# Chunks with more query rows than this run as the reference's GEMMs; decodes and short chunks (speculative
+# Chunks with more query rows than this run in torch's fused attention; decodes and short chunks (speculative
 # verification, the tail of a prompt) run in the C++ operator. Measured with perf/bench_attention.py.
 CPU_OP_MAX_Q_LEN = 16
 
@@ -134,5 +136,28 @@ def _paged_attention_cpu(ops, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block
     ops.paged_attention(out, q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), cu, lens,
                         block_tables.int().contiguous(), scale, CPU_OP_MAX_Q_LEN)
     if max_seqlen_q > CPU_OP_MAX_Q_LEN:
-        _chunks_alone(out, q, k_cache, v_cache, cu, lens, block_tables, scale, longer_than=CPU_OP_MAX_Q_LEN)
+        _long_chunks_sdpa(out, q, k_cache, v_cache, cu, lens, block_tables, scale, longer_than=CPU_OP_MAX_Q_LEN)
     return out
+
+
+def _long_chunks_sdpa(out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, longer_than: int):
+    """Write into `out` the attention of every chunk with more than `longer_than` query rows: the chunk's keys and
+    values are gathered once from its blocks (small next to a long chunk's work), then torch's fused CPU
+    attention runs with the causal mask aligned to the chunk's last row. Unlike the reference's GEMMs it never
+    builds the score matrix and skips the masked upper triangle of a fresh prompt (2.2x on a 512-token chunk,
+    perf/RESULTS.md)."""
+    H, D = q.shape[1], q.shape[2]
+    block_size, KVH = k_cache.shape[1], k_cache.shape[2]
+    starts, ends, kv_lens = cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), seq_lens.tolist()
+    for b, (s, e) in enumerate(zip(starts, ends)):
+        n, ctx = e - s, kv_lens[b]
+        if n <= longer_than:
+            continue
+        blocks = block_tables[b, :(ctx + block_size - 1) // block_size].long()
+        k = k_cache[blocks].reshape(-1, KVH, D)[:ctx].transpose(0, 1)[None]   # [1, KVH, ctx, D]
+        v = v_cache[blocks].reshape(-1, KVH, D)[:ctx].transpose(0, 1)[None]
+        # Row i sits at position ctx - n + i and sees keys 0..that position (the lower-right causal mask).
+        mask = None if n == ctx else torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k, v, attn_mask=mask,
+                                           is_causal=mask is None, scale=scale, enable_gqa=H != KVH)
+        out[s:e] = o[0].transpose(0, 1)

@@ -1,4 +1,5 @@
-"""Build and load the C++ CPU operators (kernels/cpu/*.cpp) once per machine.
+"""Build and load the C++ CPU operators (kernels/cpu/: paged attention and the elementwise layer steps) once per
+machine.
 
 The build needs a C++ compiler and `ninja`; it takes about half a minute, so the setup step runs it
 (`python -m trellm_kernels.cpu_ops`) and the engine loads the result when a model loads, never on a request.
@@ -16,7 +17,9 @@ import sys
 
 log = logging.getLogger("trellm")
 
-SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "paged_attention.cpp")]
+_CPU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
+SOURCES = [os.path.join(_CPU_DIR, name) for name in ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp")]
+HEADERS = [os.path.join(_CPU_DIR, "vec_math.h")]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd"]
 _module = None
 _error: str | None = None
@@ -36,7 +39,7 @@ def _cpu_flags() -> str:
 def build_dir() -> str:
     import torch
     h = hashlib.sha256()
-    for path in SOURCES:
+    for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             h.update(f.read())
     h.update(" ".join(CFLAGS).encode())
@@ -68,6 +71,12 @@ def load(verbose: bool = False):
                   "(`make setup` installs ninja; Debian: apt-get install g++)")
         log.warning(_error)
     return _module
+
+
+def for_tensor(t):
+    """The compiled module when `t` lives on a CPU and the operators are available, else None: the one test
+    every dispatch function makes before taking the C++ path."""
+    return load() if t.device.type == "cpu" else None
 
 
 def error() -> str | None:

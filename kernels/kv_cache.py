@@ -4,6 +4,7 @@ slot = block_id * block_size + offset_in_block; a slot of -1 means "skip" (paddi
 """
 import torch
 
+from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
 
 
@@ -21,4 +22,13 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     if use_triton(k):
         from trellm_kernels.triton_kv_cache import write_kv_triton
         return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    ops = cpu_ops.for_tensor(k)
+    if ops is not None and _rows_of_contiguous_heads(k) and _rows_of_contiguous_heads(v) \
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k.dtype == v.dtype == k_cache.dtype:
+        return ops.write_kv(k, v, k_cache, v_cache, slot_mapping.to(torch.int32))
     return write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _rows_of_contiguous_heads(t: torch.Tensor) -> bool:
+    """[T, KVH, D] whose KVH * D values of each token are contiguous (a view into a merged qkv qualifies)."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]

@@ -2,6 +2,7 @@
 the variance in fp32, the normalised value cast back to the input dtype before the weight multiply."""
 import torch
 
+from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
 
 
@@ -23,12 +24,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         from trellm_kernels.triton_rmsnorm import rms_norm_triton
         return rms_norm_triton(x, weight, eps)
+    ops = cpu_ops.for_tensor(x)
+    if ops is not None and x.is_contiguous() and weight.dtype == x.dtype:
+        out = torch.empty_like(x)
+        ops.rms_norm(out, x, weight, eps)
+        return out
     return rms_norm_reference(x, weight, eps)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(rms_norm(x + residual), x + residual): the residual stream and the next block's input in one pass."""
+    """(rms_norm(x + residual), x + residual): the residual stream and the next block's input in one pass. The
+    results may reuse the storage of x and residual (the CPU operator works in place): pass tensors you are done
+    with."""
     if use_triton(x):
         from trellm_kernels.triton_rmsnorm import fused_add_rms_norm_triton
         return fused_add_rms_norm_triton(x, residual, weight, eps)
+    ops = cpu_ops.for_tensor(x)
+    if ops is not None and x.is_contiguous() and residual.is_contiguous() and x.dtype == residual.dtype == weight.dtype:
+        ops.fused_add_rms_norm(x, residual, weight, eps)
+        return x, residual
     return fused_add_rms_norm_reference(x, residual, weight, eps)

@@ -1,6 +1,7 @@
 """Rotary position embedding (rotate-half convention of Hugging Face Llama/Qwen) from a cos/sin cache."""
 import torch
 
+from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
 
 
@@ -23,8 +24,13 @@ def rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
-    """Rotate q and k by their positions; returns (q, k) (the Triton kernel rotates in place and returns them)."""
+    """Rotate q and k by their positions; returns (q, k) (the Triton kernel and the CPU operator rotate in place
+    and return them)."""
     if use_triton(q):
         from trellm_kernels.triton_rotary import rotary_triton
         return rotary_triton(q, k, positions, cos_sin_cache)
+    ops = cpu_ops.for_tensor(q)
+    if ops is not None and q.is_contiguous() and k.is_contiguous() and cos_sin_cache.dtype == torch.float32:
+        ops.rotary(q, k, positions.to(torch.int32), cos_sin_cache.contiguous())
+        return q, k
     return rotary_reference(q, k, positions, cos_sin_cache)

@@ -419,3 +419,108 @@ def test_linear_mode_is_checked(monkeypatch):
     monkeypatch.setenv("TRELLM_CPU_LINEAR", "mkl")
     with pytest.raises(ValueError, match="TRELLM_CPU_LINEAR='mkl'"):
         linear.prepare_weight(torch.zeros(2, 2))
+
+
+# ----------------------------------------------------------------------------- the C++ CPU elementwise operators
+
+def _cpu_ops():
+    ops = cpu_ops.load()
+    assert ops is not None, cpu_ops.error()   # CI has g++ and ninja: a missing build is a failure, not a skip
+    return ops
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("rows,cols", [(1, 64), (7, 100), (300, 512)])
+def test_cpu_rms_norm_operators_match_reference(rows, cols, dtype):
+    """RMSNorm and the fused residual add: in place, and the residual is x + residual rounded in the dtype, exactly."""
+    ops = _cpu_ops()
+    g = torch.Generator().manual_seed(rows)
+    x, res = randn(g, rows, cols, dtype=dtype) * 3, randn(g, rows, cols, dtype=dtype)
+    w = (1 + 0.1 * randn(g, cols)).to(dtype)
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, w, 1e-6)
+    close(out, rmsnorm.rms_norm_reference(x, w, 1e-6))
+    ref_normed, ref_res = rmsnorm.fused_add_rms_norm_reference(x, res, w, 1e-6)
+    ops.fused_add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(res, ref_res)
+    close(x, ref_normed)
+
+
+@pytest.mark.parametrize("h,kvh,d,rot,dtype", [(8, 4, 64, 64, F32), (7, 1, 8, 8, F32), (4, 4, 64, 32, F32),
+                                               (8, 2, 16, 16, F16), (2, 1, 128, 128, BF16)])
+def test_cpu_rotary_operator_matches_reference(h, kvh, d, rot, dtype):
+    ops = _cpu_ops()
+    g = torch.Generator().manual_seed(9)
+    T, max_pos = 70, 4096
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    ang = torch.arange(max_pos).float()[:, None] * inv[None, :]
+    cos_sin = torch.cat((ang.cos(), ang.sin()), dim=-1)
+    positions = torch.randint(0, max_pos, (T,), generator=g, dtype=torch.int32)
+    q, k = randn(g, T, h, d, dtype=dtype), randn(g, T, kvh, d, dtype=dtype)
+    ref_q, ref_k = rotary.rotary_reference(q, k, positions, cos_sin)
+    q_in, k_in = q.clone(), k.clone()
+    ops.rotary(q_in, k_in, positions, cos_sin)
+    close(q_in, ref_q)
+    close(k_in, ref_k)
+    assert torch.equal(q_in[..., rot:], q[..., rot:])      # columns past the rotated width pass through
+
+
+@pytest.mark.parametrize("shape,dtype", [((7, 96), F32), ((3, 2200), F16), ((300, 2816), BF16), ((2, 34), F32)])
+def test_cpu_silu_and_mul_operator_matches_reference(shape, dtype):
+    ops = _cpu_ops()
+    g = torch.Generator().manual_seed(10)
+    x = randn(g, *shape, dtype=dtype) * 6
+    x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0]).to(dtype)   # exp's clamps: no inf or nan at the ends
+    out = x.new_empty(shape[0], shape[1] // 2)
+    ops.silu_and_mul(out, x)
+    close(out, activation.silu_and_mul_reference(x))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_cpu_write_kv_operator_from_a_qkv_view(dtype):
+    """k and v as strided views into a merged qkv (as the model passes them); -1 slots are skipped."""
+    ops = _cpu_ops()
+    g = torch.Generator().manual_seed(11)
+    T, kvh, d, bs, blocks = 40, 2, 16, 16, 6
+    qkv = randn(g, T, (4 + 2 * kvh) * d, dtype=dtype)
+    k = qkv[:, 4 * d:(4 + kvh) * d].view(T, kvh, d)
+    v = qkv[:, (4 + kvh) * d:].view(T, kvh, d)
+    slots = torch.randperm(blocks * bs, generator=g)[:T].to(torch.int32)
+    slots[::7] = -1
+    caches = [randn(g, blocks, bs, kvh, d, dtype=dtype) for _ in range(2)]
+    caches += [c.clone() for c in caches]
+    kv_cache.write_kv_reference(k, v, caches[0], caches[1], slots)
+    ops.write_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+def test_cpu_dispatch_uses_the_layer_operators(monkeypatch):
+    """On a CPU with the operators built, each dispatch function takes its operator (and gives the reference's
+    answer); with TRELLM_CPU_OPS=0 the same calls run the references."""
+    monkeypatch.setenv("TRELLM_FORCE_TRITON", "0")
+    real, called = _cpu_ops(), []
+
+    class Spy:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(cpu_ops, "_module", Spy())
+    g = torch.Generator().manual_seed(12)
+    x, res, w = randn(g, 5, 64), randn(g, 5, 64), randn(g, 64)
+    close(rmsnorm.rms_norm(x, w, 1e-5), rmsnorm.rms_norm_reference(x, w, 1e-5))
+    ref = rmsnorm.fused_add_rms_norm_reference(x, res, w, 1e-5)
+    for got, want in zip(rmsnorm.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5), ref):
+        close(got, want)
+    gu = randn(g, 5, 128)
+    close(activation.silu_and_mul(gu), activation.silu_and_mul_reference(gu))
+    cos_sin = torch.randn(32, 16, generator=g)
+    q, k, pos = randn(g, 5, 4, 16), randn(g, 5, 2, 16), torch.arange(5, dtype=torch.int32)
+    want_q, want_k = rotary.rotary_reference(q, k, pos, cos_sin)
+    got_q, got_k = rotary.apply_rotary(q.clone(), k.clone(), pos, cos_sin)
+    close(got_q, want_q)
+    close(got_k, want_k)
+    cache = [torch.zeros(2, 16, 2, 16) for _ in range(2)]
+    kv_cache.write_kv(k, k, cache[0], cache[1], torch.arange(5, dtype=torch.int32))
+    assert torch.equal(cache[0].view(-1, 2, 16)[:5], k)
+    assert called == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary", "write_kv"]

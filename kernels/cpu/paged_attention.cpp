@@ -22,31 +22,14 @@
 #include <limits>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
+
+using trellm::exp_approx;
 
 constexpr int64_t kTileRows = 32;      // query positions per work item; each brings its G heads
 constexpr int64_t kTransposeRows = 8;  // from this many rows per item on, a block's keys are transposed once
-
-// exp(x) for x <= 0 (softmax arguments after the max is subtracted): 2^(x log2 e) split into an integer power,
-// set in the exponent bits, and a degree-6 Taylor polynomial for the fraction (relative error below 2e-7). Plain
-// arithmetic, so `omp simd` loops over it vectorize; std::exp would leave them scalar.
-inline float exp_approx(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.4426950408889634f;
-  const float fi = std::floor(t + 0.5f);  // f in [-0.5, 0.5): the Taylor terms below suffice there
-  const float f = t - fi;
-  float p = 1.5403530393381606e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
-  int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 struct WorkItem {
   int64_t seq, kv_begin, kv_end, row_begin, row_end, cost;
@@ -262,11 +245,4 @@ void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
                       out.data_ptr<scalar_t>(), cu, lens, tables, max_blocks, H, KVH, D, BS,
                       static_cast<float>(scale));
   });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // Without the GIL: the server's responder thread builds and sends responses while attention runs.
-  m.def("paged_attention", &paged_attention_cpu,
-        "Paged attention over a mixed batch of prefill chunks and decodes, reading the cache in place (CPU)",
-        py::call_guard<py::gil_scoped_release>());
 }

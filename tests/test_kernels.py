@@ -351,7 +351,7 @@ CPU_OP_CASES = [  # q_lens, ctx_lens: decodes, chunks over a cached prefix, a fr
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("bs", [16, 32, 128])
 @pytest.mark.parametrize("d", [8, 64, 128])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("case", range(len(CPU_OP_CASES)))

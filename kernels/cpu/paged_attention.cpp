@@ -27,6 +27,53 @@
 namespace {
 
 using trellm::exp_approx;
+using trellm::load16;
+using trellm::v16;
+
+// Scores of every row against `n` <= 16 consecutive slots, for rows with few others on the same head (decodes,
+// short chunks). Slots are read in order, all of a slot's heads at once (the cache streams front to back); each
+// dot product stays a 16-lane partial sum in `part` ([rows][16]), and one shuffle tree per row folds 16 of them
+// into 16 scores. The same slots' values are prefetched for the weighted sum that follows. D is a multiple of 16;
+// kb and vb point at the first slot's keys and values of the item's first KV head; a slot's item heads span
+// `item_width` elements.
+template <typename scalar_t>
+inline void slot_scores_16(const float* qs, int64_t rows, int64_t heads, int64_t G, int64_t D, const scalar_t* kb,
+                           const scalar_t* vb, int64_t slot_stride, int64_t item_width, int64_t n, v16* part,
+                           float* s, int64_t s_stride) {
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);
+  for (int64_t jj = 0; jj < 16; ++jj) {
+    if (jj >= n) {
+      for (int64_t r = 0; r < rows; ++r) part[r * 16 + jj] = v16{};
+      continue;
+    }
+    const scalar_t* kj = kb + jj * slot_stride;
+    for (int64_t e = 0; e < item_width; e += kLine) __builtin_prefetch(vb + jj * slot_stride + e);
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* kh = kj + ((r % heads) / G) * D;
+      const float* qr = qs + r * D;
+      v16 a = {};
+      for (int64_t d = 0; d < D; d += 16) a += load16(qr + d) * load16(kh + d);
+      part[r * 16 + jj] = a;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const v16 sums = trellm::sum_lanes_16(part + r * 16);
+    std::memcpy(s + r * s_stride, &sums, n * sizeof(float));
+  }
+}
+
+// acc[0:16 NV] += sum_j p[j] * v_j[0:16 NV] with the running sum in NV registers; v_j = v + j * stride.
+template <int NV>
+inline void accumulate_values(float* acc, const float* p, int64_t n, const float* v, int64_t stride) {
+  v16 a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = load16(acc + 16 * i);
+  for (int64_t j = 0; j < n; ++j) {
+    const float pj = p[j];
+    const float* vj = v + j * stride;
+    for (int i = 0; i < NV; ++i) a[i] += pj * load16(vj + 16 * i);
+  }
+  for (int i = 0; i < NV; ++i) trellm::store16(acc + 16 * i, a[i]);
+}
 
 constexpr int64_t kTileRows = 32;      // query positions per work item; each brings its G heads
 constexpr int64_t kTransposeRows = 8;  // from this many rows per item on, a block's keys are transposed once
@@ -71,6 +118,9 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
   const bool transposed = n_kv == 1 && rows >= kTransposeRows;
   constexpr bool kFloat = std::is_same_v<scalar_t, float>;
 
+  thread_local std::vector<v16> part_buf;          // [rows][16] partial dot products (slot_scores_16)
+  if (part_buf.size() < static_cast<size_t>(rows * 16)) part_buf.resize(rows * 16);
+  v16* part = part_buf.data();
   thread_local std::vector<float> buf;
   const size_t need = rows * D * 2 + rows * 2 + rows * BS + D * BS + n_kv * BS * D;
   if (buf.size() < need) buf.resize(need);
@@ -117,17 +167,23 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
         for (int64_t d = 0; d < D; ++d) kt[d * BS + j] = 0.f;
       block_scores<BS_FIXED>(qs, rows, D, kt, s, BS);
     } else {
-      // Few rows per head (decodes): dot products along D straight from the cache, slot by slot, so a
-      // sequence's block is read front to back once for all its heads.
-      for (int64_t j = 0; j < valid; ++j) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t h = (r % heads) / G;
-          const scalar_t* kj = kb + j * slot_stride + h * D;
-          const float* qr = qs + r * D;
-          float dot = 0.f;
+      // Few rows per head (decodes): dot products along D straight from the cache, so a sequence's block is
+      // read front to back once for all its heads.
+      if (D % 16 == 0) {
+        for (int64_t j0 = 0; j0 < valid; j0 += 16)
+          slot_scores_16(qs, rows, heads, G, D, kb + j0 * slot_stride, vblk + j0 * slot_stride, slot_stride,
+                         n_kv * D, std::min<int64_t>(16, valid - j0), part, s + j0, BS);
+      } else {
+        for (int64_t j = 0; j < valid; ++j) {
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t h = (r % heads) / G;
+            const scalar_t* kj = kb + j * slot_stride + h * D;
+            const float* qr = qs + r * D;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qr[d] * static_cast<float>(kj[d]);
-          s[r * BS + j] = dot;
+            for (int64_t d = 0; d < D; ++d) dot += qr[d] * static_cast<float>(kj[d]);
+            s[r * BS + j] = dot;
+          }
         }
       }
     }
@@ -156,14 +212,19 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
       }
-      for (int64_t j = 0; j < visible; ++j) {
-        const float pj = sr[j];
-        const float* vj;
-        if constexpr (kFloat) vj = vblk + j * slot_stride + h * D;
-        else vj = vb + (h * BS + j) * D;
+      const float* v0;
+      int64_t v_stride;
+      if constexpr (kFloat) v0 = vblk + h * D, v_stride = slot_stride;
+      else v0 = vb + h * BS * D, v_stride = D;
+      if (D == 64) accumulate_values<4>(ar, sr, visible, v0, v_stride);
+      else if (D == 128) accumulate_values<8>(ar, sr, visible, v0, v_stride);
+      else
+        for (int64_t j = 0; j < visible; ++j) {
+          const float pj = sr[j];
+          const float* vj = v0 + j * v_stride;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ar[d] += pj * vj[d];
-      }
+          for (int64_t d = 0; d < D; ++d) ar[d] += pj * vj[d];
+        }
     }
   }
 
@@ -191,6 +252,7 @@ void run_all(const std::vector<WorkItem>& items, const scalar_t* q, const scalar
       const WorkItem& w = items[i];
       if (BS == 16) attend<scalar_t, 16>(w, q, kc, vc, out, cu, seq_lens, tables, max_blocks, H, KVH, D, BS, scale);
       else if (BS == 32) attend<scalar_t, 32>(w, q, kc, vc, out, cu, seq_lens, tables, max_blocks, H, KVH, D, BS, scale);
+      else if (BS == 128) attend<scalar_t, 128>(w, q, kc, vc, out, cu, seq_lens, tables, max_blocks, H, KVH, D, BS, scale);
       else attend<scalar_t, 0>(w, q, kc, vc, out, cu, seq_lens, tables, max_blocks, H, KVH, D, BS, scale);
     }
   });

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace trellm {
 
@@ -27,6 +28,47 @@ inline float exp_approx(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// 16 floats as one value: GCC and Clang map it onto AVX-512 registers (two AVX2 ones elsewhere), so the loops
+// below keep their running sums in registers instead of reloading them from memory on every step.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+#if defined(__clang__)
+#define TRELLM_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define TRELLM_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi16{__VA_ARGS__})
+#endif
+
+template <typename T>
+inline v16 load16(const T* p) {
+  v16 r;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&r, p, sizeof(r));
+  } else {
+    for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(p[i]);
+  }
+  return r;
+}
+
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// out[j] = the sum of the 16 lanes of p[j], for 16 vectors at once: a tree of pairwise shuffles and adds (15
+// steps for 16 sums) instead of a horizontal reduction per vector.
+inline v16 sum_lanes_16(const v16* p) {
+  v16 q[8], r[4], u[2];
+  for (int i = 0; i < 8; ++i)   // lanes 2k+c of q[i]: half-sums of p[2i+c]
+    q[i] = TRELLM_SHUFFLE(p[2 * i], p[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           TRELLM_SHUFFLE(p[2 * i], p[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  for (int i = 0; i < 4; ++i)   // lanes 4k+c of r[i]: quarter-sums of p[4i+c]
+    r[i] = TRELLM_SHUFFLE(q[2 * i], q[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           TRELLM_SHUFFLE(q[2 * i], q[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  for (int i = 0; i < 2; ++i)   // lanes 8k+c of u[i]: eighth-sums of p[8i+c]
+    u[i] = TRELLM_SHUFFLE(r[2 * i], r[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           TRELLM_SHUFFLE(r[2 * i], r[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return TRELLM_SHUFFLE(u[0], u[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         TRELLM_SHUFFLE(u[0], u[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
 }  // namespace trellm

@@ -80,7 +80,9 @@ class Fail:
 
 
 class EngineLoop:
-    CANCEL_POLL_S = 0.005
+    # How often the watcher asks every running request whether its client cancelled. In Triton each ask is an IPC
+    # round trip through tritonserver; every 5 ms with 48 streams took 7% of served tokens/s on 2 cores.
+    CANCEL_POLL_S = 0.05
 
     def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None):
         """`on_finished` is called on the loop thread with every finished output: it must only queue it."""

@@ -144,8 +144,8 @@ def _long_chunks_sdpa(out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     """Write into `out` the attention of every chunk with more than `longer_than` query rows: the chunk's keys and
     values are gathered once from its blocks (small next to a long chunk's work), then torch's fused CPU
     attention runs with the causal mask aligned to the chunk's last row. Unlike the reference's GEMMs it never
-    builds the score matrix and skips the masked upper triangle of a fresh prompt (2.2x on a 512-token chunk,
-    perf/RESULTS.md)."""
+    builds the score matrix and skips the masked upper triangle of a fresh prompt (perf/bench_attention.py's
+    prefill row; perf/RESULTS.md)."""
     H, D = q.shape[1], q.shape[2]
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]
     starts, ends, kv_lens = cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), seq_lens.tolist()

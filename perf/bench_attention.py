@@ -1,12 +1,14 @@
-"""CPU paged attention, option by option, on the anchor model's shapes (8 heads, 4 KV heads, head_dim 64, blocks of
-16): milliseconds per layer for a decode step of many sequences and for a prefill chunk over a cached prefix.
+"""CPU paged attention, option by option, on the anchor model's shapes (8 heads, 4 KV heads, head_dim 64; blocks of
+16 unless --block-size): milliseconds per layer for a decode step of many sequences and for a prefill chunk over a
+cached prefix.
 
     .venv/bin/python perf/bench_attention.py [--seqs 48] [--ctx 263] [--chunk 256] [--prefix 256] [--repeats 20]
 
 Options: `reference` (the PyTorch oracle), `dispatch` (what the engine runs on a CPU: the C++ operator for decodes
-and short chunks, the reference's GEMMs for long chunks), `cpp` (kernels/cpu/paged_attention.cpp for every chunk), `sdpa` (a loop of torch's scaled_dot_product_attention over each sequence's
-index_select-ed blocks), `flex` (torch.compile'd flex_attention over the same gathered views). Each is checked
-against the reference before it is timed. Ratios within one run are what to compare.
+and short chunks, torch's fused attention over each long chunk's gathered blocks), `cpp`
+(kernels/cpu/paged_attention.cpp for every chunk), `sdpa` (a loop of torch's scaled_dot_product_attention over
+each sequence's index_select-ed blocks), `flex` (torch.compile'd flex_attention over the same gathered views).
+Each is checked against the reference before it is timed. Ratios within one run are what to compare.
 """
 from __future__ import annotations
 

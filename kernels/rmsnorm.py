@@ -33,14 +33,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(rms_norm(x + residual), x + residual): the residual stream and the next block's input in one pass. The
-    results may reuse the storage of x and residual (the CPU operator works in place): pass tensors you are done
-    with."""
+    """(rms_norm(x + residual), x + residual): the residual stream and the next block's input in one pass."""
     if use_triton(x):
         from trellm_kernels.triton_rmsnorm import fused_add_rms_norm_triton
         return fused_add_rms_norm_triton(x, residual, weight, eps)
     ops = cpu_ops.for_tensor(x)
     if ops is not None and x.is_contiguous() and residual.is_contiguous() and x.dtype == residual.dtype == weight.dtype:
-        ops.fused_add_rms_norm(x, residual, weight, eps)
-        return x, residual
+        out, res_out = torch.empty_like(x), torch.empty_like(residual)
+        ops.fused_add_rms_norm(out, res_out, x, residual, weight, eps)
+        return out, res_out
     return fused_add_rms_norm_reference(x, residual, weight, eps)

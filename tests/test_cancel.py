@@ -230,7 +230,7 @@ def test_request_id_in_flight_is_refused(server):
     refused = first_error(results)
     assert refused is not None and "'twice' is already in flight" in str(refused), refused
     stopper = grpcclient.InferenceServerClient(server.grpc_url)
-    stopper.start_stream(callback=lambda *_: None)
+    stopper.start_stream(callback=lambda result, error: None)
     stopper.async_stream_infer("llm", [tensor("stop", True, np.bool_)], request_id="twice")
     assert wait_for_blocks(server, lambda used: used == 0, timeout=10) == 0
     again = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate",

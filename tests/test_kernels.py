@@ -432,7 +432,8 @@ def _cpu_ops():
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
 @pytest.mark.parametrize("rows,cols", [(1, 64), (7, 100), (300, 512)])
 def test_cpu_rms_norm_operators_match_reference(rows, cols, dtype):
-    """RMSNorm and the fused residual add: in place, and the residual is x + residual rounded in the dtype, exactly."""
+    """RMSNorm and the fused residual add (whose residual is x + residual rounded in the dtype, exactly), into new
+    tensors and in place."""
     ops = _cpu_ops()
     g = torch.Generator().manual_seed(rows)
     x, res = randn(g, rows, cols, dtype=dtype) * 3, randn(g, rows, cols, dtype=dtype)
@@ -441,7 +442,11 @@ def test_cpu_rms_norm_operators_match_reference(rows, cols, dtype):
     ops.rms_norm(out, x, w, 1e-6)
     close(out, rmsnorm.rms_norm_reference(x, w, 1e-6))
     ref_normed, ref_res = rmsnorm.fused_add_rms_norm_reference(x, res, w, 1e-6)
-    ops.fused_add_rms_norm(x, res, w, 1e-6)
+    normed, new_res = torch.empty_like(x), torch.empty_like(res)
+    ops.fused_add_rms_norm(normed, new_res, x, res, w, 1e-6)
+    assert torch.equal(new_res, ref_res)
+    close(normed, ref_normed)
+    ops.fused_add_rms_norm(x, res, x, res, w, 1e-6)      # out and res_out may be the inputs
     assert torch.equal(res, ref_res)
     close(x, ref_normed)
 

@@ -6,7 +6,8 @@ void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
                          torch::Tensor cu_seqlens_q, torch::Tensor seq_lens, torch::Tensor block_tables,
                          double scale, int64_t max_q_len);
 void rms_norm_cpu(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
-void fused_add_rms_norm_cpu(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void fused_add_rms_norm_cpu(torch::Tensor out, torch::Tensor res_out, torch::Tensor x, torch::Tensor residual,
+                            torch::Tensor weight, double eps);
 void rotary_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos_sin);
 void silu_and_mul_cpu(torch::Tensor out, torch::Tensor x);
 void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -17,7 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention_cpu,
         "Paged attention over a mixed batch of prefill chunks and decodes, reading the cache in place", no_gil);
   m.def("rms_norm", &rms_norm_cpu, "out = rms_norm(x) * weight", no_gil);
-  m.def("fused_add_rms_norm", &fused_add_rms_norm_cpu, "in place: residual += x; x = rms_norm(residual) * weight",
+  m.def("fused_add_rms_norm", &fused_add_rms_norm_cpu, "res_out = x + residual; out = rms_norm(res_out) * weight",
         no_gil);
   m.def("rotary", &rotary_cpu, "in place rotate-half rotary embedding of q and k", no_gil);
   m.def("silu_and_mul", &silu_and_mul_cpu, "out = silu(gate) * up", no_gil);

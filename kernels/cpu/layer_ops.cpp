@@ -45,14 +45,16 @@ void rms_norm_rows(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t 
 }
 
 template <typename scalar_t>
-void add_rms_norm_rows(scalar_t* x, scalar_t* residual, const scalar_t* w, int64_t N, int64_t C, float eps) {
+void add_rms_norm_rows(const scalar_t* x, const scalar_t* residual, const scalar_t* w, scalar_t* out,
+                       scalar_t* res_out, int64_t N, int64_t C, float eps) {
   at::parallel_for(0, N, grain_rows(C), [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
-      scalar_t* xr = x + n * C;
-      scalar_t* rr = residual + n * C;
+      const scalar_t* xr = x + n * C;
+      const scalar_t* rr = residual + n * C;
+      scalar_t* ro = res_out + n * C;
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) rr[c] = static_cast<scalar_t>(f32(xr[c]) + f32(rr[c]));
-      norm_row(rr, w, xr, C, eps);
+      for (int64_t c = 0; c < C; ++c) ro[c] = static_cast<scalar_t>(f32(xr[c]) + f32(rr[c]));
+      norm_row(ro, w, out + n * C, C, eps);
     }
   });
 }
@@ -110,12 +112,14 @@ void rms_norm_cpu(torch::Tensor out, torch::Tensor x, torch::Tensor weight, doub
   });
 }
 
-// In place: residual += x (rounded to the dtype), then x = rms_norm(residual) * weight. Both [N, C] contiguous.
-void fused_add_rms_norm_cpu(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+// res_out = x + residual (rounded to the dtype), out = rms_norm(res_out) * weight. All [N, C] contiguous; out and
+// res_out may be x and residual themselves.
+void fused_add_rms_norm_cpu(torch::Tensor out, torch::Tensor res_out, torch::Tensor x, torch::Tensor residual,
+                            torch::Tensor weight, double eps) {
   const int64_t C = x.size(-1), N = x.numel() / C;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm_cpu", [&] {
-    add_rms_norm_rows(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), N, C,
-                      static_cast<float>(eps));
+    add_rms_norm_rows(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                      out.data_ptr<scalar_t>(), res_out.data_ptr<scalar_t>(), N, C, static_cast<float>(eps));
   });
 }
 

@@ -111,6 +111,16 @@ def test_vllm_model_errors_are_named_and_the_server_keeps_serving(triton_server,
     assert text_of(ok) == greedy_text
 
 
+def test_vllm_model_passes_llm_refusals_on(triton_server):
+    """A refusal made by llm (here: a prompt longer than the context) reaches the vllm_model client by its own
+    message, not as a failure of vllm_model."""
+    with pytest.raises(urllib.error.HTTPError) as e:
+        http_generate(triton_server.http_url, "import os. " * 6000, model="vllm_model",
+                      sampling_parameters='{"max_tokens": 4}')
+    error = json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and "max_model_len" in error and "vllm_model:" not in error, error
+
+
 def test_ensemble_stop_words_finish_reason_and_min_length(triton_server, greedy_text):
     stop = greedy_text[5:8]
     with LLMClient(triton_server.grpc_url) as c:

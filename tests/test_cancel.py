@@ -1,7 +1,8 @@
 """Cancellation and backpressure on a real tritonserver, watched through the llm model's KV-block gauge.
 
 The server here runs a copy of the repository whose llm admits one request at a time (max_num_seqs 1) and lets
-two wait (max_queue_size 2), so a third waiting request is refused with UNAVAILABLE.
+two wait (max_queue_size 2), so a third waiting request is refused with UNAVAILABLE; its vllm_model serves two
+streams at once (max_concurrent_requests 2).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from conftest import REPO, free_ports
 
 pytestmark = pytest.mark.server
 
-LLM_SETTINGS = {"max_num_seqs": "1", "max_queue_size": "2"}
+SETTINGS = {"llm": {"max_num_seqs": "1", "max_queue_size": "2"}, "vllm_model": {"max_concurrent_requests": "2"}}
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +36,13 @@ def server(default_model_path, tmp_path_factory):
     repo = root / "model_repository"
     shutil.copytree(os.path.join(REPO, "model_repository"), repo)
     os.symlink(os.path.join(REPO, "hf_models"), root / "hf_models")    # relative model_path values still resolve
-    cfg = repo / "llm" / "config.pbtxt"
-    text = cfg.read_text()
-    for key, value in LLM_SETTINGS.items():
-        text = re.sub(rf'parameters: {{ key: "{key}" value: {{ string_value: "[^"]*" }} }}\n', "", text)
-        text += f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
-    cfg.write_text(text)
+    for model, settings in SETTINGS.items():
+        cfg = repo / model / "config.pbtxt"
+        text = cfg.read_text()
+        for key, value in settings.items():
+            text = re.sub(rf'parameters: {{ key: "{key}" value: {{ string_value: "[^"]*" }} }}\n', "", text)
+            text += f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+        cfg.write_text(text)
     http, grpc, metrics = free_ports(3)
     s = TritonServer(str(repo), http, grpc, metrics, log_path=str(root / "server.log"))
     s.start()
@@ -187,6 +189,45 @@ def test_full_queue_answers_unavailable(server):
     client.stop_stream(cancel_requests=True)
     assert wait_for_blocks(server, lambda used: used == 0, timeout=10) == 0
     client.close()
+
+
+def vllm_inputs(max_tokens: int):
+    def one(name, value, triton_type):
+        t = grpcclient.InferInput(name, [1], triton_type)
+        t.set_data_from_numpy(np.array([value], dtype=np.object_ if triton_type == "BYTES" else np.bool_))
+        return t
+    sampling = json.dumps({"max_tokens": max_tokens, "ignore_eos": True})
+    return [one("text_input", b"The Python language", "BYTES"), one("stream", True, "BOOL"),
+            one("sampling_parameters", sampling.encode(), "BYTES")]
+
+
+def test_vllm_model_refuses_past_its_concurrency_and_frees_the_slots(server):
+    """Two vllm_model streams in flight (one running in llm, one waiting there): a third is refused at once with a
+    named error instead of queueing; once the two are cancelled, their slots serve new requests again."""
+    client, results = open_stream(server)
+    client.async_stream_infer("vllm_model", vllm_inputs(5000), enable_empty_final_response=True)
+    first_responses(results)
+    client.async_stream_infer("vllm_model", vllm_inputs(5000), enable_empty_final_response=True)
+    time.sleep(0.5)
+    client.async_stream_infer("vllm_model", vllm_inputs(4), enable_empty_final_response=True)
+    refused = first_error(results)
+    assert refused is not None, "the third vllm_model stream was not refused"
+    assert "vllm_model is at capacity" in str(refused) and "max_concurrent_requests=2" in str(refused), refused
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert wait_for_blocks(server, lambda used: used == 0, timeout=20) == 0
+    deadline, error = time.monotonic() + 20, "no answer"
+    while time.monotonic() < deadline:      # the cancelled streams give their slots back once vllm_model sees it
+        client, results = open_stream(server)
+        client.async_stream_infer("vllm_model", vllm_inputs(4), enable_empty_final_response=True)
+        result, error = results.get(timeout=30)
+        client.stop_stream()
+        client.close()
+        if error is None:
+            break
+        time.sleep(0.5)
+    assert error is None, error
+    assert result.as_numpy("text_output") is not None
 
 
 def test_client_leaving_an_ensemble_stream_early_frees_blocks(server):

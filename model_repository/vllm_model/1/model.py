@@ -1,9 +1,12 @@
 """Triton adapter for the vLLM-shaped contract: parse (backend/triton/vllm.py parse_vllm_request), tokenize
-(backend/triton/tokenization.py), stream from the llm model over BLS, reshape (vllm_outputs). A BLS stream is read by blocking calls, so each request is served on a worker of one
-pool made at load: execute returns at once, requests run concurrently in the engine, and no thread is started
-per request."""
+(backend/triton/tokenization.py), stream from the llm model over BLS, reshape (vllm_outputs). A BLS stream is read
+by blocking calls, so each request is served on a worker of one pool made at load: execute returns at once,
+requests run concurrently in the engine, and no thread is started per request. The pool has
+`max_concurrent_requests` workers, and a request beyond that many in flight is refused at once with UNAVAILABLE
+rather than queued without bound behind them."""
 import concurrent.futures
 import json
+import threading
 import uuid
 
 import numpy as np
@@ -17,8 +20,9 @@ from trellm_backend.triton.vllm import parse_vllm_request, vllm_outputs
 from trellm_backend.triton.tokenization import decode_utf8, encode_prompt, load_tokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# Requests streamed at once; more wait for a worker. Above what one engine runs (max_num_seqs) plus a margin.
-MAX_CONCURRENT_REQUESTS = 256
+# Requests streamed at once when config.pbtxt does not say (max_concurrent_requests): above what one engine runs
+# (max_num_seqs) plus its waiting queue's usual depth.
+DEFAULT_MAX_CONCURRENT_REQUESTS = 256
 
 
 class TritonPythonModel:
@@ -26,7 +30,11 @@ class TritonPythonModel:
         params = model_parameters(json.loads(args["model_config"]))
         self.llm_model = params["llm_model"]
         self.tokenizer = load_tokenizer(resolve_model_path(params["model_path"], args["model_repository"]))
-        self.workers = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="vllm_model")
+        self.max_in_flight = _positive_int(params.get("max_concurrent_requests", DEFAULT_MAX_CONCURRENT_REQUESTS),
+                                           "max_concurrent_requests", args["model_repository"])
+        self.workers = concurrent.futures.ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="vllm_model")
+        self.in_flight = 0
+        self.in_flight_lock = threading.Lock()
 
     def execute(self, requests):
         for request in requests:
@@ -42,11 +50,25 @@ class TritonPythonModel:
             except ValueError as e:
                 fail(pb_utils, sender, str(e))
                 continue
-            self.workers.submit(self._serve, sender, spec, ids)
+            with self.in_flight_lock:
+                admitted = self.in_flight < self.max_in_flight
+                self.in_flight += admitted
+            if not admitted:
+                fail(pb_utils, sender, f"vllm_model is at capacity: {self.max_in_flight} requests in flight "
+                     f"(max_concurrent_requests={self.max_in_flight}); retry later", pb_utils.TritonError.UNAVAILABLE)
+                continue
+            self.workers.submit(self._serve_counted, sender, spec, ids)
         return None
 
     def finalize(self):
         self.workers.shutdown(wait=False, cancel_futures=True)
+
+    def _serve_counted(self, sender, spec, ids):
+        try:
+            self._serve(sender, spec, ids)
+        finally:
+            with self.in_flight_lock:
+                self.in_flight -= 1
 
     def _serve(self, sender, spec, ids):
         request_id = uuid.uuid4().hex    # also names this request in a stop request
@@ -63,8 +85,8 @@ class TritonPythonModel:
                     self._stop(request_id)
                     sender.send(flags=FINAL)
                     return
-                if response.has_error():
-                    fail(pb_utils, sender, response.error().message())
+                if response.has_error():   # llm's refusal or failure, with its code (UNAVAILABLE when full)
+                    fail(pb_utils, sender, response.error().message(), response.error().code())
                     return
                 got = {n: t.as_numpy() for n in LLM_OUTPUTS
                        if (t := pb_utils.get_output_tensor_by_name(response, n)) is not None}
@@ -88,6 +110,16 @@ class TritonPythonModel:
                                          requested_output_names=[])
         for _ in stop.exec(decoupled=True):
             pass
+
+
+def _positive_int(value: str, name: str, model_dir: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{model_dir}/config.pbtxt: parameter {name}={value!r} must be an integer >= 1")
+    return n
 
 
 def _one(request, name, convert):

@@ -10,7 +10,8 @@
 // position seq_lens[b] - q_len + i and sees keys 0..that position. The G = H / KVH query heads of a KV head are
 // processed together, so each K/V block is converted and read once for all of them. Sequences with more than
 // max_q_len query rows are skipped (their output rows are left as they are): long prefill chunks are
-// compute-bound and run faster as the GEMMs of the PyTorch path, whose gather is small next to their work.
+// compute-bound and run faster in torch's fused attention (kernels/attention.py), whose gather is small next to
+// their work.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

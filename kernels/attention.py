@@ -49,15 +49,23 @@ def paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block
     return out
 
 
-def _chunks_alone(out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, longer_than: int):
-    """Write into `out` the attention of every chunk with more than `longer_than` query rows, each chunk alone
-    as the padded reference (a few GEMMs for its rows)."""
+def _padded_chunk(q, k_cache, v_cache, table_row, ctx: int, scale):
+    """One chunk's rows (the last q.shape[0] positions of a `ctx`-token sequence) through the padded reference."""
+    n = q.shape[0]
+    cu = torch.tensor([0, n], device=q.device, dtype=torch.int32)
+    lens = torch.tensor([ctx], device=q.device, dtype=torch.int32)
+    return _padded_attention(q, k_cache, v_cache, cu, lens, table_row[None], scale, n, ctx)
+
+
+def _chunks_alone(out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, longer_than: int,
+                  chunk_attention=_padded_chunk):
+    """Write into `out` the attention of every chunk with more than `longer_than` query rows, each chunk alone:
+    `chunk_attention(q_rows, k_cache, v_cache, table_row, context_len, scale)` (default: the padded reference, a
+    few GEMMs for its rows)."""
     starts, ends, kv_lens = cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), seq_lens.tolist()
     for b, (s, e) in enumerate(zip(starts, ends)):
         if e - s > longer_than:
-            cu = torch.tensor([0, e - s], device=q.device, dtype=cu_seqlens_q.dtype)
-            out[s:e] = _padded_attention(q[s:e], k_cache, v_cache, cu, seq_lens[b:b + 1], block_tables[b:b + 1],
-                                         scale, e - s, kv_lens[b])
+            out[s:e] = chunk_attention(q[s:e], k_cache, v_cache, block_tables[b], kv_lens[b], scale)
 
 
 def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seqlen_k: int):
@@ -136,28 +144,23 @@ def _paged_attention_cpu(ops, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block
     ops.paged_attention(out, q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), cu, lens,
                         block_tables.int().contiguous(), scale, CPU_OP_MAX_Q_LEN)
     if max_seqlen_q > CPU_OP_MAX_Q_LEN:
-        _long_chunks_sdpa(out, q, k_cache, v_cache, cu, lens, block_tables, scale, longer_than=CPU_OP_MAX_Q_LEN)
+        _chunks_alone(out, q, k_cache, v_cache, cu, lens, block_tables, scale, longer_than=CPU_OP_MAX_Q_LEN,
+                      chunk_attention=_sdpa_chunk)
     return out
 
 
-def _long_chunks_sdpa(out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, longer_than: int):
-    """Write into `out` the attention of every chunk with more than `longer_than` query rows: the chunk's keys and
-    values are gathered once from its blocks (small next to a long chunk's work), then torch's fused CPU
-    attention runs with the causal mask aligned to the chunk's last row. Unlike the reference's GEMMs it never
-    builds the score matrix and skips the masked upper triangle of a fresh prompt (perf/bench_attention.py's
-    prefill row; perf/RESULTS.md)."""
-    H, D = q.shape[1], q.shape[2]
+def _sdpa_chunk(q, k_cache, v_cache, table_row, ctx: int, scale):
+    """One long chunk's rows on a CPU: its keys and values gathered once from its blocks (small next to a long
+    chunk's work), then torch's fused CPU attention with the causal mask aligned to the chunk's last row. Unlike
+    the reference's GEMMs it never builds the score matrix and skips the masked upper triangle of a fresh prompt
+    (perf/bench_attention.py's prefill row; perf/RESULTS.md)."""
+    n, H, D = q.shape
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]
-    starts, ends, kv_lens = cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), seq_lens.tolist()
-    for b, (s, e) in enumerate(zip(starts, ends)):
-        n, ctx = e - s, kv_lens[b]
-        if n <= longer_than:
-            continue
-        blocks = block_tables[b, :(ctx + block_size - 1) // block_size].long()
-        k = k_cache[blocks].reshape(-1, KVH, D)[:ctx].transpose(0, 1)[None]   # [1, KVH, ctx, D]
-        v = v_cache[blocks].reshape(-1, KVH, D)[:ctx].transpose(0, 1)[None]
-        # Row i sits at position ctx - n + i and sees keys 0..that position (the lower-right causal mask).
-        mask = None if n == ctx else torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k, v, attn_mask=mask,
-                                           is_causal=mask is None, scale=scale, enable_gqa=H != KVH)
-        out[s:e] = o[0].transpose(0, 1)
+    blocks = table_row[:(ctx + block_size - 1) // block_size].long()
+    k = k_cache[blocks].reshape(-1, KVH, D)[:ctx].transpose(0, 1)[None]   # [1, KVH, ctx, D]
+    v = v_cache[blocks].reshape(-1, KVH, D)[:ctx].transpose(0, 1)[None]
+    # Row i sits at position ctx - n + i and sees keys 0..that position (the lower-right causal mask).
+    mask = None if n == ctx else torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,
+                                       scale=scale, enable_gqa=H != KVH)
+    return o[0].transpose(0, 1)

@@ -1,16 +1,21 @@
 """The launcher: starts tritonserver, reports readiness, and on SIGTERM leaves no process behind."""
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
 from conftest import REPO, free_ports
 from repository_helpers import processes_mentioning
 from trellm_backend.tools.launch import TritonServer, openmp_wait_defaults
+from trellm_client.client import LLMClient
 
 pytestmark = pytest.mark.server
 
@@ -62,3 +67,100 @@ def test_sigterm_stops_server_and_stubs(default_model_path, tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def _post(url: str) -> int:
+    req = urllib.request.Request(url, data=b"{}", method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return r.status
+
+
+def _ready(http: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://localhost:{http}/v2/health/ready", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_the_server(tmp_path):
+    """tritonserver 2.51 alone leaves a dead stub's streams hanging and reports READY forever; the launcher's
+    supervisor must end those streams with an error, and serve again with the models that were loaded. An orderly
+    unload (whose stub also exits) must not count as a death."""
+    repo = tmp_path / "model_repository"
+    subprocess.run(["cp", "-r", os.path.join(REPO, "model_repository"), str(repo)], check=True)
+    os.symlink(os.path.join(REPO, "hf_models"), tmp_path / "hf_models")
+    http, grpc, metrics = free_ports(3)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "trellm_backend.tools.launch", f"--model-repository={repo}", f"--http-port={http}",
+         f"--grpc-port={grpc}", f"--metrics-port={metrics}", f"--log-file={tmp_path / 'server.log'}",
+         "--model-control-mode=explicit", "--load-model=*"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not _ready(http):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the server never became ready"
+            time.sleep(0.5)
+        # An orderly unload: vllm_model's stub exits, and that is no fault.
+        assert _post(f"http://localhost:{http}/v2/repository/models/vllm_model/unload") == 200
+        time.sleep(3)
+        assert _ready(http), "the supervisor restarted the server after an orderly unload"
+
+        outcomes: dict[int, tuple] = {}
+        started = threading.Event()
+
+        def stream(i):
+            n = 0
+            try:
+                with LLMClient(f"localhost:{grpc}") as c:
+                    for _ in c.stream("Once upon a time", max_tokens=2000, min_tokens=2000):
+                        n += 1
+                        if n == 3:
+                            started.set()
+                outcomes[i] = ("finished", n, time.monotonic())
+            except Exception as e:   # noqa: BLE001 - the error itself is what is checked
+                outcomes[i] = ("error", n, time.monotonic(), str(e))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        [stub] = processes_mentioning(f"{repo}/llm/1/model.py")
+        os.kill(stub, signal.SIGKILL)
+        killed = time.monotonic()
+        for t in threads:
+            t.join(timeout=30)
+        assert all(not t.is_alive() for t in threads), "a stream of the dead stub hung"
+        assert sorted(o[0] for o in outcomes.values()) == ["error"] * 3, outcomes
+        assert max(o[2] for o in outcomes.values()) - killed < 5, "streams must fail within seconds of the death"
+
+        while True:            # serving again: a real generate, not only the ready endpoint
+            try:
+                with LLMClient(f"localhost:{grpc}") as c:
+                    assert c.generate("Hello", max_tokens=3, min_tokens=3)
+                break
+            except ConnectionError:
+                assert time.monotonic() - killed < 180, "the server did not come back"
+                time.sleep(0.5)
+        health = subprocess.run([sys.executable, "-m", "trellm_backend.tools.healthcheck", f"--url=localhost:{http}"],
+                                capture_output=True, text=True, timeout=60)
+        assert health.returncode == 0, health.stderr
+        index = json.loads(urllib.request.urlopen(urllib.request.Request(
+            f"http://localhost:{http}/v2/repository/index", data=b'{"ready": true}', method="POST")).read())
+        assert sorted(m["name"] for m in index) == ["ensemble", "llm", "preprocess"], \
+            "a restart loads what was loaded before it, not what was unloaded"
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) == 0
+        assert processes_mentioning(str(repo)) == []
+        err = launcher.stderr.read()
+        assert "supervisor: the Python-backend stub of model 'llm'" in err and "ready again after" in err, err
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def test_healthcheck_fails_by_name_where_nothing_generates():
+    [port] = free_ports(1)
+    r = subprocess.run([sys.executable, "-m", "trellm_backend.tools.healthcheck", f"--url=localhost:{port}",
+                        "--timeout=5"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and f"unhealthy: ensemble at localhost:{port}" in r.stderr

@@ -10,6 +10,8 @@ The server binary is `tritonserver` from PATH (the NGC container) or, without Do
 `nvidia-pytriton` wheel carries: that copy is prepared once next to the virtual environment (the wheel's folder
 holds one Python-backend stub per Python version; the backend wants one at a fixed place). The server runs in its
 own process group, which also holds its Python-backend stubs, so stopping the group leaves no process behind.
+While it runs, tools/supervisor.py watches it and restarts it when a stub dies or the server exits (--no-restart:
+exit instead).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import urllib.error
 import urllib.request
 
 from trellm_backend.tools.repository import default_repository
+from trellm_backend.tools.supervisor import Supervisor
 
 DEFAULT_REPOSITORY = default_repository()
 MODEL_CONTROL_MODES = ("none", "poll", "explicit")
@@ -204,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-file", default=None,
                     help="where tritonserver's log goes (default: a file in the temporary folder, named by port)")
     ap.add_argument("--verbose", action="store_true", help="show tritonserver's log live instead of writing a file")
+    ap.add_argument("--no-restart", action="store_true",
+                    help="exit when tritonserver stops serving instead of restarting it (tools/supervisor.py)")
+    ap.add_argument("--probe-interval", type=float, default=0.0, metavar="S",
+                    help="also restart after 3 failed one-token generate probes, one every S seconds (default 0: "
+                         "off; a dead stub and a server exit are noticed without it)")
+    ap.add_argument("--probe-model", default="ensemble", help="the model the generate probe asks (default ensemble)")
     args, extra = ap.parse_known_args(argv)
 
     log_path = None if args.verbose else (
@@ -246,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n", flush=True)
             if args.exit_after_demo:
                 return 0
+        if not args.no_restart:
+            Supervisor(server, probe_interval=args.probe_interval, probe_model=args.probe_model).run()
         while server.proc.poll() is None:
             time.sleep(0.5)
         errors = log_errors(log_path) if log_path else []

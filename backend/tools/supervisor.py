@@ -1,0 +1,153 @@
+"""Keep a launched tritonserver serving: notice when it stops being able to, fail its clients fast, start it again.
+
+tritonserver 2.51 does not notice a Python-backend stub that dies (OOM killer, kill -9, a crash in native code): the
+stub stays an unreaped zombie, requests already inside it hang until their clients give up, every later request of
+that model fails with "Stub process ... is not healthy", and `/v2/health/ready` stays 200. Nothing in the server
+restarts it. A zombie stub is the one sure sign (an orderly unload kills and reaps its stub at once), so the
+supervisor looks for one among the server's children twice a second. On that sign, on the server's own exit (a
+crash), or on a failed generate probe (opt-in: `probe_interval`), it kills the server's process group, which ends
+every open stream with a connection error at once, and starts the server again with the models that were loaded,
+at once the first time and after 1, 2, 4 ... 30 s when restarts follow each other closely.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from trellm_backend.tools.healthcheck import generate_probe
+
+STUB_NAME = "triton_python_backend_stub"
+MAX_BACKOFF_S = 30.0
+STABLE_AFTER_S = 60.0          # a server healthy this long resets the back-off
+
+
+def next_backoff(seconds: float) -> float:
+    return min(max(1.0, 2 * seconds), MAX_BACKOFF_S)
+
+
+def _read(path: str, mode: str = "r"):
+    try:
+        with open(path, mode) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def server_children(server_pid: int) -> dict[int, tuple[str, str]]:
+    """{pid: (state, model name or "")} of the server's child processes; the model name is read from a live stub's
+    command line (`<stub> <repository>/<model>/<version>/model.py ...`)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        stat = _read(f"/proc/{entry}/stat")
+        if not stat:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis.
+        state, ppid = stat[stat.rfind(")") + 2:].split()[:2]
+        if int(ppid) != server_pid:
+            continue
+        argv = (_read(f"/proc/{entry}/cmdline", "rb") or b"").split(b"\0")
+        model = ""
+        if argv and argv[0].endswith(STUB_NAME.encode()) and len(argv) > 1:
+            model = os.path.basename(os.path.dirname(os.path.dirname(argv[1].decode(errors="replace"))))
+        children[int(entry)] = (state, model)
+    return children
+
+
+def ready_models(http_url: str, timeout: float = 5.0) -> list[str]:
+    """Names of the models the server reports READY in its repository index."""
+    req = urllib.request.Request(f"http://{http_url}/v2/repository/index", data=b'{"ready": true}', method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return sorted({m["name"] for m in json.load(r) if m.get("state") == "READY"})
+
+
+@dataclass
+class Supervisor:
+    """Watches one launch.TritonServer (started) and restarts it when it can no longer serve.
+
+    check() names the first fault found (or None); run() loops check/restart until `should_stop()` is true."""
+    server: object                        # launch.TritonServer
+    poll_s: float = 0.5
+    probe_interval: float = 0.0           # seconds between generate probes; 0: no probe
+    probe_model: str = "ensemble"
+    probe_failures: int = 3               # consecutive failed probes that count as a fault
+    log: object = sys.stderr
+    restarts: list[dict] = field(default_factory=list)   # {"reason", "down_s"} per restart, for the caller
+    _stub_models: dict[int, str] = field(default_factory=dict)
+    _zombie_seen: dict[int, int] = field(default_factory=dict)
+    _failed_probes: int = 0
+    _next_probe: float = 0.0
+
+    def check(self) -> str | None:
+        proc = self.server.proc
+        if proc.poll() is not None:
+            return f"tritonserver exited with code {proc.returncode}"
+        children = server_children(proc.pid)
+        for pid, (state, model) in children.items():
+            if model:
+                self._stub_models[pid] = model
+        zombies = {pid for pid, (state, _) in children.items() if state == "Z" and pid in self._stub_models}
+        self._zombie_seen = {pid: self._zombie_seen.get(pid, 0) + 1 for pid in zombies}
+        self._stub_models = {pid: m for pid, m in self._stub_models.items() if pid in children}
+        for pid, seen in self._zombie_seen.items():
+            if seen >= 2:       # not a stub the server is reaping this instant
+                return f"the Python-backend stub of model '{self._stub_models[pid]}' (pid {pid}) died"
+        if self.probe_interval > 0 and time.monotonic() >= self._next_probe:
+            self._next_probe = time.monotonic() + self.probe_interval
+            problem = generate_probe(self.server.http_url, self.probe_model, timeout=max(self.probe_interval, 5.0))
+            self._failed_probes = self._failed_probes + 1 if problem else 0
+            if self._failed_probes >= self.probe_failures:
+                return f"{self._failed_probes} generate probes of '{self.probe_model}' failed; last: {problem}"
+        return None
+
+    def restart(self, reason: str, backoff: float) -> None:
+        """Kill the server's process group at once (open streams end with a connection error instead of hanging)
+        and start it again after `backoff` seconds, loading the models that were loaded."""
+        down = time.monotonic()
+        models = []
+        if self.server.model_control_mode == "explicit" and self.server.proc.poll() is None:
+            try:
+                models = ready_models(self.server.http_url)
+            except (urllib.error.URLError, OSError, ValueError):
+                models = []
+        print(f"supervisor: {reason}; restarting tritonserver in {backoff:.0f} s", file=self.log, flush=True)
+        try:
+            os.killpg(self.server.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.server.stop(timeout=5)
+        time.sleep(backoff)
+        if models:
+            self.server.load_models = models
+        self.server.start()
+        self._stub_models.clear()
+        self._zombie_seen.clear()
+        self._failed_probes = 0
+        self.restarts.append({"reason": reason, "down_s": round(time.monotonic() - down, 1)})
+        print(f"supervisor: tritonserver is ready again after {self.restarts[-1]['down_s']} s", file=self.log,
+              flush=True)
+
+    def run(self, should_stop=lambda: False) -> None:
+        backoff, healthy_since = 0.0, time.monotonic()
+        while not should_stop():
+            reason = self.check()
+            if reason is None:
+                if time.monotonic() - healthy_since > STABLE_AFTER_S:
+                    backoff = 0.0
+                time.sleep(self.poll_s)
+                continue
+            while True:
+                try:
+                    self.restart(reason, backoff)
+                    break
+                except (RuntimeError, TimeoutError) as e:      # the new server did not come up: try again, slower
+                    reason = f"restart failed: {e}"
+                    backoff = next_backoff(backoff)
+            backoff, healthy_since = next_backoff(backoff), time.monotonic()

@@ -99,6 +99,9 @@ def test_vllm_model_over_http(triton_server, greedy_text):
     ('{"top_p": "none"}', "sampling_parameters.top_p must be a number"),
     ('{"n": 3, "logprobs": 99}', r"sampling_parameters.logprobs must be in [0, 20]"),
     ("{max_tokens: 3}", "sampling_parameters is not valid JSON"),
+    # What HTTP generate cannot check on the ensemble's INT32 inputs (README), vllm_model checks from the JSON.
+    ('{"max_tokens": 4294967301}', r"sampling_parameters.max_tokens must be in [1, 1048576], got 4294967301"),
+    ('{"max_tokens": 1.5}', "sampling_parameters.max_tokens must be an integer, got 1.5"),
 ])
 def test_vllm_model_errors_are_named_and_the_server_keeps_serving(triton_server, greedy_text, sampling, message):
     with pytest.raises(urllib.error.HTTPError) as e:
@@ -119,6 +122,43 @@ def test_vllm_model_passes_llm_refusals_on(triton_server):
                       sampling_parameters='{"max_tokens": 4}')
     error = json.loads(e.value.read())["error"]
     assert e.value.code == 400 and "max_model_len" in error and "vllm_model:" not in error, error
+
+
+def _post(server, path: str, body: dict) -> tuple[int, dict]:
+    """POST a JSON body to the HTTP port; the status and the JSON answer, error statuses included."""
+    import urllib.request
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_http_generate_answers_triton_decides_before_the_models(triton_server):
+    """The README's table of what Triton 2.51's HTTP generate front end answers on the ensemble before (or after)
+    any model of ours runs. None of these is ours to change (see the README); if one fails after a Triton upgrade,
+    the front end changed: update the table."""
+    path = "/v2/models/ensemble/generate"
+    # The JSON integer is cast to the declared INT32: 2**32 + 5 arrives as 5 (and min_tokens makes it 5 tokens).
+    status, body = _post(triton_server, path, {"text_input": PROMPT, "max_tokens": 2**32 + 5, "min_tokens": 5,
+                                               "return_num_output_tokens": True})
+    assert (status, body.get("num_output_tokens")) == (200, 5), body
+    # [2**31, 2**32) arrives negative: refused by our range check, naming the wrapped value.
+    status, body = _post(triton_server, path, {"text_input": PROMPT, "max_tokens": 2**31})
+    assert status == 400 and "max_tokens must be in [1, 1048576], got -2147483648" in body["error"]
+    # A value of the wrong JSON type never reaches a model: Triton's INTERNAL conversion error, no field named.
+    for value in ("abc", 1.5):
+        status, body = _post(triton_server, path, {"text_input": PROMPT, "max_tokens": value})
+        assert status == 500 and body["error"].startswith("Unable to parse 'data'"), body
+    # More than one response: the 200 went out with the first one, the error comes in the body.
+    for extra in ({"stream": True}, {"num_return_sequences": 2}):
+        status, body = _post(triton_server, path, {"text_input": PROMPT, "max_tokens": 2, **extra})
+        assert status == 200 and "generate expects model to produce exactly 1 response" in body["error"], body
+    # The same requests on generate_stream are served.
+    events = http_generate(triton_server.http_url, PROMPT, stream=True, max_tokens=2, num_return_sequences=2)
+    assert sorted(e["sequence_index"] for e in events if e["finish_reason"]) == [0, 1]
 
 
 def test_ensemble_stop_words_finish_reason_and_min_length(triton_server, greedy_text):

@@ -78,6 +78,31 @@ def test_bad_words_ban_the_last_token_after_their_prefix():
     assert (got[:, 9] == float("-inf")).all()
 
 
+def test_bad_word_bans_equal_a_comparison_per_word():
+    """The lookup table the sampler uses bans exactly what comparing the sequence's tail with every word bans."""
+    import random
+    rng = random.Random(0)
+    for _ in range(200):
+        words = [[rng.randrange(V) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 12))]
+        tokens = [rng.randrange(V) for _ in range(rng.randint(1, 6))]
+        r = req(tokens[:1], tokens[1:], bad_words_ids=words)
+        expected = {w[-1] for w in words if len(w) == 1 or r.token_ids[-(len(w) - 1):] == w[:-1]}
+        got = apply_bans(torch.zeros(1, V), [r])
+        assert {i for i in range(V) if got[0, i] == float("-inf")} == expected, (words, tokens)
+
+
+@pytest.mark.parametrize("params, message", [
+    (dict(stop=["x"] * 65), "stop_words / stop has 65 entries; at most 64 are allowed"),
+    (dict(bad_words=["x"] * 1025), "bad_words has 1025 entries; at most 1024 are allowed"),
+    (dict(bad_words=["ok", "y" * 257]), "bad_words has an entry of 257 characters; at most 256 are allowed"),
+    (dict(stop_token_ids=[1] * 257), "stop_token_ids has 257 entries; at most 256 are allowed"),
+])
+def test_word_lists_are_bounded_by_name(params, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**params).validate()
+    SamplingParams(stop=["x"] * 64, bad_words=["y" * 256] * 1024, stop_token_ids=[1] * 256).validate()
+
+
 def test_logprobs_are_of_the_processed_distribution():
     logits = torch.tensor([LOGITS, LOGITS])
     rows = [req([0], temperature=0.0, logprobs=3, top_k=2), req([0], temperature=0.0)]

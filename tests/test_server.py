@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import queue
+import time
 import urllib.error
 
 import numpy as np
@@ -87,6 +88,12 @@ def _input(name, value, dtype, triton_type):
     return i
 
 
+def _words(name, words):
+    i = grpcclient.InferInput(name, [1, len(words)], "BYTES")
+    i.set_data_from_numpy(np.array([[w.encode() for w in words]], dtype=np.object_))
+    return i
+
+
 def _text(prompt):
     return _input("text_input", prompt.encode(), np.object_, "BYTES")
 
@@ -110,6 +117,8 @@ def _text(prompt):
     (lambda: [_text("hello"), _input("end_id", 99999, np.int32, "INT32")], "stop token ids"),
     (lambda: [_text("hello"), _input("seed", 1, np.uint64, "UINT64"), _input("random_seed", 2, np.uint64, "UINT64")],
      "aliases"),
+    (lambda: [_text("hello"), _words("bad_words", ["w"] * 1025)], "bad_words has 1025 entries; at most 1024"),
+    (lambda: [_text("hello"), _words("stop_words", ["w"] * 65)], "stop_words / stop has 65 entries; at most 64"),
     (lambda: [_input("messages", b"[{\"role\": \"user\"}]", np.object_, "BYTES")], "messages[0]"),
     (lambda: [_input("messages", b"not json", np.object_, "BYTES")], "messages is not valid JSON"),
     (lambda: [_text("hello"), _input("messages", b"[]", np.object_, "BYTES")], "not both"),
@@ -122,6 +131,25 @@ def test_malformed_requests_get_named_errors_while_others_stream(triton_server, 
         assert healthy.result(timeout=120) == expected[PROMPTS[3]]
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     assert client.is_server_live() and client.is_model_ready("ensemble")
+
+
+def test_a_heavy_request_does_not_hold_up_a_light_one(triton_server):
+    """16 samples with the most bad words allowed, and a short request sent just after it: the short one's first
+    token may wait for a step or two, not for the heavy request's preparation (27 s before the word lists were
+    tokenized once per request, bounded, and looked up by table)."""
+    import random
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 12))) for _ in range(1024)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        heavy = pool.submit(lambda: LLMClient(triton_server.grpc_url).generate(
+            "Once upon a time", max_tokens=64, num_return_sequences=16, temperature=1.0, bad_words=words))
+        time.sleep(0.3)
+        start = time.monotonic()
+        with LLMClient(triton_server.grpc_url) as c:
+            first = next(iter(c.stream_chunks(PROMPTS[0], max_tokens=4, stream=True)))
+        ttft = time.monotonic() - start
+        assert first.text and heavy.result(timeout=120)
+    assert ttft < 2.0, f"the light request's first token took {ttft:.2f} s"
 
 
 def test_http_error_is_a_clean_400(triton_server):

@@ -11,6 +11,11 @@ import torch
 
 U64_MAX = (1 << 64) - 1
 I32_MAX = (1 << 31) - 1
+# How long the word lists of one request may be: each is checked on every step of every sequence of the request
+# (stop strings against the text, bad words and stop ids against the tokens), on the thread that steps everyone.
+# {attribute: (the names a request uses, most entries, most characters per entry)}.
+LIST_LIMITS = {"stop": ("stop_words / stop", 64, 256), "bad_words": ("bad_words", 1024, 256),
+               "stop_token_ids": ("stop_token_ids", 256, None)}
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,27 @@ class SamplingParams:
         for f in fields(self):
             if "bounds" in f.metadata:
                 f.metadata["bounds"].check(getattr(self, f.name), f.name)
+        for attr, (shown, most, chars) in LIST_LIMITS.items():
+            values = getattr(self, attr)
+            if len(values) > most:
+                raise ValueError(f"{shown} has {len(values)} entries; at most {most} are allowed")
+            if chars is not None and any(len(v) > chars for v in values):
+                longest = max(len(v) for v in values)
+                raise ValueError(f"{shown} has an entry of {longest} characters; at most {chars} are allowed")
+
+    def bad_word_table(self) -> tuple[list[int], dict[int, dict[tuple[int, ...], list[int]]]]:
+        """bad_words_ids as (ids banned always, {head length: {head: ids banned after it}}), built once: a sampling
+        step then costs one lookup per distinct head length, not one comparison per word."""
+        cached = self.__dict__.get("_bad_word_table")
+        if cached is None or cached[0] is not self.bad_words_ids:
+            always, after = [], {}
+            for word in self.bad_words_ids:
+                if len(word) == 1:
+                    always.append(word[0])
+                else:
+                    after.setdefault(len(word) - 1, {}).setdefault(tuple(word[:-1]), []).append(word[-1])
+            cached = self.__dict__["_bad_word_table"] = (self.bad_words_ids, always, after)
+        return cached[1], cached[2]
 
     @property
     def needs_penalties(self) -> bool:

@@ -80,11 +80,13 @@ def apply_bans(logits: torch.Tensor, requests: list[Request], eos_token_ids=()) 
             ids = [*p.stop_token_ids, *([] if p.ignore_eos else eos_token_ids)]
             banned_rows += [i] * len(ids)
             banned_ids += ids
-        for word in p.bad_words_ids:
-            head = word[:-1]
-            if not head or r.token_ids[-len(head):] == head:
-                banned_rows.append(i)
-                banned_ids.append(word[-1])
+        if p.bad_words_ids:
+            always, after = p.bad_word_table()
+            ids = list(always)
+            for n, heads in after.items():
+                ids += heads.get(tuple(r.token_ids[-n:]), ())
+            banned_rows += [i] * len(ids)
+            banned_ids += ids
     if not banned_rows:
         return logits
     logits = logits.clone()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trellm_backend.engine.config import parse_bool
-from trellm_backend.engine.request import I32_MAX, Bounds, SamplingParams
+from trellm_backend.engine.request import I32_MAX, LIST_LIMITS, Bounds, SamplingParams
 
 TRITON_TYPES = {"int": "TYPE_INT32", "uint": "TYPE_UINT64", "float": "TYPE_FP32", "bool": "TYPE_BOOL",
                 "str_list": "TYPE_STRING", "int_list": "TYPE_INT32"}
@@ -40,7 +40,11 @@ class Field:
         return "-1" if self.kind.endswith("_list") else "1"
 
     def range_text(self) -> str:
-        return "" if self.bounds is None else self.bounds.text()
+        text = "" if self.bounds is None else self.bounds.text()
+        if self.name in LIST_LIMITS:
+            _, most, chars = LIST_LIMITS[self.name]
+            text += (" each; " if text else "") + f"at most {most}" + (f" of {chars} characters" if chars else "")
+        return text
 
     def check(self, value, shown: str):
         """Raise ValueError naming `shown` (the name the caller used) and the allowed range."""

@@ -3,6 +3,7 @@ tritonserver replicas behind nginx (Debian's package) with the compose file's ng
 and HTTP through the balancer, and still answering after one replica is stopped."""
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import shutil
@@ -10,6 +11,7 @@ import string
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -147,6 +149,26 @@ def ensemble_requests(server) -> int:
     with httpclient.InferenceServerClient(server.http_url) as c:
         stats = c.get_inference_statistics("ensemble")["model_stats"]
     return sum(int(s["inference_stats"]["success"]["count"]) for s in stats)
+
+
+def test_the_balancer_limits_body_size_and_request_rate(topology):
+    _, lb_http, _ = topology
+    req = urllib.request.Request(f"http://{lb_http}/v2/models/ensemble/generate", data=b" " * (9 << 20),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 413
+
+    def status(_):
+        try:
+            with urllib.request.urlopen(f"http://{lb_http}/v2/health/ready", timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as err:
+            return err.code
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(status, range(120)))
+    assert codes.count(429) > 0 and codes.count(200) >= 40, codes     # 20 a second, bursts of 40
+    time.sleep(3)     # let the client's allowance refill for the next test
 
 
 def test_streams_through_the_balancer_and_survive_a_stopped_replica(topology, default_model_path):

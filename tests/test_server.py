@@ -105,6 +105,7 @@ def _text(prompt):
     (lambda: [_text("hello"), _input("max_tokens", -3, np.int32, "INT32")], "max_tokens"),
     (lambda: [_text("")], "empty"),
     (lambda: [_text("hello " * 3000)], "context length"),
+    (lambda: [_text("x" * 70000)], "text_input has 70000 characters; at most 65536 are allowed"),
     (lambda: [_text("hello"), _input("top_p", 1.5, np.float32, "FP32")], "top_p must be in (0, 1]"),
     (lambda: [_text("hello"), _input("min_p", -0.1, np.float32, "FP32")], "min_p must be in [0, 1]"),
     (lambda: [_text("hello"), _input("repetition_penalty", 0.0, np.float32, "FP32")],

@@ -3,6 +3,16 @@ from __future__ import annotations
 
 import json
 
+# Tokenizing a huge prompt holds up every request behind it in the same model instance, only for the engine to refuse
+# it. A token of text is a few characters; this many per token of the model's context is more than any real prompt
+# that fits, so longer ones are refused before tokenizing.
+CHARS_PER_TOKEN_BOUND = 32
+
+
+def prompt_char_limit(model_path: str) -> int:
+    from trellm_backend.models.config import load_model_config
+    return CHARS_PER_TOKEN_BOUND * load_model_config(model_path).max_position_embeddings
+
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
@@ -32,12 +42,18 @@ def parse_messages(text: str) -> list[dict]:
     return messages
 
 
-def encode_prompt(tokenizer, text: str | None = None, messages: str | None = None) -> list[int]:
+def encode_prompt(tokenizer, text: str | None = None, messages: str | None = None,
+                  max_chars: int | None = None) -> list[int]:
     """Token ids of a prompt (special tokens such as BOS added) or of chat messages rendered by the tokenizer's
-    chat template with the assistant's turn opened. Exactly one of the two must be given."""
+    chat template with the assistant's turn opened. Exactly one of the two must be given, of at most `max_chars`
+    characters (prompt_char_limit)."""
     if (text is None) == (messages is None):
         raise ValueError("text_input is missing: every request needs a prompt (text_input, or messages for chat)"
                          if text is None else "send either text_input or messages, not both")
+    given = text if text is not None else messages
+    if max_chars is not None and len(given) > max_chars:
+        raise ValueError(f"{'text_input' if text is not None else 'messages'} has {len(given)} characters; at most "
+                         f"{max_chars} are allowed ({CHARS_PER_TOKEN_BOUND} per token of the model's context)")
     if messages is not None:
         chat = parse_messages(messages)
         if not getattr(tokenizer, "chat_template", None):

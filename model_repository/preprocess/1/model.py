@@ -7,7 +7,7 @@ import triton_python_backend_utils as pb_utils
 
 from trellm_backend.triton.fields import request_parameters_error
 from trellm_backend.triton.parameters import model_parameters, resolve_model_path
-from trellm_backend.triton.tokenization import decode_utf8, encode_prompt, load_tokenizer
+from trellm_backend.triton.tokenization import decode_utf8, encode_prompt, load_tokenizer, prompt_char_limit
 from trellm_backend.triton.checks import require_tokenizer_files
 
 
@@ -17,6 +17,7 @@ class TritonPythonModel:
         path = resolve_model_path(params["model_path"], args["model_repository"])
         require_tokenizer_files(path)   # names the folder, where AutoTokenizer's own error would not
         self.tokenizer = load_tokenizer(path)
+        self.max_prompt_chars = prompt_char_limit(path)
 
     def execute(self, requests):
         return [self._one(request) for request in requests]
@@ -26,7 +27,8 @@ class TritonPythonModel:
             error = request_parameters_error(request.parameters())
             if error:
                 raise ValueError(error)
-            ids = encode_prompt(self.tokenizer, _string(request, "text_input"), _string(request, "messages"))
+            ids = encode_prompt(self.tokenizer, _string(request, "text_input"), _string(request, "messages"),
+                                self.max_prompt_chars)
         except ValueError as e:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
         return pb_utils.InferenceResponse(output_tensors=[

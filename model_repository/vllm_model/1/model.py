@@ -17,7 +17,7 @@ from trellm_backend.triton.llm import LLM_OUTPUTS
 from trellm_backend.triton.parameters import model_parameters, resolve_model_path
 from trellm_backend.triton.responses import fail
 from trellm_backend.triton.vllm import parse_vllm_request, vllm_outputs
-from trellm_backend.triton.tokenization import decode_utf8, encode_prompt, load_tokenizer
+from trellm_backend.triton.tokenization import decode_utf8, encode_prompt, load_tokenizer, prompt_char_limit
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Requests streamed at once when config.pbtxt does not say (max_concurrent_requests): above what one engine runs
@@ -29,7 +29,9 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(json.loads(args["model_config"]))
         self.llm_model = params["llm_model"]
-        self.tokenizer = load_tokenizer(resolve_model_path(params["model_path"], args["model_repository"]))
+        path = resolve_model_path(params["model_path"], args["model_repository"])
+        self.tokenizer = load_tokenizer(path)
+        self.max_prompt_chars = prompt_char_limit(path)
         self.max_in_flight = _positive_int(params.get("max_concurrent_requests", DEFAULT_MAX_CONCURRENT_REQUESTS),
                                            "max_concurrent_requests", args["model_repository"])
         self.workers = concurrent.futures.ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="vllm_model")
@@ -46,7 +48,7 @@ class TritonPythonModel:
                 strings = {n: _one(request, n, decode_utf8) for n in ("text_input", "sampling_parameters")}
                 bools = {n: _one(request, n, _as_bool) for n, kind in VLLM_INPUTS.items() if kind == "bool"}
                 spec = parse_vllm_request(strings, {k: v for k, v in bools.items() if v is not None})
-                ids = encode_prompt(self.tokenizer, spec.prompt)
+                ids = encode_prompt(self.tokenizer, spec.prompt, max_chars=self.max_prompt_chars)
             except ValueError as e:
                 fail(pb_utils, sender, str(e))
                 continue

@@ -204,26 +204,50 @@ def test_ensemble_parallel_samples_logprobs_and_perf_metrics(triton_server):
     assert one["kv_cache_alloc_total_blocks"] == one["kv_cache_alloc_new_blocks"] + one["kv_cache_reused_blocks"] > 0
 
 
-@pytest.mark.parametrize("model, inputs", [("ensemble", "tensorrtllm.json"), ("vllm_model", "vllm.json")])
-def test_perf_analyzer_with_genai_perf_shaped_inputs(triton_server, tmp_path, model, inputs):
-    export = tmp_path / "profile.json"
+def perf_analyzer(server, model: str, input_data: str, export, concurrency: int, requests: int) -> None:
+    """perf_analyzer (tritonclient's wheel) streaming over gRPC, its per-request export written to `export`."""
     env = dict(os.environ)
     cudart = os.path.join(os.path.dirname(os.path.dirname(sys.executable)), "lib",
                           f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages", "nvidia",
                           "cuda_runtime", "lib")
     env["LD_LIBRARY_PATH"] = cudart + os.pathsep + env.get("LD_LIBRARY_PATH", "")
     run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "perf_analyzer"), "-m", model,
-                          "-u", triton_server.grpc_url, "-i", "grpc", "--streaming", "--input-data",
-                          os.path.join(ROOT, "perf", "inputs", inputs), "--concurrency-range", "2",
-                          "--request-count", "4", "--profile-export-file", str(export)],
+                          "-u", server.grpc_url, "-i", "grpc", "--streaming", "--input-data", input_data,
+                          "--concurrency-range", str(concurrency), "--request-count", str(requests),
+                          "--profile-export-file", str(export)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("model, inputs", [("ensemble", "tensorrtllm.json"), ("vllm_model", "vllm.json")])
+def test_perf_analyzer_with_genai_perf_shaped_inputs(triton_server, tmp_path, model, inputs):
+    export = tmp_path / "profile.json"
+    perf_analyzer(triton_server, model, os.path.join(ROOT, "perf", "inputs", inputs), export, concurrency=2,
+                  requests=4)
     requests = json.loads(export.read_text())["experiments"][0]["requests"]
     assert len(requests) >= 4
     for r in requests:
         texts = [o["text_output"] for o in r["response_outputs"]]
         # 16 tokens forced by min_length / min_tokens; every response carries text (no empty chunk).
         assert 1 < len(texts) <= 16 and all(texts), texts
+
+
+def test_perf_analyzer_exports_exact_values_for_switched_on_outputs(triton_server, tmp_path):
+    """perf_analyzer 2.51 exports garbage for a declared output a response does not carry (README, Outputs); the
+    outputs a request switches on come in every response, so their exported values are exact."""
+    data = {"data": [{"text_input": ["Lists are mutable sequences"], "max_tokens": [8], "min_length": [8],
+                      "stream": [True], "return_num_output_tokens": [True], "return_log_probs": [True],
+                      "return_perf_metrics": [True]}]}
+    inputs, export = tmp_path / "inputs.json", tmp_path / "profile.json"
+    inputs.write_text(json.dumps(data))
+    perf_analyzer(triton_server, "ensemble", str(inputs), export, concurrency=1, requests=2)
+    for r in json.loads(export.read_text())["experiments"][0]["requests"]:
+        outs = r["response_outputs"]
+        assert [o["num_output_tokens"] for o in outs] == sorted(o["num_output_tokens"] for o in outs)
+        assert outs[-1]["num_output_tokens"] == 8 and all(1 <= o["num_output_tokens"] <= 8 for o in outs)
+        assert all(o["cum_log_probs"] <= 0 and o["output_log_probs"] <= 0 for o in outs)
+        assert all(o["kv_cache_alloc_total_blocks"] >= 1 and o["first_token_time_ns"] >= o["arrival_time_ns"] > 0
+                   for o in outs)
 
 
 def _metric(server, name) -> float:

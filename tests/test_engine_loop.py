@@ -126,3 +126,16 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(loop, monkeypatc
     wait_until(lambda: loop.engine.kv_blocks_used() == 0, timeout=5)
     healthy = submit(loop, "after")
     wait_until(lambda: len(healthy.outputs) >= 2)
+
+
+def test_shut_down_refuses_new_requests_and_ends_those_in_flight_after_the_grace(loop):
+    running, waiting = submit(loop, "a"), submit(loop, "b")       # max_num_seqs 1: b waits
+    wait_until(lambda: len(running.outputs) > 2)
+    loop.shut_down(0.3, reason="tritonserver is stopping")
+    with pytest.raises(QueueFull, match="tritonserver is stopping; retry"):
+        submit(loop, "c")
+    time.sleep(0.1)
+    assert not running.done.is_set(), "requests in flight go on during the grace"
+    assert running.done.wait(10) and waiting.done.wait(10)
+    assert running.outputs[-1].finish_reason == waiting.outputs[-1].finish_reason == "abort"
+    wait_until(lambda: loop.engine.kv.num_used == 0)

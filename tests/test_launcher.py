@@ -164,3 +164,49 @@ def test_healthcheck_fails_by_name_where_nothing_generates():
     r = subprocess.run([sys.executable, "-m", "trellm_backend.tools.healthcheck", f"--url=localhost:{port}",
                         "--timeout=5"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and f"unhealthy: ensemble at localhost:{port}" in r.stderr
+
+
+@pytest.mark.parametrize("signalled", ["process group", "server only"])
+def test_sigterm_ends_ensemble_streams_with_a_final_abort(tmp_path, signalled):
+    """On 2.51 a SIGTERM leaves ensemble streams hanging until the exit timeout cuts them with no final response.
+    The llm model notices the stop (the signal, when the group gets it; the server's state, when only the server
+    does) and ends every stream with finish_reason abort after shutdown_grace_s (1 s here)."""
+    repo = tmp_path / "model_repository"
+    subprocess.run(["cp", "-r", os.path.join(REPO, "model_repository"), str(repo)], check=True)
+    os.symlink(os.path.join(REPO, "hf_models"), tmp_path / "hf_models")
+    cfg = repo / "llm" / "config.pbtxt"
+    cfg.write_text(cfg.read_text() + 'parameters: { key: "shutdown_grace_s" value: { string_value: "1" } }\n')
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(str(repo), http, grpc, metrics, log_path=str(tmp_path / "server.log")).start()
+    try:
+        ends: dict[int, tuple] = {}
+        started = threading.Barrier(4)
+
+        def stream(i):
+            chunks = []
+            try:
+                with LLMClient(f"localhost:{grpc}") as c:
+                    for chunk in c.stream_chunks("Once upon a time", stream=True, max_tokens=2000, min_tokens=2000):
+                        chunks.append(chunk)
+                        if len(chunks) == 3:
+                            started.wait(timeout=60)
+                ends[i] = ("final", chunks[-1].finish_reason, chunks[-1].final, time.monotonic())
+            except Exception as e:   # noqa: BLE001 - the outcome itself is what is checked
+                ends[i] = ("error", str(e), len(chunks), time.monotonic())
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        started.wait(timeout=60)
+        signalled_at = time.monotonic()
+        if signalled == "process group":
+            os.killpg(server.proc.pid, signal.SIGTERM)
+        else:
+            server.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=30)
+        assert all(not t.is_alive() for t in threads), "a stream hung after SIGTERM"
+        assert [e[:3] for e in ends.values()] == [("final", "abort", True)] * 3, ends
+        assert max(e[3] for e in ends.values()) - signalled_at < 5, "the streams must end within the grace"
+    finally:
+        server.stop(timeout=15)    # past its exit timeout (10 s), 2.51 may linger for minutes: no need to wait

@@ -33,6 +33,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True    # reuse the KV blocks of prompt prefixes seen before
     enable_metrics: bool = True           # the Triton model reports vLLM-named metrics (backend/triton/metrics.py)
     max_queue_size: int = 512             # waiting requests beyond this are refused with UNAVAILABLE (backpressure)
+    shutdown_grace_s: float = 7.0         # once the server stops: how long requests in flight may go on before they
+                                          # end with finish_reason abort (under the server's exit timeout, 10 s here)
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> "EngineConfig":

@@ -40,6 +40,10 @@ class QueueFull(RuntimeError):
     """The waiting queue is at `max_queue_size`; the caller should answer UNAVAILABLE and the client retry."""
 
 
+class ShuttingDown(QueueFull):
+    """Refused because the server is stopping (UNAVAILABLE, as a full queue is)."""
+
+
 class DuplicateClientId(ValueError):
     """A client request id that is already in flight: refused, so that a stop request naming it is unambiguous."""
 
@@ -59,6 +63,11 @@ class Abort:
 @dataclass(frozen=True)
 class AbortClient:
     client_id: str
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    pass
 
 
 @dataclass(frozen=True)
@@ -90,7 +99,7 @@ class EngineLoop:
         self.max_queue_size = engine.config.max_queue_size
         self._on_finished = on_finished
         self._stats = engine.stats()
-        self._inbox: queue.Queue[Add | Abort | AbortClient | Stop] = queue.Queue()
+        self._inbox: queue.Queue[Add | Abort | AbortClient | AbortAll | Stop] = queue.Queue()
         self._sinks: dict[str, OutputSink] = {}
         # A client's request id -> its engine requests not over yet, and back. Filled when submitted (so a
         # duplicate id is refused at once), emptied by the loop thread, hence the lock.
@@ -98,6 +107,7 @@ class EngineLoop:
         self._client_id_of: dict[str, str] = {}
         self._clients_lock = threading.Lock()
         self._stopping = False
+        self._closed: str | None = None     # why new requests are refused (shut_down)
         self._outbox: queue.SimpleQueue[Send | Fail | None] = queue.SimpleQueue()
         self._responder = threading.Thread(target=self._respond, name="trellm-responses", daemon=True)
         self._responder.start()
@@ -120,6 +130,8 @@ class EngineLoop:
         `engine.make_request`, each with its sink. `client_id` (Triton's request id) lets a later
         `abort_client_id` find them. Raises QueueFull when `max_queue_size` requests already wait, and
         DuplicateClientId when requests under `client_id` are still in flight."""
+        if self._closed is not None:
+            raise ShuttingDown(self._closed)
         waiting = self.num_waiting()
         if waiting >= self.max_queue_size:
             raise QueueFull(f"the server is at capacity: {waiting} requests are waiting (max_queue_size="
@@ -141,6 +153,18 @@ class EngineLoop:
     def abort_client_id(self, client_id: str) -> None:
         """Abort every request submitted under `client_id` (a TRT-LLM-style stop request)."""
         self._inbox.put(AbortClient(client_id))
+
+    def shut_down(self, grace_s: float, reason: str = "the server is shutting down") -> None:
+        """Refuse new requests from now on (ShuttingDown), and after `grace_s` seconds abort whatever is still in
+        flight, so every request gets its final response (finish_reason abort) while the server still delivers it.
+        Returns at once."""
+        if self._closed is not None:
+            return
+        self._closed = f"{reason}; retry on another replica or after the restart"
+        log.warning("%s: refusing new requests, ending those in flight within %.1f s", reason, grace_s)
+        timer = threading.Timer(grace_s, lambda: self._inbox.put(AbortAll()))
+        timer.daemon = True
+        timer.start()
 
     def stop(self) -> None:
         """Abort everything in flight and end the threads."""
@@ -201,6 +225,9 @@ class EngineLoop:
                 self._sinks[msg.request.request_id] = msg.sink
             elif isinstance(msg, Abort):
                 self._abort(msg.request_id)
+            elif isinstance(msg, AbortAll):
+                for rid in list(self._sinks):
+                    self._abort(rid)
             elif isinstance(msg, AbortClient):
                 with self._clients_lock:
                     rids = list(self._client_ids.get(msg.client_id, ()))

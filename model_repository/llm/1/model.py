@@ -14,6 +14,7 @@ from trellm_backend.triton.llm import ResponsePlan, fan_out, parse_llm_inputs
 from trellm_backend.triton.metrics import MetricsReporter
 from trellm_backend.triton.parameters import model_parameters
 from trellm_backend.triton.responses import ResponseGroup, SequenceSink, fail, is_stop_request
+from trellm_backend.triton.shutdown import watch_server_shutdown
 from trellm_backend.triton.tokenization import load_tokenizer
 
 INPUTS = llm_tensor_names()
@@ -42,6 +43,10 @@ class TritonPythonModel:
         if self.metrics is not None:
             self.metrics.start(self.loop.stats)
         self.keys = itertools.count(1)
+        # On the server's stop: refuse new requests, end those in flight (finish_reason abort) within the grace.
+        self.end_shutdown_watch = watch_server_shutdown(
+            pb_utils, args["model_name"],
+            lambda how: self.loop.shut_down(config.shutdown_grace_s, f"tritonserver is stopping ({how})"))
 
     def execute(self, requests):
         for request in requests:
@@ -84,3 +89,4 @@ class TritonPythonModel:
         if self.metrics is not None:
             self.metrics.stop()
         self.loop.stop()
+        self.end_shutdown_watch()

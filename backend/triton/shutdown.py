@@ -1,0 +1,71 @@
+"""Notice, from inside a Python-backend model, that tritonserver has begun to stop.
+
+On SIGTERM tritonserver 2.51 waits up to its exit timeout for in-flight requests and then exits without telling
+the models: `finalize()` is not called while any response sender is alive, and a stream still running at that point
+is simply cut (an ensemble stream froze with no final response and no error). The model therefore watches for the
+stop itself, two ways:
+- SIGTERM to the server's process group (the launcher stops the server that way) reaches the stub, whose own C
+  handler ignores it; a Python handler with a wakeup fd turns it into a byte on a socket that a thread waits on.
+- `pb_utils.is_model_ready` raises once the server is exiting ("Server not ready"), whichever process got the
+  signal; a thread asks every `poll_s` seconds (an IPC round trip each time).
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+from typing import Callable
+
+log = logging.getLogger("trellm")
+
+
+def watch_server_shutdown(pb_utils, model_name: str, on_shutdown: Callable[[str], None],
+                          poll_s: float = 0.5) -> Callable[[], None]:
+    """Call `on_shutdown(how)` once, on a background thread, when the server starts stopping. Returns a function
+    that ends the watch (for finalize)."""
+    fired = threading.Event()
+    ended = threading.Event()
+
+    def fire(how: str) -> None:
+        if not fired.is_set() and not ended.is_set():
+            fired.set()
+            on_shutdown(how)
+
+    reader = writer = None
+    try:   # only the stub's main thread (initialize) may set signal handlers
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    except ValueError:
+        log.info("not on the main thread: the server's stop is noticed by polling only")
+        reader = None
+
+    def wait_for_signal() -> None:
+        try:
+            if reader.recv(1):
+                fire("SIGTERM")
+        except OSError:
+            pass
+
+    def poll_server() -> None:
+        while not ended.wait(poll_s):
+            try:
+                pb_utils.is_model_ready(model_name)
+            except Exception as e:     # the server is exiting (or gone)
+                fire(f"the server is stopping ({e})")
+                return
+
+    if reader is not None:
+        threading.Thread(target=wait_for_signal, name="trellm-sigterm", daemon=True).start()
+    threading.Thread(target=poll_server, name="trellm-shutdown-poll", daemon=True).start()
+
+    def end() -> None:
+        ended.set()
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:   # not the main thread: the fd stays set, its bytes unread, harmlessly
+            pass
+    end.sockets = (reader, writer)    # kept alive: a collected writer would close the wakeup fd under the handler
+    return end

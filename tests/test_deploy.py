@@ -42,7 +42,7 @@ def test_compose_file_validates_and_feeds_the_nginx_template():
     assert services["triton-replica"]["profiles"] == services["balancer"]["profiles"] == ["replicas"]
     for name in ("triton", "triton-replica"):
         s = services[name]
-        assert s["image"] == "trellm-tritonserver:24.10"
+        assert s["image"] == "trellm-tritonserver:26.09"
         assert s["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
         # Health is a real generate, and the launcher supervises the server (tests/test_launcher.py kills a stub).
         assert s["healthcheck"]["test"][:4] == ["CMD", "python3", "-m", "trellm_backend.tools.healthcheck"]
@@ -50,7 +50,7 @@ def test_compose_file_validates_and_feeds_the_nginx_template():
         assert s["restart"] == "unless-stopped" and s["init"] is True
         assert any(v.endswith(":/opt/trellm/model_repository:ro") for v in s["volumes"])
     with open(os.path.join(REPO, "Dockerfile")) as f:
-        assert f.readline().startswith("#") and "FROM nvcr.io/nvidia/tritonserver:24.10-py3" in f.read()
+        assert f.readline().startswith("#") and "FROM nvcr.io/nvidia/tritonserver:26.09-py3" in f.read()
     lb = services["balancer"]
     assert f"{NGINX_TEMPLATE}:/etc/nginx/templates/default.conf.template:ro" in lb["volumes"]
     with open(NGINX_TEMPLATE) as f:

@@ -1,0 +1,63 @@
+"""The soak (perf/soak.py) for 60 s, what CI runs: its own launcher and tritonserver, every kind of traffic, one llm
+stub killed halfway. Nothing may hang or stay allocated, every malformed request must be refused, and the server
+must come back. About 2 minutes on 2 quiet cores (server start and restart included)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.server
+
+
+def test_soak_for_a_minute(default_model_path, tmp_path):
+    out = tmp_path / "soak.json"
+    r = subprocess.run([sys.executable, os.path.join(REPO, "perf", "soak.py"), "--duration", "60",
+                        "--work-dir", str(tmp_path / "work"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    report = r.stdout[-8000:] + r.stderr[-3000:]
+    assert out.exists(), report
+    s = json.loads(out.read_text())
+    assert r.returncode == 0, report
+    assert s["passed"] and s["hung"] == 0, report
+    assert s["kv_blocks_at_idle"] and all(v == 0 for v in s["kv_blocks_at_idle"].values()), s["idle"]
+    assert all(idle["vllm:num_requests_running"] == 0 and idle["vllm:num_requests_waiting"] == 0
+               for idle in s["idle"].values()), s["idle"]
+    assert s["vllm_slots_at_idle"]["served"] == s["vllm_slots_at_idle"]["requests"], s["vllm_slots_at_idle"]
+
+    # Every kind of traffic happened, and did what it is for (a connection error during the restart does not count).
+    def served(outcomes):
+        return outcomes.get("ok", 0)
+
+    def refused_by_the_server(outcomes):
+        return sum(n for o, n in outcomes.items() if o.startswith("error") and "connect failed" not in o
+                   and "socket closed" not in o)
+    for category, kinds in s["kinds_planned"].items():
+        for kind in kinds:
+            outcomes = s["by_kind"].get(category, {}).get(kind, {})
+            if category == "malformed":
+                assert refused_by_the_server(outcomes) > 0, (kind, outcomes)
+            else:
+                assert served(outcomes) > 0, (category, kind, outcomes)
+    assert s["malformed"]["accepted"] == 0 and s["malformed"]["refused"] == s["malformed"]["requests"], s["malformed"]
+    assert s["overload"]["refused_at_capacity"] > 0 and s["overload"]["ok"] > 0, s["overload"]
+
+    # The stub kill: the streams inside it failed within seconds, and a generate answered again afterwards.
+    kill = s["kill"]
+    assert kill["inflight_streams"] and all(
+        st["outcome"].startswith("error") and st["ended_after_kill_s"] < 5 for st in kill["inflight_streams"].values()
+    ), kill
+    assert s["recovery_s"] is not None and s["recovery_s"] > 0, kill
+    assert any("stub of model 'llm'" in line for line in s["supervisor"]), s["supervisor"]
+
+    # Well-formed requests outside the restart succeeded, but for refusals at capacity during bursts.
+    wf = s["wellformed"]
+    assert wf["outside_restart"] > 50 and wf["ok_fraction"] >= 0.95, wf
+    assert s["ttft_ms"]["n"] > 20 and s["ttft_ms"]["p99"] is not None, s["ttft_ms"]
+    assert s["rss_mib"]["start"]["total"] > 0 and s["rss_mib"]["end"]["total"] > 0, s["rss_mib"]
+    assert s["processes_left"] == [], s["processes_left"]

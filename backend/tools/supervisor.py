@@ -3,8 +3,10 @@
 tritonserver 2.51 does not notice a Python-backend stub that dies (OOM killer, kill -9, a crash in native code): the
 stub stays an unreaped zombie, requests already inside it hang until their clients give up, every later request of
 that model fails with "Stub process ... is not healthy", and `/v2/health/ready` stays 200. Nothing in the server
-restarts it. A zombie stub is the one sure sign (an orderly unload kills and reaps its stub at once), so the
-supervisor looks for one among the server's children twice a second. On that sign, on the server's own exit (a
+restarts it. So the supervisor looks among the server's children twice a second for a zombie stub whose model is
+still READY in the repository index with no live stub left (an unload leaves a zombie too, but its model is no
+longer READY; a reload has started a new stub). A model with several instances that loses one is not seen this way;
+the generate probe covers it. On that sign, on the server's own exit (a
 crash), or on a failed generate probe (opt-in: `probe_interval`), it kills the server's process group, which ends
 every open stream with a connection error at once, and starts the server again with the models that were loaded,
 at once the first time and after 1, 2, 4 ... 30 s when restarts follow each other closely.
@@ -96,9 +98,19 @@ class Supervisor:
         zombies = {pid for pid, (state, _) in children.items() if state == "Z" and pid in self._stub_models}
         self._zombie_seen = {pid: self._zombie_seen.get(pid, 0) + 1 for pid in zombies}
         self._stub_models = {pid: m for pid, m in self._stub_models.items() if pid in children}
-        for pid, seen in self._zombie_seen.items():
-            if seen >= 2:       # not a stub the server is reaping this instant
-                return f"the Python-backend stub of model '{self._stub_models[pid]}' (pid {pid}) died"
+        live = {model for state, model in children.values() if model and state != "Z"}
+        suspects = {pid for pid, seen in self._zombie_seen.items()
+                    if seen >= 2 and self._stub_models[pid] not in live}
+        if suspects:
+            # An unload also leaves its stub unreaped for a while, and a reload starts a new one: only a model that is
+            # still READY with no live stub has lost it.
+            try:
+                ready = set(ready_models(self.server.http_url))
+            except (urllib.error.URLError, OSError, ValueError):
+                ready = set()
+            for pid in sorted(suspects):
+                if self._stub_models[pid] in ready:
+                    return f"the Python-backend stub of model '{self._stub_models[pid]}' (pid {pid}) died"
         if self.probe_interval > 0 and time.monotonic() >= self._next_probe:
             self._next_probe = time.monotonic() + self.probe_interval
             problem = generate_probe(self.server.http_url, self.probe_model, timeout=max(self.probe_interval, 5.0))

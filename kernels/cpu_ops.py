@@ -14,6 +14,7 @@ import logging
 import os
 import platform
 import sys
+import time
 
 log = logging.getLogger("trellm")
 
@@ -45,9 +46,30 @@ def build_dir() -> str:
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
+    # The build files name the sources by path: two checkouts sharing one folder would rebuild each other's build.
+    h.update(_CPU_DIR.encode())
     root = os.environ.get("TRELLM_CPU_OPS_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "trellm", "cpu_ops")
     return os.path.join(root, h.hexdigest()[:16])
+
+
+# A build takes under a minute; a lock file older than this was left by a build that was killed, and torch's
+# cpp_extension would wait on it forever (every model load with it).
+STALE_LOCK_S = 600
+
+
+def remove_stale_lock(path: str) -> None:
+    lock = os.path.join(path, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        try:
+            os.remove(lock)
+        except OSError:
+            pass
 
 
 def load(verbose: bool = False):
@@ -63,6 +85,7 @@ def load(verbose: bool = False):
         from torch.utils.cpp_extension import load as load_extension
         path = build_dir()
         os.makedirs(path, exist_ok=True)
+        remove_stale_lock(path)
         _module = load_extension(name="trellm_cpu_ops", sources=SOURCES, extra_cflags=CFLAGS,
                                  build_directory=path, verbose=verbose)
     except Exception as e:  # no compiler, no ninja, a read-only cache: all mean "use the PyTorch path"

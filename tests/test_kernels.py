@@ -529,3 +529,17 @@ def test_cpu_dispatch_uses_the_layer_operators(monkeypatch):
     kv_cache.write_kv(k, k, cache[0], cache[1], torch.arange(5, dtype=torch.int32))
     assert torch.equal(cache[0].view(-1, 2, 16)[:5], k)
     assert called == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary", "write_kv"]
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path):
+    """torch's cpp_extension waits forever on its lock file; one older than any build is a killed build's."""
+    import os
+    import time
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    cpu_ops.remove_stale_lock(str(tmp_path))
+    assert lock.exists(), "a build in progress keeps its lock"
+    old = time.time() - cpu_ops.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    cpu_ops.remove_stale_lock(str(tmp_path))
+    assert not lock.exists()

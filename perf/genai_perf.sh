@@ -17,15 +17,16 @@
 # by a few (BPE merges across token boundaries); add `--extra-inputs return_num_output_tokens:true` to have the
 # server's own count in perf/out/genai_perf/<model>/*/profile_export.json. perf_analyzer 2.51 writes stale bytes
 # there for declared outputs a response lacks; one that reads as a NaN float leaves the file empty and genai-perf
-# fails ("Failed to parse JSON string: ''"): `--extra-inputs return_log_probs:true` (ensemble) or
-# `--extra-inputs return_cumulative_logprob:true` (vllm_model) has the server send its float outputs and avoids it.
+# fails ("Failed to parse JSON string: ''"), a few runs in a hundred. So this script asks for the float outputs
+# (`return_log_probs` for the ensemble, `return_cumulative_logprob` for vllm_model): the server then sends them and
+# perf_analyzer reads real values (the cost: one log-softmax per token in the sampler).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-ensemble}; URL=${2:-localhost:8001}
 shift $(( $# < 2 ? $# : 2 ))
 case "$MODEL" in
-  ensemble) BACKEND=tensorrtllm ;;
-  vllm_model) BACKEND=vllm ;;
+  ensemble) BACKEND=tensorrtllm; FLOATS=return_log_probs:true ;;
+  vllm_model) BACKEND=vllm; FLOATS=return_cumulative_logprob:true ;;
   *) echo "unknown entry point $MODEL (ensemble or vllm_model)" >&2; exit 2 ;;
 esac
 WITH_GENAI_PERF=1 bash scripts/setup.sh >/dev/null
@@ -38,4 +39,4 @@ export HF_HUB_OFFLINE=1   # the tokenizer is a local folder
   --server-metrics-url "${METRICS_URL:-http://${URL%:*}:8002/metrics}" \
   --synthetic-input-tokens-mean 128 --synthetic-input-tokens-stddev 0 --output-tokens-mean 64 \
   --output-tokens-mean-deterministic --random-seed 0 --concurrency 4 --request-count 32 --warmup-request-count 4 \
-  --artifact-dir "perf/out/genai_perf/$MODEL" "$@"
+  --extra-inputs "$FLOATS" --artifact-dir "perf/out/genai_perf/$MODEL" "$@"

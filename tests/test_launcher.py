@@ -65,8 +65,22 @@ def test_sigterm_stops_server_and_stubs(default_model_path, tmp_path):
         assert launcher.wait(timeout=60) == 0
         assert processes_mentioning(str(repo)) == []
     finally:
-        if launcher.poll() is None:
+        stop_launcher(launcher, str(repo))
+
+
+def stop_launcher(launcher: subprocess.Popen, repo: str) -> None:
+    """After a failed test too: SIGTERM (the launcher stops its server), then kill whatever is left of the repo's."""
+    if launcher.poll() is None:
+        launcher.send_signal(signal.SIGTERM)
+        try:
+            launcher.wait(timeout=60)
+        except subprocess.TimeoutExpired:
             launcher.kill()
+    for pid in processes_mentioning(repo):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _post(url: str) -> int:
@@ -178,8 +192,7 @@ def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_t
         assert "supervisor: the Python-backend stub of model 'llm'" in err and "ready again after" in err, err
         assert "supervisor: tritonserver exited with code -11" in err, err
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
+        stop_launcher(launcher, str(repo))
 
 
 def test_healthcheck_fails_by_name_where_nothing_generates():

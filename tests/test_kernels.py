@@ -543,3 +543,35 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path):
     os.utime(lock, (old, old))
     cpu_ops.remove_stale_lock(str(tmp_path))
     assert not lock.exists()
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("tokens, out_f, in_f", [(1, 96, 80), (5, 100, 130), (33, 64, 8)])
+def test_int8_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype, tokens, out_f, in_f):
+    g = torch.Generator().manual_seed(1)
+    w, b = randn(g, out_f, in_f, dtype=dtype), randn(g, out_f, dtype=dtype)
+    q = linear.prepare_weight(w, "int8")
+    assert q.qweight.dtype == torch.int8 and q.dense is None and q.prepared is None   # one copy: int8
+    # Per-row INT8 keeps each weight within half a step of its row's scale.
+    assert (q.tensor().float() - w.float()).abs().max() <= q.scales.float().max() / 2 + 1e-2
+    x = randn(g, tokens, in_f, dtype=dtype)
+    from trellm_kernels import triton_linear
+
+    def near(actual, expected):
+        # fp16/bf16: the reference rounds each dequantized weight to the dtype, the kernels keep q and the scale
+        # exact, so both are compared with the fp32 product at the dtype's precision of the output's magnitude.
+        assert actual.dtype == dtype and actual.shape == expected.shape
+        atol = TOL[dtype]["atol"] * max(1.0, expected.abs().max().item())
+        torch.testing.assert_close(actual.float(), expected, atol=atol, rtol=TOL[dtype]["rtol"])
+
+    w32 = q.qweight.float() * q.scales.float()[:, None]
+    for bias in (None, b):
+        expected = torch.nn.functional.linear(x.float(), w32, None if bias is None else bias.float())
+        near(triton_linear.int8_linear_triton(x, q.qweight, q.scales, bias), expected)
+        if dtype != F16:      # torch's CPU int8 GEMM takes fp32 and bf16 activations
+            near(linear.linear(x, q, bias), expected)
+
+
+def test_quantization_is_checked():
+    with pytest.raises(ValueError, match="quantization='int4' is not one of none, int8"):
+        linear.prepare_weight(torch.zeros(2, 2), "int4")

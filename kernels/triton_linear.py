@@ -1,0 +1,62 @@
+"""Triton weight-only INT8 linear: y = x (q * scale)^T + b, with q [out, in] int8 and one scale per output row.
+
+Grid: one program per (BLOCK_M rows of x) x (BLOCK_N output features). Each K step loads a [BLOCK_M, BLOCK_K] tile
+of x and a [BLOCK_K, BLOCK_N] tile of q (transposed by its strides), converts q to the activation dtype in
+registers (exact: |q| <= 127; fp16/bf16 then use the tensor cores) and accumulates in fp32 (fp32 activations: exact
+products, no TF32; bf16 under the CPU interpreter: fp32 operands, as the attention kernel does); the per-row scale
+multiplies the finished accumulator once,
+so the weight is read from memory as one byte per element and never expanded in memory. Decode steps are
+memory-bound, which is where the halved (bf16) or quartered (fp32) weight bytes pay.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _int8_linear_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_qn, s_ym,
+                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * s_xm + kk[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        q = tl.load(q_ptr + rn[None, :].to(tl.int64) * s_qn + kk[:, None],
+                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
+        if UPCAST:
+            acc += tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision=PREC)
+        else:
+            acc += tl.dot(x, q.to(x.dtype), input_precision=PREC)
+    scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    acc = acc * scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * s_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def int8_linear_triton(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] (any float dtype), q [out, in] int8, scales [out] -> [..., out] in x's dtype."""
+    K = x.shape[-1]
+    N = q.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    BLOCK_M = 16 if M <= 16 else 64
+    BLOCK_N, BLOCK_K = 64, 64
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    upcast = x.dtype == torch.bfloat16 and not isinstance(_int8_linear_kernel, triton.runtime.JITFunction)
+    _int8_linear_kernel[grid](x2, q, scales, bias if bias is not None else scales, y, M, N, K,
+                              x2.stride(0), q.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+                              BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PREC=prec, UPCAST=upcast)
+    return y.reshape(*x.shape[:-1], N)

@@ -38,11 +38,13 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool size (default: the engine's)")
     ap.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
+    ap.add_argument("--quantization", default=None, help="the llm parameter: none or int8 (default: the engine's)")
     ap.add_argument("--profile-step", action="store_true", help="profile one decode step of the whole batch")
     ap.add_argument("--anchor", action="store_true", help="the anchor profile's requests, time by step kind")
     args = ap.parse_args()
 
-    extra = {k: v for k, v in (("kv_cache_bytes", args.kv_cache_bytes), ("block_size", args.block_size)) if v is not None}
+    extra = {k: v for k, v in (("kv_cache_bytes", args.kv_cache_bytes), ("block_size", args.block_size),
+                               ("quantization", args.quantization)) if v is not None}
     engine = LLMEngine(EngineConfig(model_path=args.model, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens, **extra))
     vocab = engine.model_config.vocab_size

@@ -69,8 +69,13 @@ def larger_than_memory(folder):
         "config.pbtxt: the model does not fit in memory", f"KV cache {1 << 45} bytes", "MemAvailable in /proc/meminfo"]
 
 
+def unsupported_quantization(folder):
+    return {"quantization": "int4"}, ["config.pbtxt: quantization='int4' is not one of none, int8"]
+
+
 CASES = [missing_weights, truncated_weights, unsupported_architecture, tokenizer_larger_than_vocabulary,
-         missing_tokenizer, kv_budget_below_one_sequence, negative_block_size, larger_than_memory]
+         missing_tokenizer, kv_budget_below_one_sequence, negative_block_size, larger_than_memory,
+         unsupported_quantization]
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ class EngineConfig:
     model_path: str
     device: str = "auto"                  # auto: cuda when available, else cpu
     dtype: str = "auto"                   # auto: the checkpoint's dtype on GPU, float32 on CPU
+    quantization: str = "none"            # int8: weight-only INT8 of the layers' linears (kernels/linear.py)
     block_size: int = 0                   # tokens per KV block; 0: 128 on CPU, 16 on CUDA (limits.resolve_block_size)
     kv_cache_bytes: int = 512 << 20       # KV pool on CPU
     gpu_memory_utilization: float = 0.9   # KV pool on GPU: this fraction of the memory free after loading weights

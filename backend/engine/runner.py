@@ -28,7 +28,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_ops.load()   # build or load the C++ operators now, at model load, never on a request
         state = load_state_dict(model_cfg.path, self.dtype)
-        self.model = LlamaModel(model_cfg, state, self.device, self.dtype, max_model_len)
+        self.model = LlamaModel(model_cfg, state, self.device, self.dtype, max_model_len, cfg.quantization)
         self.block_size = cfg.block_size
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = torch.zeros(model_cfg.num_layers, 2, self.num_blocks, self.block_size,

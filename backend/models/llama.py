@@ -52,7 +52,9 @@ class LlamaModel:
     """Weights and forward. Not an nn.Module: there is nothing to train, and plain tensors keep it explicit."""
 
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 max_positions: int):
+                 max_positions: int, quantization: str = "none"):
+        """`quantization` applies to the layers' linears; the embedding and the LM head keep the dtype (as GPTQ and
+        AWQ checkpoints do: logits are the most sensitive)."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -69,6 +71,9 @@ class LlamaModel:
         def cat(*ts):
             return None if any(t is None for t in ts) else torch.cat(ts, dim=0).contiguous()
 
+        def quantized(w: torch.Tensor):
+            return prepare_weight(w, quantization)
+
         self.embed = take("model.embed_tokens.weight")
         if self.embed.shape != (cfg.vocab_size, cfg.hidden_size):
             raise ModelConfigError(f"{source}: model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
@@ -80,18 +85,18 @@ class LlamaModel:
             qkv_bias = cfg.qkv_bias
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=prepare_weight(cat(take(a + "q_proj.weight"), take(a + "k_proj.weight"),
-                                       take(a + "v_proj.weight"))),
+                qkv=quantized(cat(take(a + "q_proj.weight"), take(a + "k_proj.weight"),
+                                  take(a + "v_proj.weight"))),
                 qkv_bias=cat(take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias"))
                 if qkv_bias else None,
-                o=prepare_weight(take(a + "o_proj.weight")),
+                o=quantized(take(a + "o_proj.weight")),
                 o_bias=take(a + "o_proj.bias") if cfg.o_bias else None,
                 q_norm=take(a + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=take(a + "k_norm.weight") if cfg.qk_norm else None,
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=prepare_weight(cat(take(m + "gate_proj.weight"), take(m + "up_proj.weight"))),
+                gate_up=quantized(cat(take(m + "gate_proj.weight"), take(m + "up_proj.weight"))),
                 gate_up_bias=cat(take(m + "gate_proj.bias"), take(m + "up_proj.bias")) if cfg.mlp_bias else None,
-                down=prepare_weight(take(m + "down_proj.weight")),
+                down=quantized(take(m + "down_proj.weight")),
                 down_bias=take(m + "down_proj.bias") if cfg.mlp_bias else None,
             ))
         self.norm = take("model.norm.weight")

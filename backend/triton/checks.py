@@ -20,6 +20,7 @@ from trellm_backend.models.config import ModelConfig, ModelConfigError, load_mod
 from trellm_backend.engine.limits import (context_limit, kv_budget, kv_bytes_per_block, resolve_block_size,
                                          resolve_device_dtype)
 from trellm_backend.triton.parameters import resolve_model_path
+from trellm_kernels.linear import QUANTIZATIONS
 from trellm_backend.models.weights import safetensors_files, tensor_shapes
 
 # One of these must exist for AutoTokenizer to build the model's tokenizer.
@@ -48,6 +49,9 @@ def check_model(cfg: EngineConfig, config_file: str) -> ModelConfig:
     mc = load_model_config(cfg.model_path)            # architecture and config.json values
     check_tokenizer(mc)
     device, dtype = resolve_device_dtype(cfg, mc)
+    if cfg.quantization not in QUANTIZATIONS:
+        raise ModelConfigError(f"{config_file}: quantization={cfg.quantization!r} is not one of "
+                               f"{', '.join(QUANTIZATIONS)}")
     try:
         cfg = dataclasses.replace(cfg, block_size=resolve_block_size(cfg, device))
     except ValueError as e:

@@ -19,7 +19,8 @@ import time
 log = logging.getLogger("trellm")
 
 _CPU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
-SOURCES = [os.path.join(_CPU_DIR, name) for name in ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp")]
+SOURCES = [os.path.join(_CPU_DIR, name) for name in ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp",
+                                                   "int8_linear.cpp")]
 HEADERS = [os.path.join(_CPU_DIR, "vec_math.h")]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp-simd"]
 _module = None

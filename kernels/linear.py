@@ -7,7 +7,9 @@ slower for large prefill chunks (perf/RESULTS.md, "Linear layers"). bf16 `linear
 
 Weight-only INT8 (`quantization="int8"`): each output row of W is scaled by its largest magnitude / 127 and rounded
 to int8 at load, so a decode step reads a quarter of the fp32 bytes. The reference dequantizes and multiplies; CUDA
-runs the Triton kernel (triton_linear.py), a CPU torch's `_weight_int8pack_mm`.
+runs the Triton kernel (triton_linear.py); a CPU the C++ operator (cpu/int8_linear.cpp) on fp32 activations, with the
+rows packed in blocks of 8 at load. (torch's own `_weight_int8pack_mm` was slower than fp32 oneDNN: 0.45-0.64x for
+one token; its bf16 form crashed on rows not a multiple of its vector.)
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
 
 
@@ -28,13 +31,18 @@ class Weight:
     double the memory of every linear layer), or as int8 rows with one scale each."""
     dense: torch.Tensor | None
     prepared: torch.Tensor | None = None   # oneDNN's layout on a CPU
-    qweight: torch.Tensor | None = None    # int8 [out, in]
+    qweight: torch.Tensor | None = None    # int8 [out, in], or packed [out/8, in/16, 8, 16] for the CPU operator
     scales: torch.Tensor | None = None     # [out], in the activations' dtype: W ~= qweight * scales[:, None]
+
+    def int8_rows(self) -> torch.Tensor:
+        """qweight as [out, in] rows (a copy when it is held packed)."""
+        q = self.qweight
+        return q if q.dim() == 2 else q.permute(0, 2, 1, 3).reshape(q.shape[0] * 8, q.shape[1] * 16)
 
     def tensor(self) -> torch.Tensor:
         """The weight as a dense [out, in] tensor (a copy when only the prepared or quantized form is held)."""
         if self.qweight is not None:
-            return (self.qweight.to(torch.float32) * self.scales.to(torch.float32)[:, None]).to(self.scales.dtype)
+            return (self.int8_rows().to(torch.float32) * self.scales.to(torch.float32)[:, None]).to(self.scales.dtype)
         return self.dense if self.dense is not None else self.prepared.to_dense()
 
 
@@ -43,6 +51,9 @@ def quantize_int8(w: torch.Tensor) -> Weight:
     amax = w.detach().float().abs().amax(dim=1)
     scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w.float() / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    out_f, in_f = q.shape
+    if w.device.type == "cpu" and w.dtype == torch.float32 and out_f % 8 == 0 and in_f % 16 == 0:
+        q = q.view(out_f // 8, 8, in_f // 16, 16).permute(0, 2, 1, 3).contiguous()   # the CPU operator's blocks
     return Weight(None, qweight=q, scales=scales.to(w.dtype).contiguous())
 
 
@@ -81,12 +92,12 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
 def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if use_triton(x):
         from trellm_kernels.triton_linear import int8_linear_triton
-        return int8_linear_triton(x, w.qweight, w.scales, bias)
-    K = x.shape[-1]
-    if x.device.type == "cpu" and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and K % 64 == 0)):
-        # int8 x float rows, converted in registers; one GEMM for all tokens. (torch 2.13's bf16 kernel reads past
-        # rows whose length is not a multiple of its vector: it crashed at 130 and 40 and returned inf at 130.)
-        y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), w.qweight, w.scales)
-        y = y.reshape(*x.shape[:-1], w.qweight.shape[0])
+        return int8_linear_triton(x, w.int8_rows(), w.scales, bias)
+    ops = cpu_ops.for_tensor(x)
+    if ops is not None and w.qweight.dim() == 4 and x.dtype == torch.float32:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y = torch.empty(x2.shape[0], w.scales.shape[0], dtype=x.dtype)
+        ops.int8_linear(y, x2, w.qweight, w.scales)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
     return linear_reference(x, w, bias)

@@ -10,6 +10,7 @@ void fused_add_rms_norm_cpu(torch::Tensor out, torch::Tensor res_out, torch::Ten
                             torch::Tensor weight, double eps);
 void rotary_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos_sin);
 void silu_and_mul_cpu(torch::Tensor out, torch::Tensor x);
+void int8_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, torch::Tensor scales);
 void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor slot_mapping);
 
@@ -22,5 +23,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil);
   m.def("rotary", &rotary_cpu, "in place rotate-half rotary embedding of q and k", no_gil);
   m.def("silu_and_mul", &silu_and_mul_cpu, "out = silu(gate) * up", no_gil);
+  m.def("int8_linear", &int8_linear_cpu, "y = x (q * scales)^T with q int8 packed [N/8, K/16, 8, 16]", no_gil);
   m.def("write_kv", &write_kv_cpu, "store k and v at their slots of the paged caches", no_gil);
 }

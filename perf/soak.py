@@ -214,24 +214,30 @@ def server_rss(repo: str, exclude: set[int]) -> dict[str, float]:
 SHM_REGION = re.compile(rb"triton_python_backend_shm_region_[0-9a-f-]+")
 
 
-def stub_shm_regions(repo: str) -> set[str]:
-    """Names of the /dev/shm regions that the Python-backend stubs serving `repo` were started with."""
-    names = set()
+def stub_shm_regions(repo: str) -> dict[str, str]:
+    """{name: "server PID, MODEL"} of the /dev/shm regions that the Python-backend stubs serving `repo` were started
+    with (a stub's command line: `<stub> <repository>/<model>/1/model.py <region> <size> <growth> <server pid> ...`)."""
+    regions = {}
     for pid in processes_mentioning(repo):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                names.update(m.decode() for m in SHM_REGION.findall(f.read()))
+                argv = f.read().split(b"\0")
         except OSError:
-            pass
-    return names
+            continue
+        for i, arg in enumerate(argv):
+            if SHM_REGION.fullmatch(arg):
+                model = os.path.basename(os.path.dirname(os.path.dirname(argv[1].decode(errors="replace"))))
+                server = argv[i + 3].decode() if len(argv) > i + 3 else "?"
+                regions[arg.decode()] = f"server {server}, {model}"
+    return regions
 
 
-def shm_left(names: set[str]) -> dict[str, int]:
-    """Which of these regions still exist in /dev/shm, with their sizes."""
+def shm_left(regions: dict[str, str]) -> dict[str, str]:
+    """Which of these regions still exist in /dev/shm: {name: "server PID, MODEL: N MiB"}."""
     out = {}
-    for name in sorted(names):
+    for name, owner in sorted(regions.items(), key=lambda x: x[1]):
         try:
-            out[name] = os.path.getsize(os.path.join("/dev/shm", name))
+            out[name] = f"{owner}: {os.path.getsize(os.path.join('/dev/shm', name)) / 2**20:.0f} MiB"
         except OSError:
             pass
     return out
@@ -398,8 +404,8 @@ class Soak:
         self.kill: dict = {}
         self.rss: dict[str, dict] = {}
         self.rss_timeline: list[dict] = []      # {"t": s, "total": MiB, per process: MiB} every --rss-every s
-        self.shm_regions: set[str] = set()                      # named by the stubs of every server of this run
-        self.shm_left: dict[str, int] = {}
+        self.shm_regions: dict[str, str] = {}   # named by the stubs of every server of this run: their owners
+        self.shm_left: dict[str, str] = {}
         self.idle: dict[str, dict] = {}
 
     # bookkeeping
@@ -1009,7 +1015,7 @@ class Soak:
         while not self.stop.wait(self.args.rss_every):
             self.rss_timeline.append({"t": round(self.now(), 1),
                                       **server_rss(self.server.repo, {self.server.proc.pid})})
-            self.shm_regions |= stub_shm_regions(self.server.repo)
+            self.shm_regions.update(stub_shm_regions(self.server.repo))
 
     def wait_idle(self, timeout: float) -> dict:
         """Poll the engine's gauges until KV blocks, running and waiting requests are all 0."""
@@ -1045,7 +1051,7 @@ class Soak:
         k["drained"] = self.wait_no_inflight(self.args.deadline + 10)
         self.idle["before_kill"] = self.wait_idle(self.args.idle_timeout)
         self.rss["before_kill"] = server_rss(self.server.repo, {self.server.proc.pid})
-        self.shm_regions |= stub_shm_regions(self.server.repo)
+        self.shm_regions.update(stub_shm_regions(self.server.repo))
         self.pause.clear()
         streams = {"ensemble": lambda: self.grpc_stream(self.ensemble, ensemble_inputs(
                        "Once upon a time", max_tokens=2000, min_tokens=2000, stream=True), deadline=self.args.deadline),
@@ -1097,7 +1103,7 @@ class Soak:
         self.down.clear()
         if "recovered_after_s" in k:
             self.rss["after_recovery"] = server_rss(self.server.repo, {self.server.proc.pid})
-            self.shm_regions |= stub_shm_regions(self.server.repo)
+            self.shm_regions.update(stub_shm_regions(self.server.repo))
 
     def run(self) -> None:
         self.t0 = time.monotonic()
@@ -1126,7 +1132,7 @@ class Soak:
     def final_checks(self) -> None:
         self.idle["end"] = self.wait_idle(self.args.idle_timeout)
         self.rss["end"] = server_rss(self.server.repo, {self.server.proc.pid})
-        self.shm_regions |= stub_shm_regions(self.server.repo)
+        self.shm_regions.update(stub_shm_regions(self.server.repo))
         if self.vllm:
             slots = int(config_parameter(self.server.repo, self.vllm, "max_concurrent_requests") or 256)
             n = len(self.records)
@@ -1192,7 +1198,7 @@ def summarize(soak: Soak, args, startup: dict, launcher: Launcher, left_processe
             unexpected.append(f"idle {name} only after {idle['after_s']} s")
     if soak.shm_left:
         unexpected.append(f"{len(soak.shm_left)} of the {len(soak.shm_regions)} /dev/shm regions of this run's stubs "
-                          f"are still there after the launcher stopped ({sum(soak.shm_left.values()) / 2**20:.0f} MiB)")
+                          f"are still there after the launcher stopped: {'; '.join(soak.shm_left.values())}")
 
     try:
         with open(launcher.log, errors="replace") as f:
@@ -1476,7 +1482,7 @@ def main(argv=None) -> int:
             if res.outcome != "ok":
                 print(f"warm-up {name}: {res.outcome} {res.message}", file=sys.stderr, flush=True)
         soak.rss["start"] = server_rss(repo, {launcher.proc.pid})
-        soak.shm_regions |= stub_shm_regions(repo)
+        soak.shm_regions.update(stub_shm_regions(repo))
         print(f"soak: server ready after {startup_s:.1f} s; {args.duration:.0f} s of traffic begins", flush=True)
         soak.run()
         soak.final_checks()

@@ -53,7 +53,10 @@ def test_soak_for_a_minute(default_model_path, tmp_path):
         st["outcome"].startswith("error") and st["ended_after_kill_s"] < 5 for st in kill["inflight_streams"].values()
     ), kill
     assert s["recovery_s"] is not None and s["recovery_s"] > 0, kill
-    assert any("stub of model 'llm'" in line for line in s["supervisor"]), s["supervisor"]
+    # The supervisor's reason: the dead stub, or tritonserver's own exit when 2.51 aborts first (it sometimes does,
+    # with boost::interprocess::lock_exception, on a stub killed while holding a shared-memory lock).
+    assert any("restarting tritonserver" in line for line in s["supervisor"]) and any(
+        "ready again" in line for line in s["supervisor"]), s["supervisor"]
 
     # Well-formed requests outside the restart succeeded, but for refusals at capacity during bursts.
     wf = s["wellformed"]

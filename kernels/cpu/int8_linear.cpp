@@ -11,6 +11,9 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "vec_math.h"
 
@@ -26,6 +29,28 @@ inline float fold(v16 v) {
 }
 
 // Rows R0 .. R0+R-1 of the 8-row block `blk` (first row n0) for MT tokens of x.
+#if defined(__AVX512F__)
+template <int MT, int R, int R0>
+inline void block_rows(const float* x, int64_t K, const int8_t* blk, const float* scales, float* y, int64_t N,
+                       int64_t n0) {
+  __m512 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t kc = 0; kc < K / 16; ++kc) {
+    const int8_t* p = blk + kc * 128 + R0 * 16;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kc * 128 + 1024), _MM_HINT_T0);
+    __m512 xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_ps(x + m * K + kc * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + r * 16))));
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(w, xv[m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) y[m * N + n0 + R0 + r] = _mm512_reduce_add_ps(acc[r][m]) * scales[n0 + R0 + r];
+}
+#else   // portable: GCC/Clang vector types (slower; AVX-512 hosts take the branch above)
 template <int MT, int R, int R0>
 inline void block_rows(const float* x, int64_t K, const int8_t* blk, const float* scales, float* y, int64_t N,
                        int64_t n0) {
@@ -34,19 +59,19 @@ inline void block_rows(const float* x, int64_t K, const int8_t* blk, const float
     for (int m = 0; m < MT; ++m) acc[r][m] = v16{};
   for (int64_t kc = 0; kc < K / 16; ++kc) {
     const int8_t* p = blk + kc * 128 + R0 * 16;
-    __builtin_prefetch(blk + kc * 128 + 1024);
     v16 xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = trellm::load16(x + m * K + kc * 16);
     for (int r = 0; r < R; ++r) {
       v16i8 q;
       std::memcpy(&q, p + r * 16, sizeof(q));
-      const v16 w = __builtin_convertvector(q, v16);
+      const v16 w = __builtin_convertvector(__builtin_convertvector(q, trellm::vi16), v16);
       for (int m = 0; m < MT; ++m) acc[r][m] += w * xv[m];
     }
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) y[m * N + n0 + R0 + r] = fold(acc[r][m]) * scales[n0 + R0 + r];
 }
+#endif
 
 }  // namespace
 

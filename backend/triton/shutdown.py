@@ -7,7 +7,8 @@ stop itself, two ways:
 - SIGTERM to the server's process group (the launcher stops the server that way) reaches the stub, whose own C
   handler ignores it; a Python handler with a wakeup fd turns it into a byte on a socket that a thread waits on.
 - `pb_utils.is_model_ready` raises once the server is exiting ("Server not ready"), whichever process got the
-  signal; a thread asks every `poll_s` seconds (an IPC round trip each time).
+  signal; a thread asks every `poll_s` seconds (an IPC round trip each time). It raises the same way while the
+  server is still loading other models, so only a failure after a first answer counts.
 """
 from __future__ import annotations
 
@@ -50,12 +51,17 @@ def watch_server_shutdown(pb_utils, model_name: str, on_shutdown: Callable[[str]
             pass
 
     def poll_server() -> None:
+        # While other models are still loading the server is not ready either, and says so the same way: only a
+        # failure after the server has once answered means it is stopping.
+        answered = False
         while not ended.wait(poll_s):
             try:
                 pb_utils.is_model_ready(model_name)
+                answered = True
             except Exception as e:     # the server is exiting (or gone)
-                fire(f"the server is stopping ({e})")
-                return
+                if answered:
+                    fire(f"the server is stopping ({e})")
+                    return
 
     if reader is not None:
         threading.Thread(target=wait_for_signal, name="trellm-sigterm", daemon=True).start()

@@ -82,9 +82,15 @@ class TritonPythonModel:
         remaining = spec.values.get("n", 1)
         prefix = spec.prompt if spec.echo_prompt else ""
         try:
-            for response in llm_request.exec(decoupled=True):
+            responses = llm_request.exec(decoupled=True)
+            for response in responses:
                 if sender.is_cancelled():
                     self._stop(request_id)
+                    # Read llm's stream to its end (the abort ends it within a step) before the client's FINAL: on
+                    # 2.51 a stream left unread keeps its shared memory (53 MiB after 4,000 cancels, perf/soak.py),
+                    # and reading it after the FINAL crashed the stub.
+                    for _ in responses:
+                        pass
                     sender.send(flags=FINAL)
                     return
                 if response.has_error():   # llm's refusal or failure, with its code (UNAVAILABLE when full)

@@ -90,7 +90,7 @@ def _input(name, value, dtype, triton_type):
 
 def _words(name, words):
     i = grpcclient.InferInput(name, [1, len(words)], "BYTES")
-    i.set_data_from_numpy(np.array([[w.encode() for w in words]], dtype=np.object_))
+    i.set_data_from_numpy(np.array([[w if isinstance(w, bytes) else w.encode() for w in words]], dtype=np.object_))
     return i
 
 
@@ -119,6 +119,7 @@ def _text(prompt):
     (lambda: [_text("hello"), _input("seed", 1, np.uint64, "UINT64"), _input("random_seed", 2, np.uint64, "UINT64")],
      "aliases"),
     (lambda: [_text("hello"), _words("bad_words", ["w"] * 1025)], "bad_words has 1025 entries; at most 1024"),
+    (lambda: [_text("hello"), _words("bad_words", [b"\xff"])], "bad_words is not valid UTF-8"),
     (lambda: [_text("hello"), _words("stop_words", ["w"] * 65)], "stop_words / stop has 65 entries; at most 64"),
     (lambda: [_input("messages", b"[{\"role\": \"user\"}]", np.object_, "BYTES")], "messages[0]"),
     (lambda: [_input("messages", b"not json", np.object_, "BYTES")], "messages is not valid JSON"),

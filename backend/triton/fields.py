@@ -14,6 +14,7 @@ import numpy as np
 
 from trellm_backend.engine.config import parse_bool
 from trellm_backend.engine.request import I32_MAX, LIST_LIMITS, Bounds, SamplingParams
+from trellm_backend.triton.tokenization import decode_utf8
 
 TRITON_TYPES = {"int": "TYPE_INT32", "uint": "TYPE_UINT64", "float": "TYPE_FP32", "bool": "TYPE_BOOL",
                 "str_list": "TYPE_STRING", "int_list": "TYPE_INT32"}
@@ -158,7 +159,7 @@ def _tensor_value(f: Field, shown: str, arr: np.ndarray):
     if f.kind == "str_list":
         if a.dtype != np.object_ and a.dtype.kind not in "SU":
             raise ValueError(f"{shown} must be a STRING tensor, got {a.dtype}")
-        words = [w.decode("utf-8") if isinstance(w, bytes) else str(w) for w in a.reshape(-1)]
+        words = [decode_utf8(w, shown) for w in a.reshape(-1)]
         return [w for w in words if w]
     ok = {"int": np.issubdtype(a.dtype, np.integer), "uint": np.issubdtype(a.dtype, np.integer),
           "int_list": np.issubdtype(a.dtype, np.integer), "float": np.issubdtype(a.dtype, np.floating),

@@ -118,7 +118,7 @@ def test_vllm_model_passes_llm_refusals_on(triton_server):
     """A refusal made by llm (here: a prompt longer than the context) reaches the vllm_model client by its own
     message, not as a failure of vllm_model."""
     with pytest.raises(urllib.error.HTTPError) as e:
-        http_generate(triton_server.http_url, "import os. " * 6000, model="vllm_model",
+        http_generate(triton_server.http_url, "import os. " * 4000, model="vllm_model",
                       sampling_parameters='{"max_tokens": 4}')
     error = json.loads(e.value.read())["error"]
     assert e.value.code == 400 and "max_model_len" in error and "vllm_model:" not in error, error

@@ -108,7 +108,7 @@ def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_t
     launcher = subprocess.Popen(
         [sys.executable, "-m", "trellm_backend.tools.launch", f"--model-repository={repo}", f"--http-port={http}",
          f"--grpc-port={grpc}", f"--metrics-port={metrics}", f"--log-file={tmp_path / 'server.log'}",
-         "--model-control-mode=explicit", "--load-model=*"],
+         "--model-control-mode=explicit", "--load-model=*", "--probe-interval=5"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300

@@ -8,7 +8,7 @@ stop itself, two ways:
   handler ignores it; a Python handler with a wakeup fd turns it into a byte on a socket that a thread waits on.
 - `pb_utils.is_model_ready` raises once the server is exiting ("Server not ready"), whichever process got the
   signal; a thread asks every `poll_s` seconds (an IPC round trip each time). It raises the same way while the
-  server is still loading other models, so only a failure after a first answer counts.
+  server is still loading other models, so only a failure after a first answer or a first request counts.
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from typing import Callable
 log = logging.getLogger("trellm")
 
 
-def watch_server_shutdown(pb_utils, model_name: str, on_shutdown: Callable[[str], None],
+def watch_server_shutdown(pb_utils, model_name: str, on_shutdown: Callable[[str], None], serving: threading.Event,
                           poll_s: float = 0.5) -> Callable[[], None]:
-    """Call `on_shutdown(how)` once, on a background thread, when the server starts stopping. Returns a function
-    that ends the watch (for finalize)."""
+    """Call `on_shutdown(how)` once, on a background thread, when the server starts stopping. `serving` is set by the
+    model once a request has reached it (the server was up then). Returns a function that ends the watch."""
     fired = threading.Event()
     ended = threading.Event()
 
@@ -52,14 +52,13 @@ def watch_server_shutdown(pb_utils, model_name: str, on_shutdown: Callable[[str]
 
     def poll_server() -> None:
         # While other models are still loading the server is not ready either, and says so the same way: only a
-        # failure after the server has once answered means it is stopping.
-        answered = False
+        # failure after the server has once answered, or after a request came in, means it is stopping.
         while not ended.wait(poll_s):
             try:
                 pb_utils.is_model_ready(model_name)
-                answered = True
+                serving.set()
             except Exception as e:     # the server is exiting (or gone)
-                if answered:
+                if serving.is_set():
                     fire(f"the server is stopping ({e})")
                     return
 

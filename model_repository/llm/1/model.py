@@ -3,6 +3,7 @@ runs in a background thread and answers through each request's response sender (
 import itertools
 import json
 import logging
+import threading
 
 import triton_python_backend_utils as pb_utils
 
@@ -44,11 +45,14 @@ class TritonPythonModel:
             self.metrics.start(self.loop.stats)
         self.keys = itertools.count(1)
         # On the server's stop: refuse new requests, end those in flight (finish_reason abort) within the grace.
+        self.serving = threading.Event()
         self.end_shutdown_watch = watch_server_shutdown(
             pb_utils, args["model_name"],
-            lambda how: self.loop.shut_down(config.shutdown_grace_s, f"tritonserver is stopping ({how})"))
+            lambda how: self.loop.shut_down(config.shutdown_grace_s, f"tritonserver is stopping ({how})"),
+            self.serving)
 
     def execute(self, requests):
+        self.serving.set()
         for request in requests:
             sender = request.get_response_sender()
             if is_stop_request(pb_utils, request):

@@ -83,6 +83,18 @@ def stop_launcher(launcher: subprocess.Popen, repo: str) -> None:
             pass
 
 
+def wait_for_generate(grpc: int, since: float, what: str, limit_s: float = 180) -> None:
+    """Until a real generate answers (not only the ready endpoint), failing with `what` after `limit_s`."""
+    while True:
+        try:
+            with LLMClient(f"localhost:{grpc}") as c:
+                assert c.generate("Hello", max_tokens=3, min_tokens=3)
+            return
+        except ConnectionError:
+            assert time.monotonic() - since < limit_s, what
+            time.sleep(0.5)
+
+
 def _post(url: str) -> int:
     req = urllib.request.Request(url, data=b"{}", method="POST")
     with urllib.request.urlopen(req, timeout=60) as r:
@@ -156,14 +168,7 @@ def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_t
         assert sorted(o[0] for o in outcomes.values()) == ["error"] * 3, outcomes
         assert max(o[2] for o in outcomes.values()) - killed < 5, "streams must fail within seconds of the death"
 
-        while True:            # serving again: a real generate, not only the ready endpoint
-            try:
-                with LLMClient(f"localhost:{grpc}") as c:
-                    assert c.generate("Hello", max_tokens=3, min_tokens=3)
-                break
-            except ConnectionError:
-                assert time.monotonic() - killed < 180, "the server did not come back"
-                time.sleep(0.5)
+        wait_for_generate(grpc, since=killed, what="the server did not come back")
         health = subprocess.run([sys.executable, "-m", "trellm_backend.tools.healthcheck", f"--url=localhost:{http}"],
                                 capture_output=True, text=True, timeout=60)
         assert health.returncode == 0, health.stderr
@@ -176,15 +181,7 @@ def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_t
         with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
             urllib.request.urlopen(urllib.request.Request(
                 f"http://localhost:{http}/v2/models/ensemble/generate", data=deep, method="POST"), timeout=60)
-        crashed = time.monotonic()
-        while True:
-            try:
-                with LLMClient(f"localhost:{grpc}") as c:
-                    assert c.generate("Hello", max_tokens=3, min_tokens=3)
-                break
-            except ConnectionError:
-                assert time.monotonic() - crashed < 180, "the server did not come back after its crash"
-                time.sleep(0.5)
+        wait_for_generate(grpc, since=time.monotonic(), what="the server did not come back after its crash")
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=60) == 0
         assert processes_mentioning(str(repo)) == []

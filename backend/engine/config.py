@@ -34,6 +34,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True    # reuse the KV blocks of prompt prefixes seen before
     enable_metrics: bool = True           # the Triton model reports vLLM-named metrics (backend/triton/metrics.py)
     max_queue_size: int = 512             # waiting requests beyond this are refused with UNAVAILABLE (backpressure)
+    speculative_method: str = "none"      # none, ngram (prompt lookup) or draft (a smaller model): engine/proposers.py
+    num_speculative_tokens: int = 4       # most tokens proposed per sequence and step
+    prompt_lookup_max: int = 4            # ngram: longest suffix matched against the earlier tokens
+    prompt_lookup_min: int = 2            # ngram: shortest suffix that may propose
+    draft_model_path: str = ""            # draft: a smaller model folder with the target's tokenizer
+    speculative_disable_batch_size: int = 4   # no speculation in a step with more running sequences than this
     shutdown_grace_s: float = 7.0         # once the server stops: how long requests in flight may go on before they
                                           # end with finish_reason abort (under the server's exit timeout, 10 s here)
 

@@ -12,10 +12,14 @@ from trellm_backend.models.config import load_model_config
 from trellm_backend.engine.runner import ModelRunner
 from trellm_backend.engine.output_processor import OutputProcessor, bad_words_ids
 from trellm_backend.engine.request import Request, RequestOutput, SamplingParams, Status
-from trellm_backend.engine.scheduler import Scheduler
+from trellm_backend.engine.proposers import NgramProposer
+from trellm_backend.engine.sampler import SampledToken
+from trellm_backend.engine.scheduler import ScheduledChunk, Scheduler
 from trellm_backend.engine.stats import SchedulerStats
 
 log = logging.getLogger("trellm")
+
+MAX_SPECULATIVE_TOKENS = 15   # a verified chunk (guesses + 1 rows) then stays in the CPU attention operator (kernels/attention.py)
 
 
 class LLMEngine:
@@ -30,10 +34,25 @@ class LLMEngine:
         self.runner = ModelRunner(config, mc, self.max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.long_prefill_token_threshold)
+                                   config.enable_chunked_prefill, config.long_prefill_token_threshold,
+                                   *self._speculation(config))
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.pool_tokens = self.kv.num_blocks * config.block_size
+
+    def _speculation(self, config: EngineConfig):
+        """(proposer, tokens per guess, batch size past which no step guesses) from the settings."""
+        method = config.speculative_method
+        if method == "none":
+            return None, 0, 0
+        if not 1 <= config.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} must be in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}]")
+        if method == "ngram":
+            proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        else:
+            raise ValueError(f"speculative_method={method!r} is not one of none, ngram")
+        return proposer, config.num_speculative_tokens, config.speculative_disable_batch_size
 
     # -- requests in ---------------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
@@ -99,26 +118,49 @@ class LLMEngine:
         for chunk in sched.chunks:
             if not chunk.samples:
                 continue
-            req = chunk.request
-            s = next(sampled)
+            rows = [next(sampled) for _ in range(len(chunk.draft_token_ids) + 1)]
+            outputs.append(self._advance(chunk, rows))
+        return outputs
+
+    def _advance(self, chunk: ScheduledChunk, rows: list[SampledToken]) -> RequestOutput:
+        """Append the step's tokens to the chunk's request: the guesses the target sampled the same token for,
+        then the target's token at the first disagreement (or after the last guess); stop at the first token that
+        finishes the request (the rest are dropped, so max_tokens and stops are never overshot)."""
+        req, drafts = chunk.request, chunk.draft_token_ids
+        accepted = 0
+        while accepted < len(drafts) and rows[accepted].token_id == drafts[accepted]:
+            accepted += 1
+        rows = rows[:accepted + 1]
+        if req.generator is not None and rows[-1].rng_state is not None:
+            req.generator.set_state(rows[-1].rng_state)
+        if drafts:
+            self.scheduler.verified(req, len(drafts), accepted)
+        now = time.time_ns()
+        req.times.first_token_ns = req.times.first_token_ns or now
+        req.times.last_token_ns = now
+        new_tokens, texts, reason = [], [], None
+        for s in rows:
             token = s.token_id
             req.token_ids.append(token)
-            req.times.last_token_ns = time.time_ns()
-            req.times.first_token_ns = req.times.first_token_ns or req.times.last_token_ns
+            new_tokens.append(token)
             if s.logprob is not None:
                 req.cumulative_logprob += s.logprob
             reason = self._finish_reason(req, token)
-            text = ""
             if req.output_processor is not None:
                 # Like EOS, stop strings count only once min_tokens are out.
                 text, stopped = req.output_processor.add([token], reason is not None,
                                                          req.num_output_tokens >= req.params.min_tokens)
+                texts.append(text)
                 reason = "stop" if stopped else reason
             if reason:
-                self.scheduler.finish(req, reason)
-                del self.requests[req.request_id]
-            outputs.append(self._output(req, [token], text, s.logprob, None if s.top is None else (s.rank, s.top)))
-        return outputs
+                break
+        if reason:
+            self.scheduler.finish(req, reason)
+            del self.requests[req.request_id]
+        rows = rows[:len(new_tokens)]
+        logprobs = [s.logprob for s in rows] if rows[0].logprob is not None else None
+        top = [(s.rank, s.top) for s in rows] if rows[0].top is not None else None
+        return self._output(req, new_tokens, "".join(texts), logprobs, top)
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -129,13 +171,12 @@ class LLMEngine:
         return None
 
     @staticmethod
-    def _output(req: Request, new_tokens: list[int], text: str = "", logprob: float | None = None,
-                top: tuple[int, list[tuple[int, float]]] | None = None) -> RequestOutput:
+    def _output(req: Request, new_tokens: list[int], text: str = "", logprobs: list[float] | None = None,
+                top: list[tuple[int, list[tuple[int, float]]]] | None = None) -> RequestOutput:
         return RequestOutput(req.request_id, new_tokens, finished=req.status is Status.FINISHED,
                              finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
                              num_output_tokens=req.num_output_tokens, text=text,
-                             logprobs=None if logprob is None else [logprob],
-                             top_logprobs=None if top is None else [top], cumulative_logprob=req.cumulative_logprob,
+                             logprobs=logprobs, top_logprobs=top, cumulative_logprob=req.cumulative_logprob,
                              times=dataclasses.replace(req.times), num_cached_tokens=req.num_cached_tokens)
 
     # -- convenience ---------------------------------------------------------------------------------------

@@ -110,7 +110,8 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, num_tokens: int) -> None:
         """Give `req` enough blocks for `num_tokens` tokens (the caller checked `can_allocate_slots`), and register
         the blocks those tokens fill. Registering at scheduling time is safe: the tokens are known, and their K/V is
-        written in this step's forward pass before any later step can read it."""
+        written in this step's forward pass before any later step can read it. Speculative guesses past the known
+        tokens get slots but are not registered: their block is registered once they are accepted."""
         table = self.req_to_blocks.setdefault(req.request_id, [])
         for _ in range(self.blocks_missing(req, num_tokens)):
             bid, _ = self.free_ids.popitem(last=False)
@@ -118,7 +119,7 @@ class KVCacheManager:
             self.ref_count[bid] = 1
             table.append(bid)
         if self.enable_prefix_caching:
-            full = num_tokens // self.block_size
+            full = min(num_tokens, req.num_tokens) // self.block_size   # guessed tokens are not known yet
             done = self.num_registered.get(req.request_id, 0)
             for i, (h, key) in enumerate(self._keys(req, full)[done:], done):
                 bid = table[i]
@@ -126,6 +127,17 @@ class KVCacheManager:
                     self.block_hash[bid], self.block_key[bid] = h, key
                     self.cached[h] = bid
             self.num_registered[req.request_id] = max(done, full)
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Return the blocks of `req`'s table past those `num_tokens` tokens need (speculative guesses that were
+        rejected). They hold no registered prefix, so they go to the head of the free list, to be reused first."""
+        table = self.req_to_blocks.get(req.request_id, [])
+        while len(table) > blocks_for(num_tokens, self.block_size):
+            bid = table.pop()
+            self.ref_count[bid] -= 1
+            if self.ref_count[bid] == 0:
+                self.free_ids[bid] = None
+                self.free_ids.move_to_end(bid, last=False)
 
     def _evict(self, bid: int) -> None:
         h = self.block_hash[bid]

@@ -77,6 +77,7 @@ class SamplingParams:
     n: int = _bounded(1, 1, 16)                      # parallel samples (fanned out by the serving layer)
     logprobs: int | None = _bounded(None, 0, 20)     # None: none; k: the sampled token's logprob and the top k
     skip_special_tokens: bool = True
+    speculative_decoding: bool = True                # false: this request's steps carry no guesses (same output)
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the allowed range."""

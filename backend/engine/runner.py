@@ -4,6 +4,7 @@ Batch preparation works on whole tensors: Python touches each scheduled sequence
 """
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -13,7 +14,8 @@ from trellm_backend.engine.limits import kv_budget, kv_bytes_per_block, resolve_
 from trellm_backend.models.config import ModelConfig
 from trellm_backend.models.llama import AttentionMetadata, LlamaModel
 from trellm_backend.engine.sampler import SampledToken, sample
-from trellm_backend.engine.scheduler import SchedulerOutput
+from trellm_backend.engine.request import Request
+from trellm_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
 from trellm_backend.models.weights import load_state_dict
 from trellm_kernels import cpu_ops
 
@@ -48,7 +50,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[SampledToken]:
-        """Run the scheduled chunks; return the sampled token of each chunk that samples, in chunk order."""
+        """Run the scheduled chunks; return the sampled tokens of each chunk that samples, in chunk order: one,
+        or with guesses one per guess and one after them (the target's own choice at each of those positions)."""
         chunks = sched.chunks
         ids: list[int] = []
         for c in chunks:
@@ -69,8 +72,14 @@ class ModelRunner:
         slots = (block_tables[seq_of_tok, positions // self.block_size] * self.block_size
                  + positions % self.block_size)
         seq_lens = starts_t + q_lens_t
+        # Logits of each sampling chunk's last row, and with guesses of one row per guess before it too.
         sampling = [i for i, c in enumerate(chunks) if c.samples]
-        logits_indices = (cu[1:] - 1)[sampling]
+        rows = [len(chunks[i].draft_token_ids) + 1 for i in sampling]
+        ends = cu[1:][sampling]
+        if sum(rows) == len(sampling):
+            logits_indices = ends - 1
+        else:
+            logits_indices = torch.cat([torch.arange(e - r, e) for e, r in zip(ends.tolist(), rows)])
         meta = AttentionMetadata(
             positions=positions.to(dev), slot_mapping=slots.to(dev), cu_seqlens_q=cu.to(dev),
             seq_lens=seq_lens.to(dev), block_tables=block_tables.to(dev),
@@ -79,4 +88,16 @@ class ModelRunner:
         logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices.to(dev))
         if not sampling:
             return []
-        return sample(logits, [chunks[i].request for i in sampling], self.model_cfg.eos_token_ids)
+        return sample(logits, [r for i in sampling for r in rows_to_sample(chunks[i])], self.model_cfg.eos_token_ids)
+
+
+def rows_to_sample(chunk: ScheduledChunk) -> list[Request]:
+    """The request as each sampled row of `chunk` sees it: row j follows the first j guesses, so penalties,
+    bad words and min_tokens apply to the sequence as it would be had they been generated."""
+    req = chunk.request
+    views = [req]
+    for j in range(1, len(chunk.draft_token_ids) + 1):
+        view = copy.copy(req)
+        view.token_ids = req.token_ids + chunk.draft_token_ids[:j]
+        views.append(view)
+    return views

@@ -6,6 +6,13 @@ top-k, top-p and min-p, and draw with the exponential-race trick (argmax of p / 
 drawing from p). A seeded request draws its noise row from its own generator and every control depends only on
 its own tokens, so its output does not depend on which other requests share the batch. Logprobs are the
 log-softmax of the final processed logits, computed only for the rows that asked.
+
+Speculative decoding needs nothing else here: each guessed position is sampled as it would be without guesses,
+and the engine keeps a guess only if the sampled token equals it. For a guess proposed with certainty (a point
+mass q, which both proposers give) that is exactly the standard rejection rule: the guess is accepted with
+probability p(guess) = min(1, p/q), and a rejected one is replaced by a draw from p without the guess,
+renormalised, i.e. from (p - q)+ normalised. Greedy and seeded outputs are therefore the same token for token with
+speculation on or off.
 """
 from __future__ import annotations
 
@@ -22,6 +29,10 @@ class SampledToken:
     logprob: float | None = None                    # when the request asked for logprobs
     top: list[tuple[int, float]] | None = None      # the top-k alternatives (token id, logprob), best first
     rank: int | None = None                         # 1 + how many tokens were more likely than the sampled one
+    # A seeded row that drew: its generator's state right after this row's draw. When later rows of the same
+    # request are thrown away (rejected guesses), the generator goes back to the state after the last row kept,
+    # so a seeded request gives the same tokens with and without speculation.
+    rng_state: torch.Tensor | None = None
 
 
 def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids=()) -> list[SampledToken]:
@@ -29,12 +40,16 @@ def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids=()) -> l
     logits = apply_penalties(logits, requests)
     logits = apply_bans(logits, requests, eos_token_ids)
     temps = [r.params.temperature for r in requests]
+    states = {}
     if all(t == 0.0 for t in temps):
         token_ids = logits.argmax(dim=-1)
         processed = logits
     else:
-        token_ids, processed = _draw(logits, requests, temps)
-    return _with_logprobs(token_ids, processed, requests)
+        token_ids, processed, states = _draw(logits, requests, temps)
+    out = _with_logprobs(token_ids, processed, requests)
+    for i, state in states.items():
+        out[i].rng_state = state
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -97,7 +112,8 @@ def apply_bans(logits: torch.Tensor, requests: list[Request], eos_token_ids=()) 
 
 def _draw(logits: torch.Tensor, requests: list[Request], temps: list[float]):
     """Greedy rows: argmax of the penalized logits; random rows: temperature, top-k/top-p/min-p, then a draw.
-    Returns the token ids and the logits each row's token was finally chosen from."""
+    Returns the token ids, the logits each row's token was finally chosen from, and {row: its generator's state
+    after its draw} for the seeded rows."""
     device, V = logits.device, logits.shape[1]
     greedy_ids = logits.argmax(dim=-1)
     temp = torch.tensor([t if t > 0 else 1.0 for t in temps], device=device, dtype=torch.float32)
@@ -115,12 +131,14 @@ def _draw(logits: torch.Tensor, requests: list[Request], temps: list[float]):
     seeded = [i for i, r in enumerate(requests) if r.generator is not None]
     if len(seeded) < len(requests):
         noise.exponential_()
+    states = {}
     for i in seeded:
         # Drawn on CPU from the request's own generator: reproducible on any device and in any batch.
         noise[i] = torch.empty(V).exponential_(generator=requests[i].generator).to(device)
+        states[i] = requests[i].generator.get_state()
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([t == 0.0 for t in temps], device=device)
-    return torch.where(is_greedy, greedy_ids, sampled), torch.where(is_greedy[:, None], logits, scaled)
+    return torch.where(is_greedy, greedy_ids, sampled), torch.where(is_greedy[:, None], logits, scaled), states
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

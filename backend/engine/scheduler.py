@@ -9,6 +9,12 @@ waiting queue; it is recomputed when readmitted (mostly from the prefix cache, w
 Waiting requests are not admitted in a step that preempted. A waiting request starts after the longest cached
 prefix of its tokens (kv_cache_manager.py).
 
+Speculative decoding: once the step is planned, the budget it left over goes to guessed tokens (proposers.py)
+appended to decode chunks, while no more than `speculative_disable_batch_size` sequences run (past that, a step
+is no longer bound by reading the weights, and verifying guesses costs more than it saves: perf/RESULTS.md). The
+guesses get KV slots like any token and count as computed; after the forward pass, `verified` takes back the
+rejected ones (vLLM v1 does the same) and returns blocks that only they needed.
+
 The scheduler alone advances request progress: once a step is planned, each scheduled request's
 `num_computed_tokens` already counts that step's tokens (vLLM v1 does the same), and the output is plain data fixed
 at planning time (where each chunk starts, its tokens, its block table, whether it samples), so the model runner
@@ -21,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from trellm_backend.engine.kv_cache_manager import KVCacheManager
+from trellm_backend.engine.proposers import Proposer
 from trellm_backend.engine.request import Request, Status
 from trellm_backend.engine.stats import SchedulerStats
 
@@ -32,6 +39,7 @@ class ScheduledChunk:
     token_ids: list[int]      # the tokens run this step: token_ids[start:start + num_new_tokens]
     block_ids: list[int]      # the request's block table for this step
     samples: bool             # the chunk reaches the end of the known tokens, so a next token is sampled
+    draft_token_ids: list[int] = field(default_factory=list)   # guesses at the end of token_ids, to verify
 
     @property
     def num_new_tokens(self) -> int:
@@ -44,10 +52,26 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
 
 
+@dataclass
+class SpecCounters:
+    """Speculative decoding since start, with vLLM's meanings: drafts (a chunk with guesses), guessed tokens,
+    accepted ones, and accepted ones by position in the guess."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0):
+                 enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 0,
+                 speculative_disable_batch_size: int = 0):
         self.kv = kv_cache_manager
+        self.proposer = proposer if num_speculative_tokens > 0 else None
+        self.num_speculative_tokens = num_speculative_tokens
+        self.speculative_disable_batch_size = speculative_disable_batch_size
+        self.spec = SpecCounters(accepted_per_pos=[0] * num_speculative_tokens)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -122,7 +146,49 @@ class Scheduler:
             self.running.append(req)
             self._schedule(out, req, n)
             budget -= n
+        if self.proposer is not None and out.chunks:
+            self._add_drafts(out, budget)
         return out
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Give decode chunks guessed tokens from the budget and free blocks the step left over. The guesses never
+        take a sampled token past max_tokens or the context (a step yields at most its guesses plus one)."""
+        speculate = len(self.running) <= self.speculative_disable_batch_size
+        free = len(self.kv.free_ids)
+        wanted = []
+        for c in out.chunks:
+            req, k = c.request, 0
+            if speculate and c.samples and c.num_new_tokens == 1 and req.params.speculative_decoding:
+                k = min(self.num_speculative_tokens, budget, req.params.max_tokens - req.num_output_tokens - 1,
+                        req.max_len - req.num_tokens - 1)
+                while k > 0 and self.kv.blocks_missing(req, req.num_computed_tokens + k) > free:
+                    k -= 1
+                k = max(k, 0)
+                budget -= k
+                free -= self.kv.blocks_missing(req, req.num_computed_tokens + k)
+            wanted.append(k)
+        proposals = self.proposer.propose(out.chunks, wanted)
+        for i, (c, k, drafts) in enumerate(zip(out.chunks, wanted, proposals)):
+            drafts = drafts[:k]
+            if not drafts:
+                continue
+            req = c.request
+            req.num_computed_tokens += len(drafts)
+            self.kv.allocate_slots(req, req.num_computed_tokens)
+            out.chunks[i] = ScheduledChunk(req, c.start, c.token_ids + drafts, list(self.kv.block_ids(req.request_id)),
+                                           samples=True, draft_token_ids=drafts)
+
+    def verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """The forward pass accepted `num_accepted` of the request's `num_drafts` guesses: the rejected ones were
+        not computed after all, and blocks only they used go back."""
+        req.num_computed_tokens -= num_drafts - num_accepted
+        self.kv.trim(req, req.num_computed_tokens)
+        s = self.spec
+        s.num_drafts += 1
+        s.num_draft_tokens += num_drafts
+        s.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            s.accepted_per_pos[pos] += 1
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req, keep_hashes=True)
@@ -139,10 +205,14 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         self.kv.free(req)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason = reason
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv
+        s = self.spec
         return SchedulerStats(len(self.running), len(self.waiting), kv.num_used, kv.num_blocks, self.num_preemptions,
-                              kv.num_queries, kv.num_hits)
+                              kv.num_queries, kv.num_hits, s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                              tuple(s.accepted_per_pos))

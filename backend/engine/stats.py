@@ -14,6 +14,10 @@ class SchedulerStats:
     num_preemptions: int = 0          # since start
     prefix_cache_queries: int = 0     # prompt blocks looked up, since start
     prefix_cache_hits: int = 0        # of which found in the cache
+    spec_num_drafts: int = 0          # speculative decoding, since start: chunks that carried guesses,
+    spec_num_draft_tokens: int = 0    # the guessed tokens,
+    spec_num_accepted_tokens: int = 0  # the accepted ones,
+    spec_accepted_per_pos: tuple[int, ...] = ()   # and the accepted ones by position in the guess
 
     @property
     def kv_usage(self) -> float:

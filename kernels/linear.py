@@ -10,6 +10,12 @@ to int8 at load, so a decode step reads a quarter of the fp32 bytes. The referen
 runs the Triton kernel (triton_linear.py); a CPU the C++ operator (cpu/int8_linear.cpp) on fp32 activations, with the
 rows packed in blocks of 8 at load. (torch's own `_weight_int8pack_mm` was slower than fp32 oneDNN: 0.45-0.64x for
 one token; its bf16 form crashed on rows not a multiple of its vector.)
+
+Weight-only INT4 (`quantization="int4"`, or "int4-g64"/"int4-g32" for smaller groups; GPTQ and AWQ checkpoints):
+group-wise with zero points (int4.py says why and how it is laid out). CUDA runs the Triton kernel
+(triton_linear.py), which unpacks the nibbles in registers; a CPU runs torch's `_weight_int4pack_mm_for_cpu` on bf16
+activations at every token count, the fastest of the paths measured (perf/RESULTS.md, "Weight-only INT4"), and
+dequantize-then-GEMM (the reference) for the shapes that operator cannot take.
 """
 from __future__ import annotations
 
@@ -20,19 +26,23 @@ import torch
 
 from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
+from trellm_kernels.int4 import Int4Weight, cpu_op_accepts, quantize_int4, to_cpu_int4pack
 
 
-QUANTIZATIONS = ("none", "int8")
+# int4 is int4-g128: 128 inputs per scale, what most GPTQ/AWQ checkpoints use.
+INT4_GROUPS = {"int4": 128, "int4-g64": 64, "int4-g32": 32}
+QUANTIZATIONS = ("none", "int8", *INT4_GROUPS)
 
 
 @dataclass
 class Weight:
     """A linear layer's weight [out, in], held once: dense, only in its prepared layout (keeping both would
-    double the memory of every linear layer), or as int8 rows with one scale each."""
+    double the memory of every linear layer), as int8 rows with one scale each, or as group-wise INT4."""
     dense: torch.Tensor | None
     prepared: torch.Tensor | None = None   # oneDNN's layout on a CPU
     qweight: torch.Tensor | None = None    # int8 [out, in], or packed [out/8, in/16, 8, 16] for the CPU operator
     scales: torch.Tensor | None = None     # [out], in the activations' dtype: W ~= qweight * scales[:, None]
+    int4: Int4Weight | None = None
 
     def int8_rows(self) -> torch.Tensor:
         """qweight as [out, in] rows (a copy when it is held packed)."""
@@ -41,6 +51,8 @@ class Weight:
 
     def tensor(self) -> torch.Tensor:
         """The weight as a dense [out, in] tensor (a copy when only the prepared or quantized form is held)."""
+        if self.int4 is not None:
+            return self.int4.tensor()
         if self.qweight is not None:
             return (self.int8_rows().to(torch.float32) * self.scales.to(torch.float32)[:, None]).to(self.scales.dtype)
         return self.dense if self.dense is not None else self.prepared.to_dense()
@@ -70,10 +82,19 @@ def prepare_weight(w: torch.Tensor, quantization: str = "none", typical_tokens: 
         raise ValueError(f"quantization={quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
     if quantization == "int8":
         return quantize_int8(w)
+    if quantization in INT4_GROUPS:
+        return prepare_int4(quantize_int4(w, INT4_GROUPS[quantization]))
     if w.device.type == "cpu" and w.dtype == torch.float32 and cpu_linear_mode() == "onednn" \
             and torch.backends.mkldnn.is_available():
         return Weight(None, torch.ops.mkldnn._reorder_linear_weight(w, typical_tokens))
     return Weight(w)
+
+
+def prepare_int4(w: Int4Weight) -> Weight:
+    """An INT4 weight (quantized here or read from a GPTQ/AWQ checkpoint) in the layout its device's path reads."""
+    if w.packed.device.type == "cpu" and cpu_op_accepts(w):
+        w = to_cpu_int4pack(w)
+    return Weight(None, int4=w)
 
 
 def linear_reference(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,6 +103,8 @@ def linear_reference(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = Non
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] -> [..., out]."""
+    if w.int4 is not None:
+        return int4_linear(x, w.int4, bias)
     if w.qweight is not None:
         return int8_linear(x, w, bias)
     if w.prepared is not None:
@@ -108,3 +131,17 @@ def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
     return linear_reference(x, w, bias)
+
+
+def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if w.perm is not None:     # act-order: the stored inputs are the layer's in this order
+        x = x.index_select(-1, w.perm)
+    if use_triton(x):
+        from trellm_kernels.triton_linear import int4_linear_triton
+        return int4_linear_triton(x, w.packed, w.scales, w.zeros, w.group, bias)
+    if w.cpu_scales_zeros is not None:
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = torch._weight_int4pack_mm_for_cpu(x2, w.packed, w.group, w.cpu_scales_zeros).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+    return torch.nn.functional.linear(x, w.stored_tensor().to(x.dtype), bias)

@@ -580,5 +580,67 @@ def test_int8_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype,
 
 
 def test_quantization_is_checked():
-    with pytest.raises(ValueError, match="quantization='int4' is not one of none, int8"):
-        linear.prepare_weight(torch.zeros(2, 2), "int4")
+    with pytest.raises(ValueError, match="quantization='int2' is not one of none, int8, int4, int4-g64, int4-g32"):
+        linear.prepare_weight(torch.zeros(2, 2), "int2")
+
+
+# Odd shapes (inputs not a multiple of the group, odd inputs, outputs not a multiple of 16 or of the block) and ones
+# torch's CPU int4 operator takes (N % 16 == 0, whole groups).
+INT4_SHAPES = [(1, 96, 80), (7, 100, 130), (5, 64, 344), (33, 48, 256), (2, 256, 512)]
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("tokens, out_f, in_f", INT4_SHAPES)
+def test_int4_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype, group, tokens, out_f, in_f):
+    from trellm_kernels import int4, triton_linear
+    g = torch.Generator().manual_seed(2)
+    w, b = randn(g, out_f, in_f, dtype=dtype), randn(g, out_f, dtype=dtype)
+    q = int4.quantize_int4(w, group)
+    assert q.packed.dtype == torch.uint8 and q.packed.shape == (out_f, (in_f + 1) // 2)
+    assert q.scales.shape == q.zeros.shape == (-(-in_f // group), out_f)
+    # Round to nearest over [min(w, 0), max(w, 0)]: every weight within half its group's step (plus, in fp16/bf16,
+    # the rounding of the scale and of the dequantized value to the dtype).
+    step = q.scales.float().repeat_interleave(group, 0)[:in_f].t()
+    slack = 0 if dtype == F32 else 2 ** -7 * (w.float().abs().max().item() + 8 * step.max().item())
+    assert ((q.tensor().float() - w.float()).abs() <= step / 2 + slack + 1e-6).all()
+    x = randn(g, tokens, in_f, dtype=dtype)
+    w_ref = q.tensor()                       # dequantized, rounded to the dtype as the kernel rounds its tile
+
+    def near(actual, expected, tol):
+        assert actual.dtype == dtype and actual.shape == expected.shape
+        atol = tol["atol"] * max(1.0, expected.abs().max().item())
+        torch.testing.assert_close(actual.float(), expected, atol=atol, rtol=tol["rtol"])
+
+    prepared = linear.prepare_int4(q)
+    on_cpu_op = prepared.int4.cpu_scales_zeros is not None
+    assert on_cpu_op == (out_f % 16 == 0 and in_f % group == 0)
+    assert torch.equal(prepared.int4.q(), q.q()), "the CPU layout holds exactly the quantized values"
+    for bias in (None, b):
+        expected = torch.nn.functional.linear(x.float(), w_ref.float(), None if bias is None else bias.float())
+        near(triton_linear.int4_linear_triton(x, q.packed, q.scales, q.zeros, group, bias), expected, TOL[dtype])
+        # the CPU operator rounds activations and its output to bf16
+        near(linear.linear(x, prepared, bias), expected, TOL[BF16] if on_cpu_op else TOL[dtype])
+    if on_cpu_op:
+        together = linear.linear(x, prepared)
+        for i in range(tokens):      # a token's result does not depend on what shares the call
+            assert torch.equal(linear.linear(x[i:i + 1], prepared), together[i:i + 1])
+
+
+def test_int4_act_order_permutes_the_inputs_before_the_kernel():
+    """A GPTQ act-order weight is held with its inputs sorted by group; the layer must gather x in that order."""
+    from dataclasses import replace
+    from trellm_kernels import int4
+    g = torch.Generator().manual_seed(3)
+    w, x = randn(g, 64, 256), randn(g, 3, 256)
+    perm = torch.randperm(256, generator=g)
+    stored = int4.quantize_int4(w[:, perm], 64)          # groups of the permuted inputs
+    q = replace(stored, perm=perm)
+    dense = q.tensor()
+    assert torch.equal(dense[:, perm], stored.tensor())
+    assert (dense - w).abs().max() <= stored.scales.max() / 2 + 1e-6
+    for weight in (linear.Weight(None, int4=q), linear.prepare_int4(q)):   # dequantize path, CPU operator
+        tol = TOL[F32] if weight.int4.cpu_scales_zeros is None else TOL[BF16]
+        expected = x @ dense.t()
+        torch.testing.assert_close(linear.linear(x, weight), expected, rtol=tol["rtol"],
+                                   atol=tol["atol"] * expected.abs().max().item())

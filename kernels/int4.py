@@ -146,6 +146,8 @@ def cat_outputs(parts: list[Int4Weight], where: str) -> Int4Weight:
     """Weights sharing one input (q/k/v, gate/up) stacked along the outputs; they must agree on the group and on
     the input permutation (GPTQ quantizes them with one act-order, from the same inputs). `where` names them."""
     first = parts[0]
+    if len(parts) == 1:
+        return first
     for p in parts[1:]:
         if p.group != first.group or p.in_features != first.in_features:
             raise ValueError(f"{where}: group size or input size differ ({p.group}, {p.in_features} vs "

@@ -47,6 +47,7 @@ class ModelConfig:
     sliding_window: int | None
     torch_dtype: torch.dtype
     eos_token_ids: list[int] = field(default_factory=list)
+    quant: "QuantFormat | None" = None   # a GPTQ/AWQ checkpoint: config.json's quantization_config
 
     @property
     def rotary_dim(self) -> int:
@@ -124,6 +125,8 @@ def load_model_config(path: str) -> ModelConfig:
                 eos.append(i)
 
     attention_bias = bool(c.get("attention_bias", False))
+    from trellm_backend.models.quant_formats import parse_quantization_config   # it imports this module
+    quant = parse_quantization_config(c.get("quantization_config"), cfg_file)
     return ModelConfig(
         path=path,
         family=family,
@@ -148,4 +151,5 @@ def load_model_config(path: str) -> ModelConfig:
         sliding_window=int(sliding) if sliding else None,
         torch_dtype=DTYPES[dtype_name],
         eos_token_ids=eos,
+        quant=quant,
     )

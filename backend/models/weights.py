@@ -26,9 +26,10 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
-def tensor_shapes(file: str) -> dict[str, list[int]]:
-    """Name -> shape of every tensor in one safetensors file, from its header alone (no tensor is read).
-    Raises ModelConfigError naming the file when the header is unreadable or the data is shorter than it says."""
+def tensor_header(file: str) -> dict[str, tuple[list[int], str]]:
+    """Name -> (shape, safetensors dtype such as "F32" or "I32") of every tensor in one file, from its header alone
+    (no tensor is read). Raises ModelConfigError naming the file when the header is unreadable or the data is shorter
+    than it says."""
     size = os.path.getsize(file)
     try:
         with open(file, "rb") as f:
@@ -38,23 +39,25 @@ def tensor_shapes(file: str) -> dict[str, list[int]]:
             header = json.loads(f.read(n))
         header.pop("__metadata__", None)
         end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
-        shapes = {name: [int(d) for d in t["shape"]] for name, t in header.items()}
+        tensors = {name: ([int(d) for d in t["shape"]], str(t["dtype"])) for name, t in header.items()}
     except (ValueError, KeyError, TypeError, IndexError) as e:   # JSONDecodeError is a ValueError
         raise ModelConfigError(f"{file}: not a safetensors file ({e})") from None
     if 8 + n + end != size:
         raise ModelConfigError(f"{file}: truncated or corrupt: the header describes {8 + n + end} bytes, "
                                f"the file has {size}")
-    return shapes
+    return tensors
 
 
 def load_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All tensors of the folder, cast to `dtype`, on CPU."""
+    """All tensors of the folder on CPU, the floating ones cast to `dtype` (a GPTQ/AWQ checkpoint's packed int32
+    weights keep their type)."""
     state = {}
     for file in safetensors_files(path):
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    state[name] = f.get_tensor(name).to(dtype)
+                    t = f.get_tensor(name)
+                    state[name] = t.to(dtype) if t.is_floating_point() else t
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
             raise ModelConfigError(f"{file}: cannot read weights ({e})") from None
     return state

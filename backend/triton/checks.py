@@ -21,7 +21,7 @@ from trellm_backend.engine.limits import (context_limit, kv_budget, kv_bytes_per
                                          resolve_device_dtype)
 from trellm_backend.triton.parameters import resolve_model_path
 from trellm_kernels.linear import QUANTIZATIONS
-from trellm_backend.models.weights import safetensors_files, tensor_shapes
+from trellm_backend.models.weights import safetensors_files, tensor_header
 
 # One of these must exist for AutoTokenizer to build the model's tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -52,6 +52,10 @@ def check_model(cfg: EngineConfig, config_file: str) -> ModelConfig:
     if cfg.quantization not in QUANTIZATIONS:
         raise ModelConfigError(f"{config_file}: quantization={cfg.quantization!r} is not one of "
                                f"{', '.join(QUANTIZATIONS)}")
+    if mc.quant is not None and cfg.quantization != "none":   # a GPTQ/AWQ checkpoint is read as it is stored
+        raise ModelConfigError(f"{config_file}: quantization={cfg.quantization!r}, but "
+                               f"{os.path.join(mc.path, 'config.json')} is already a {mc.quant.method} checkpoint; "
+                               "set quantization to none")
     try:
         cfg = dataclasses.replace(cfg, block_size=resolve_block_size(cfg, device))
     except ValueError as e:
@@ -94,10 +98,14 @@ def check_tokenizer(mc: ModelConfig) -> None:
             f"tokens: the tokenizer does not belong to this model (ids {mc.vocab_size}..{n - 1} have no embedding)")
 
 
+INTEGER_BYTES = {"I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8}   # kept as stored (GPTQ/AWQ packed weights)
+
+
 def weight_bytes(path: str, dtype: torch.dtype) -> int:
-    """Bytes the weights take once cast to `dtype`, from the safetensors headers."""
+    """Bytes the weights take once the floating ones are cast to `dtype`, from the safetensors headers."""
     item = torch.finfo(dtype).bits // 8
-    return sum(math.prod(shape) * item for f in safetensors_files(path) for shape in tensor_shapes(f).values())
+    return sum(math.prod(shape) * INTEGER_BYTES.get(kind, item)
+               for f in safetensors_files(path) for shape, kind in tensor_header(f).values())
 
 
 def check_kv_budget(cfg: EngineConfig, mc: ModelConfig, device: torch.device, dtype: torch.dtype, weights: int,

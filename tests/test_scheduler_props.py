@@ -1,4 +1,5 @@
-"""Property tests of the scheduler and block manager, with a cheap fake in place of the model runner.
+"""Property tests of the scheduler and block manager, with a cheap fake in place of the model runner (and, in some
+workloads, a fake proposer of speculative guesses, some right and some wrong).
 
 The fake "computes" a token by writing its id into a fake KV pool at the slot its block table gives, "attends" by
 reading every earlier position back through the table, and derives the next token from what it read: so a
@@ -6,6 +7,8 @@ prefix-cache hit that handed out wrong contents, a block shared while still writ
 would change the outputs (and fail the invariant test's direct check too).
 """
 from __future__ import annotations
+
+import random
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -50,7 +53,31 @@ def workloads(draw):
         reqs.append((arrival, prompt, draw(st.integers(1, 12)), cancel_at, salt))
     return dict(block_size=block_size, num_blocks=num_blocks, reqs=reqs,
                 max_num_seqs=draw(st.integers(1, 6)), budget=draw(st.integers(1, 24)),
-                chunked=draw(st.booleans()), prefix_caching=draw(st.booleans()), cap=draw(st.integers(0, 8)))
+                chunked=draw(st.booleans()), prefix_caching=draw(st.booleans()), cap=draw(st.integers(0, 8)),
+                spec_k=draw(st.sampled_from([0, 0, 1, 3])), spec_seed=draw(st.integers(0, 1000)))
+
+
+class FakeGuesses:
+    """Guesses the fake model's true next tokens for a pseudo-random number of positions, then wrong ones, so
+    verification accepts some and rejects the rest."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+
+    def propose(self, chunks, num_tokens):
+        out = []
+        for c, k in zip(chunks, num_tokens):
+            tokens, guess = list(c.request.token_ids), []
+            right = self.rng.randint(0, k)
+            for j in range(k):
+                t = next_token(tokens)
+                guess.append(t if j < right else (t + 1) % 50)
+                tokens.append(guess[-1])
+            out.append(guess)
+        return out
+
+    def forget(self, request_id):
+        pass
 
 
 def check_invariants(bm: KVCacheManager, sched: Scheduler, out, budget: int) -> None:
@@ -77,7 +104,8 @@ def check_invariants(bm: KVCacheManager, sched: Scheduler, out, budget: int) -> 
 def test_scheduler_and_kv_cache_manager_invariants(w):
     bs = w["block_size"]
     bm = KVCacheManager(w["num_blocks"], bs, w["prefix_caching"])
-    sched = Scheduler(bm, w["max_num_seqs"], w["budget"], w["chunked"], w["cap"])
+    sched = Scheduler(bm, w["max_num_seqs"], w["budget"], w["chunked"], w["cap"], FakeGuesses(w["spec_seed"]),
+                      w["spec_k"], speculative_disable_batch_size=4)
     pool_tokens = w["num_blocks"] * bs
     kv = [[-1] * bs for _ in range(w["num_blocks"])]
     pending = sorted(enumerate(w["reqs"]), key=lambda x: x[1][0])
@@ -101,21 +129,35 @@ def test_scheduler_and_kv_cache_manager_invariants(w):
         out = sched.schedule()
         check_invariants(bm, sched, out, w["budget"])
         if w["chunked"] and w["cap"]:
-            assert all(c.num_new_tokens <= w["cap"] for c in out.chunks), "a prefill chunk exceeded the cap"
+            assert all(c.num_new_tokens - len(c.draft_token_ids) <= w["cap"] for c in out.chunks), "a prefill chunk exceeded the cap"
         for c in out.chunks:            # the fake forward pass
             req = c.request
             assert c.start + c.num_new_tokens == req.num_computed_tokens, "planned progress is the request's"
             seen = fake_forward(kv, bs, c)
-            assert seen == req.token_ids[:len(seen)], "attention must read this request's own tokens"
+            assert seen == (req.token_ids + c.draft_token_ids)[:len(seen)], \
+                "attention must read this request's own tokens"
         for c in out.chunks:
             req = c.request
-            if c.samples:
-                req.token_ids.append(next_token(req.token_ids))
-                if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= req.max_len:
-                    sched.finish(req, "length")
-                    i = int(req.request_id)
-                    done[i] = "length"
-                    del live[i]
+            if c.samples:       # the target's token after each accepted guess; stop at the first disagreement
+                drafts, new = c.draft_token_ids, []
+                while True:
+                    new.append(next_token(req.token_ids + new))
+                    if len(new) > len(drafts) or new[-1] != drafts[len(new) - 1]:
+                        break
+                if drafts:
+                    sched.verified(req, len(drafts), len(new) - 1)
+                    assert len(bm.block_ids(req.request_id)) == blocks_for(req.num_computed_tokens, bs), \
+                        "blocks of rejected guesses must go back"
+                for t in new:
+                    req.token_ids.append(t)
+                    if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= req.max_len:
+                        sched.finish(req, "length")
+                        i = int(req.request_id)
+                        done[i] = "length"
+                        del live[i]
+                        break
+                assert req.num_output_tokens <= req.params.max_tokens and req.num_tokens <= req.max_len
+        check_invariants(bm, sched, out, w["budget"])
         step += 1
     assert len(done) == len(w["reqs"]), "every request must have finished or been aborted"
     assert bm.num_used == 0 and sum(bm.ref_count) == 0 and len(bm.free_ids) == bm.num_blocks

@@ -1,0 +1,223 @@
+"""Speculative decoding: guesses change how many tokens a step yields, never which tokens.
+
+Greedy and seeded requests must give the same tokens (and logprobs) with speculation on and off, alone and in
+mixed batches, under preemption and with prefix caching; every stop rule must hold with several tokens per step;
+unseeded sampling must keep the target's distribution even when every guess is bad.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from test_engine import check_parity, model_dir_for, random_prompts, VARIANTS
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.proposers import NgramProposer
+from trellm_backend.engine.request import SamplingParams
+
+REPETITIVE = ["def add(a, b):\n    return a + b\n\ndef add(a, b):",
+              "The quick brown fox jumps over the lazy dog. The quick brown fox",
+              "1, 2, 3, 4, 5, 6, 7, 8,", "Once upon a time there was a cat. Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(default_model_path)
+
+
+def engine(path, tokenizer=None, method="ngram", **kw):
+    kw.setdefault("speculative_disable_batch_size", 64)
+    return LLMEngine(EngineConfig(path, speculative_method=method, **kw), tokenizer)
+
+
+def run(eng: LLMEngine, prompts, params, arrivals=None, params_of=None):
+    """Add prompt i at step arrivals[i] (all at once by default); returns each one's outputs (merged)."""
+    arrivals = arrivals or [0] * len(prompts)
+    outs = {i: [] for i in range(len(prompts))}
+    order = sorted(range(len(prompts)), key=arrivals.__getitem__)
+    step = 0
+    while order or eng.has_unfinished():
+        while order and arrivals[order[0]] <= step:
+            i = order.pop(0)
+            eng.add_request(str(i), prompts[i], params_of(i) if params_of else params)
+        for o in eng.step():
+            outs[int(o.request_id)].append(o)
+        step += 1
+        assert step < 5000
+    assert eng.kv_blocks_used() == 0, "blocks still held after every request finished"
+    merged = []
+    for i in range(len(prompts)):
+        o = outs[i]
+        merged.append(dict(tokens=[t for x in o for t in x.new_token_ids], text="".join(x.text for x in o),
+                           logprobs=[v for x in o for v in (x.logprobs or [])],
+                           top=[v for x in o for v in (x.top_logprobs or [])], reason=o[-1].finish_reason))
+    return merged
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_tokens_equal_with_and_without_speculation(default_model_path, tokenizer, k):
+    """A mixed batch: prompts arriving at different steps (prefill chunks beside verified decodes), one request
+    with speculation turned off, a tight budget."""
+    prompts = [tokenizer(t).input_ids for t in REPETITIVE] + random_prompts(3, 4096, [90, 5])
+    arrivals = [0, 0, 1, 3, 4, 6]
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    off = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, speculative_decoding=False)
+    kw = dict(max_num_batched_tokens=48, long_prefill_token_threshold=32)
+    base = run(engine(default_model_path, method="none", **kw), prompts, greedy, arrivals)
+    eng = engine(default_model_path, num_speculative_tokens=k, **kw)
+    got = run(eng, prompts, greedy, arrivals, params_of=lambda i: off if i == 5 else greedy)
+    assert [g["tokens"] for g in got] == [b["tokens"] for b in base]
+    s = eng.stats()
+    assert s.spec_num_drafts > 0 and 0 < s.spec_num_accepted_tokens <= s.spec_num_draft_tokens
+    assert len(s.spec_accepted_per_pos) == k and sum(s.spec_accepted_per_pos) == s.spec_num_accepted_tokens
+
+
+def test_greedy_equal_under_preemption_and_prefix_caching(default_model_path, tokenizer):
+    """A KV pool too small for the batch (requests are preempted and recomputed) and shared prompt prefixes
+    (cache hits): rejected guesses' blocks must go back, and no cached block may hold an unverified guess."""
+    shared = tokenizer(REPETITIVE[1] * 3).input_ids
+    prompts = [shared + tokenizer(f" number {i}. The quick").input_ids for i in range(6)]
+    greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    kw = dict(block_size=16, num_kv_blocks=14, max_num_batched_tokens=64)
+    base = run(engine(default_model_path, method="none", **kw), prompts, greedy, [0, 0, 0, 2, 2, 9])
+    eng = engine(default_model_path, num_speculative_tokens=5, **kw)
+    got = run(eng, prompts, greedy, [0, 0, 0, 2, 2, 9])
+    assert [g["tokens"] for g in got] == [b["tokens"] for b in base]
+    assert eng.num_preemptions > 0 and eng.stats().prefix_cache_hits > 0
+    assert eng.stats().spec_num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_parity_models_match_transformers_with_speculation(tmp_path_factory, name):
+    root = str(tmp_path_factory.mktemp("hf"))
+    eng = check_parity(model_dir_for(root, name), 320, max_num_batched_tokens=32, speculative_method="ngram",
+                       num_speculative_tokens=3, prompt_lookup_min=1, speculative_disable_batch_size=64)
+    assert eng.stats().spec_num_draft_tokens > 0
+
+
+def test_seeded_sampling_and_logprobs_equal_with_and_without_speculation(default_model_path, tokenizer):
+    prompts = [tokenizer(t).input_ids for t in REPETITIVE]
+
+    def params(i):
+        return SamplingParams(max_tokens=32, temperature=0.3, top_p=0.95, seed=100 + i, logprobs=2,
+                              repetition_penalty=1.02, ignore_eos=True)
+    base = run(engine(default_model_path, method="none"), prompts, None, params_of=params)
+    eng = engine(default_model_path, num_speculative_tokens=4, prompt_lookup_min=1)
+    got = run(eng, prompts, None, params_of=params)
+    for b, g in zip(base, got):
+        assert g["tokens"] == b["tokens"]
+        assert [(r, [t for t, _ in top]) for r, top in g["top"]] == [(r, [t for t, _ in top]) for r, top in b["top"]]
+        assert g["logprobs"] == pytest.approx(b["logprobs"], abs=1e-3)
+    assert eng.stats().spec_num_accepted_tokens > 0
+
+
+def test_stop_rules_hold_with_several_tokens_per_step(default_model_path, tokenizer):
+    """Stop strings, stop ids, min_tokens and max_tokens end the request at the same token as without guesses:
+    tokens a step accepted past the stop are dropped."""
+    prompts = [tokenizer(t).input_ids for t in REPETITIVE]
+    probe = run(engine(default_model_path, tokenizer, method="none"), prompts,
+                SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    stop_id = probe[0]["tokens"][9]          # a token the first answer makes mid-way
+    stop_text = probe[1]["text"][12:16]      # text the second answer makes mid-way
+    cases = [SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_id], ignore_eos=True),
+             SamplingParams(max_tokens=30, temperature=0.0, stop=[stop_text], ignore_eos=True),
+             SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_id], min_tokens=12, ignore_eos=True),
+             SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)]
+    reasons = []
+    for params in cases:
+        base = run(engine(default_model_path, tokenizer, method="none"), prompts, params)
+        reasons.append([b["reason"] for b in base])
+        got = run(engine(default_model_path, tokenizer, num_speculative_tokens=6), prompts, params)
+        assert [(g["tokens"], g["text"], g["reason"]) for g in got] == \
+            [(b["tokens"], b["text"], b["reason"]) for b in base], params
+        assert all(len(g["tokens"]) <= params.max_tokens for g in got)
+    assert reasons[0][0] == reasons[1][1] == "stop" and reasons[3] == ["length"] * 4, reasons
+
+
+class WrongGuesses:
+    """A proposer whose guesses are bad on purpose: always the same token, at every position."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, chunks, num_tokens):
+        return [[self.token] * k for k in num_tokens]
+
+    def forget(self, request_id):
+        pass
+
+
+def test_sampling_keeps_the_target_distribution_with_bad_guesses(default_model_path, tokenizer):
+    """Unseeded draws of the second and third tokens (both decided by verification: the first comes from the
+    prompt's prefill) against the target's exact distribution, computed by transformers. The guess is a token the
+    target gives some probability, so both acceptance and the resample after a rejection are exercised; an engine
+    that kept unverified guesses, or resampled without removing the rejected token, fails the chi-square bound."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
+    prompt = tokenizer("The quick brown").input_ids
+    top_k = 4
+
+    def probs(ids):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        p = torch.zeros_like(logits)
+        v, i = logits.topk(top_k)
+        p[i] = torch.softmax(v, -1)
+        return p
+
+    p1 = probs(prompt)
+    exact: dict[tuple[int, int], float] = {}
+    second = torch.zeros_like(p1)
+    for t1 in p1.nonzero().flatten().tolist():
+        p2 = probs(prompt + [t1])
+        second += p1[t1] * p2
+        for t2 in p2.nonzero().flatten().tolist():
+            exact[(t1, t2)] = float(p1[t1] * p2[t2])
+    # Guess the second most likely second token: accepted sometimes, rejected more often.
+    guess = int(second.topk(2).indices[1])
+
+    n = 3000
+    eng = engine(default_model_path, num_speculative_tokens=2, max_num_seqs=64, max_num_batched_tokens=4096)
+    eng.scheduler.proposer = WrongGuesses(guess)
+    outs = eng.generate([prompt] * n, SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k))
+    counts: dict[tuple[int, int], int] = {}
+    for o in outs:
+        counts[(o[0], o[1])] = counts.get((o[0], o[1]), 0) + 1
+    assert set(counts) <= set(exact), "a token outside the target's top-k was produced"
+    # Chi-square over the cells expected at least 5 times, the rest pooled.
+    big = [c for c, p in exact.items() if p * n >= 5]
+    observed = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]
+    expected = [exact[c] * n for c in big] + [n - sum(exact[c] * n for c in big)]
+    if expected[-1] < 5:
+        observed, expected = observed[:-1], expected[:-1]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    dof = len(observed) - 1
+    # p < 0.001 bound: dof + 3.3 * sqrt(2 dof) approximates the 99.9th percentile for these sizes.
+    assert chi2 < dof + 3.3 * math.sqrt(2 * dof) + 5, (chi2, dof)
+    s = eng.stats()
+    assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens, "the bad guess is sometimes accepted, mostly not"
+
+
+def test_ngram_proposer_guesses_from_the_latest_match_and_repeats_loops():
+    from trellm_backend.engine.request import Request
+    p = NgramProposer(1, 3)
+    req = Request("r", [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7], SamplingParams(), max_len=100)
+
+    class Chunk:
+        request = req
+    assert p.propose([Chunk], [3]) == [[1, 2, 5]], "the latest earlier occurrence of [5, 6, 7] continues 1, 2, 5"
+    req.token_ids += [1, 2, 5, 6]
+    assert p.propose([Chunk], [2]) == [[7, 1]], "the index grew with the new tokens"
+    loop = Request("l", [3, 4, 3, 4, 3], SamplingParams(), max_len=100)
+    Chunk.request = loop
+    assert p.propose([Chunk], [5]) == [[4, 3, 4, 3, 4]], "a match near the end is read as a repeating span"
+    assert p.propose([Chunk], [0]) == [[]]
+    p.forget("l")
+    assert "l" not in p.index
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        NgramProposer(3, 2)

@@ -30,7 +30,7 @@ class FakeMetricFamily:
 
     def Metric(self, labels, buckets=None):
         m = FakeMetric()
-        FakeMetricFamily.created[(self.name, labels.get("finished_reason"))] = m
+        FakeMetricFamily.created[(self.name, labels.get("finished_reason", labels.get("position")))] = m
         return m
 
 
@@ -61,3 +61,20 @@ def test_gauges_and_counters_follow_the_snapshot():
     assert m[("vllm:request_time_per_output_token_seconds", None)].observed == [1.0]
     assert m[("vllm:request_success_total", "length")].value == 1 and m[("vllm:prompt_tokens_total", None)].value == 5
     reporter.stop()
+
+
+def test_speculative_decoding_counters_follow_the_snapshot():
+    reporter = MetricsReporter(FakePbUtils, {"model": "llm"}, interval_s=3600)
+    m = FakeMetricFamily.created
+    stats = [SchedulerStats(spec_num_drafts=2, spec_num_draft_tokens=8, spec_num_accepted_tokens=5,
+                            spec_accepted_per_pos=(2, 2, 1, 0))]
+    reporter.start(lambda: stats[0])
+    reporter.update()
+    stats[0] = SchedulerStats(spec_num_drafts=3, spec_num_draft_tokens=12, spec_num_accepted_tokens=8,
+                              spec_accepted_per_pos=(3, 3, 1, 1))
+    reporter.update()
+    assert m[("vllm:spec_decode_num_drafts_total", None)].value == 3
+    assert m[("vllm:spec_decode_num_draft_tokens_total", None)].value == 12
+    assert m[("vllm:spec_decode_num_accepted_tokens_total", None)].value == 8
+    per_pos = [m[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(p))].value for p in range(4)]
+    assert per_pos == [3, 3, 1, 1]

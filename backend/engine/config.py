@@ -16,6 +16,12 @@ def parse_bool(value) -> bool:
     raise ValueError(f"not a boolean: {value!r}")
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+# A verified chunk (guesses + 1 rows) then stays within the CPU attention operator's short chunks (16 rows,
+# kernels/attention.py).
+MAX_SPECULATIVE_TOKENS = 15
+
+
 @dataclass
 class EngineConfig:
     model_path: str
@@ -43,6 +49,9 @@ class EngineConfig:
     shutdown_grace_s: float = 7.0         # once the server stops: how long requests in flight may go on before they
                                           # end with finish_reason abort (under the server's exit timeout, 10 s here)
 
+    def __post_init__(self):
+        check_speculation(self)
+
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> "EngineConfig":
         """Build from string values (Triton parameters), converting each by its field's type; unknown keys are
@@ -66,3 +75,22 @@ class EngineConfig:
             except ValueError:
                 raise ValueError(f"engine parameter {key}={raw!r} is not a valid {type(default).__name__}") from None
         return cls(**kwargs)
+
+
+def check_speculation(cfg: EngineConfig) -> None:
+    """Raise ValueError naming the speculative decoding setting at fault and what it allows."""
+    if cfg.speculative_method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_method={cfg.speculative_method!r} is not one of {', '.join(SPECULATIVE_METHODS)}")
+    if cfg.speculative_method == "none":
+        return
+    if not 1 <= cfg.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens={cfg.num_speculative_tokens} must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+    if cfg.speculative_disable_batch_size < 0:
+        raise ValueError(f"speculative_disable_batch_size={cfg.speculative_disable_batch_size} must be >= 0 "
+                         "(0: speculation in no step)")
+    if cfg.speculative_method == "ngram" and not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+        raise ValueError(f"prompt_lookup_min={cfg.prompt_lookup_min} and prompt_lookup_max={cfg.prompt_lookup_max} "
+                         "must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max")
+    if cfg.speculative_method == "draft" and not cfg.draft_model_path:
+        raise ValueError("speculative_method=draft needs draft_model_path (a model folder with the target's "
+                         "tokenizer)")

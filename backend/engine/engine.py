@@ -19,8 +19,6 @@ from trellm_backend.engine.stats import SchedulerStats
 
 log = logging.getLogger("trellm")
 
-MAX_SPECULATIVE_TOKENS = 15   # a verified chunk (guesses + 1 rows) then stays in the CPU attention operator (kernels/attention.py)
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None):
@@ -42,16 +40,13 @@ class LLMEngine:
 
     def _speculation(self, config: EngineConfig):
         """(proposer, tokens per guess, batch size past which no step guesses) from the settings."""
-        method = config.speculative_method
+        method = config.speculative_method      # checked by EngineConfig
         if method == "none":
             return None, 0, 0
-        if not 1 <= config.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} must be in "
-                             f"[1, {MAX_SPECULATIVE_TOKENS}]")
         if method == "ngram":
             proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         else:
-            raise ValueError(f"speculative_method={method!r} is not one of none, ngram")
+            raise ValueError("speculative_method=draft is not available yet")
         return proposer, config.num_speculative_tokens, config.speculative_disable_batch_size
 
     # -- requests in ---------------------------------------------------------------------------------------

@@ -96,6 +96,8 @@ FIELDS: list[Field] = [
               doc="words never generated (each as tokenized alone and after a space)"),
     _sampling("n", "int", tensors=("num_return_sequences",), json=("n",),
               doc="parallel samples; responses carry sequence_index"),
+    _sampling("speculative_decoding", "bool", in_ensemble=False, json=("speculative_decoding",),
+              doc="false: no speculative guesses for this request (the model's speculative_method; same output)"),
     _sampling("logprobs", "int", in_ensemble=False, json=("logprobs",),
               doc="logprob of each sampled token plus this many top alternatives"),
     Field("return_log_probs", "bool", False, None, tensors=("return_log_probs",),

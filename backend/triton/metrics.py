@@ -37,7 +37,19 @@ COUNTERS = {
     "vllm:num_preemptions_total": "Requests preempted (their KV blocks freed, to be recomputed)",
     "vllm:prefix_cache_queries_total": "Prompt blocks looked up in the prefix cache",
     "vllm:prefix_cache_hits_total": "Prompt blocks found in the prefix cache",
+    "vllm:spec_decode_num_drafts_total": "Speculative decoding: sequence steps that carried guessed tokens",
+    "vllm:spec_decode_num_draft_tokens_total": "Speculative decoding: guessed tokens verified",
+    "vllm:spec_decode_num_accepted_tokens_total": "Speculative decoding: guessed tokens accepted",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+        "Speculative decoding: guessed tokens accepted, by position in the guess (label position, from 0)",
 }
+# Counters sampled from the stats snapshot (the others count finished requests): {name: SchedulerStats field}.
+SNAPSHOT_COUNTERS = {"vllm:num_preemptions_total": "num_preemptions",
+                     "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+                     "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+                     "vllm:spec_decode_num_drafts_total": "spec_num_drafts",
+                     "vllm:spec_decode_num_draft_tokens_total": "spec_num_draft_tokens",
+                     "vllm:spec_decode_num_accepted_tokens_total": "spec_num_accepted_tokens"}
 GAUGES = {
     "vllm:num_requests_running": "Requests in the running batch",
     "vllm:num_requests_waiting": "Requests waiting to be scheduled",
@@ -67,10 +79,14 @@ class MetricsReporter:
         counters = {n: family(n, d, kind.COUNTER) for n, d in COUNTERS.items()}
         self.success = {r: counters["vllm:request_success_total"].Metric(labels={**labels, "finished_reason": r})
                         for r in FINISH_REASONS}
-        self.counter = {n: f.Metric(labels=labels) for n, f in counters.items() if n != "vllm:request_success_total"}
+        per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+        self.counter = {n: f.Metric(labels=labels) for n, f in counters.items()
+                        if n not in ("vllm:request_success_total", per_pos)}
+        self._per_pos = lambda pos: counters[per_pos].Metric(labels={**labels, "position": str(pos)})
+        self.accepted_per_pos: list = []          # one counter per position, made when first reported
         self.gauge = {n: family(n, d, kind.GAUGE).Metric(labels=labels) for n, d in GAUGES.items()}
-        self._reported = {"vllm:num_preemptions_total": 0, "vllm:prefix_cache_queries_total": 0,
-                          "vllm:prefix_cache_hits_total": 0}
+        self._reported = dict.fromkeys(SNAPSHOT_COUNTERS, 0)
+        self._reported_per_pos: list[int] = []
         self._stats: Callable[[], SchedulerStats] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trellm-metrics", daemon=True)
@@ -110,12 +126,18 @@ class MetricsReporter:
         self.gauge["trellm:kv_cache_used_blocks"].set(s.kv_used_blocks)
         self.gauge["trellm:kv_cache_total_blocks"].set(s.kv_total_blocks)
         self.gauge["vllm:kv_cache_usage_perc"].set(s.kv_usage)
-        for name, now in (("vllm:num_preemptions_total", s.num_preemptions),
-                          ("vllm:prefix_cache_queries_total", s.prefix_cache_queries),
-                          ("vllm:prefix_cache_hits_total", s.prefix_cache_hits)):
+        for name, attr in SNAPSHOT_COUNTERS.items():
+            now = getattr(s, attr)
             if now > self._reported[name]:
                 self.counter[name].increment(now - self._reported[name])
                 self._reported[name] = now
+        for pos, now in enumerate(s.spec_accepted_per_pos):
+            if pos == len(self.accepted_per_pos):
+                self.accepted_per_pos.append(self._per_pos(pos))
+                self._reported_per_pos.append(0)
+            if now > self._reported_per_pos[pos]:
+                self.accepted_per_pos[pos].increment(now - self._reported_per_pos[pos])
+                self._reported_per_pos[pos] = now
 
     def record_finished(self, out: RequestOutput) -> None:
         t = out.times

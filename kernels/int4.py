@@ -54,9 +54,9 @@ class Int4Weight:
         G, N = self.scales.shape
         unit = torch.empty(G, N, 2, dtype=torch.bfloat16)
         unit[..., 0], unit[..., 1] = 1.0, 0.0    # (q - 8) * 1 + 0, then + 8 below: exact in bf16 (|q - 8| <= 8)
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        eye = torch.eye(G * self.group, dtype=torch.bfloat16)
         qt = torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, unit)   # [K, N] = (q - 8)^T
-        return (qt.float() + 8).round().to(torch.uint8).t().contiguous()
+        return (qt[:self.in_features].float() + 8).round().to(torch.uint8).t().contiguous()
 
     def stored_tensor(self) -> torch.Tensor:
         """The dequantized weight [N, K] in stored input order, in the scales' dtype (computed in fp32, rounded once)."""
@@ -129,14 +129,19 @@ def quantize_int4(w: torch.Tensor, group: int = 128) -> Int4Weight:
 
 
 def cpu_op_accepts(w: Int4Weight) -> bool:
-    """Shapes torch._weight_int4pack_mm_for_cpu takes: N a multiple of 16, whole groups of a size it knows."""
-    return (w.out_features % 16 == 0 and w.in_features % w.group == 0 and w.group in CPU_OP_GROUPS
-            and w.packed.device.type == "cpu")
+    """Shapes torch._weight_int4pack_mm_for_cpu takes: N a multiple of 16, groups of a size it knows (a short last
+    group is padded to a whole one, and the activations with zeros: to_cpu_int4pack, linear.int4_linear)."""
+    return w.out_features % 16 == 0 and w.group in CPU_OP_GROUPS and w.packed.device.type == "cpu"
 
 
 def to_cpu_int4pack(w: Int4Weight) -> Int4Weight:
-    """The same weight in the layout of torch's CPU int4 operator (caller checks cpu_op_accepts)."""
-    packed = torch._convert_weight_to_int4pack_for_cpu(w.q().to(torch.int32), 1)
+    """The same weight in the layout of torch's CPU int4 operator (caller checks cpu_op_accepts); inputs padded
+    to whole groups (the padding's q is 0: it meets zero activations)."""
+    q = w.q().to(torch.int32)
+    pad = w.scales.shape[0] * w.group - w.in_features
+    if pad:
+        q = torch.nn.functional.pad(q, (0, pad))
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
     s = w.scales.float()
     sz = torch.stack([s, (8 - w.zeros.float()) * s], dim=-1).to(torch.bfloat16).contiguous()
     return replace(w, packed=packed, cpu_scales_zeros=sz)

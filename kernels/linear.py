@@ -14,8 +14,9 @@ one token; its bf16 form crashed on rows not a multiple of its vector.)
 Weight-only INT4 (`quantization="int4"`, or "int4-g64"/"int4-g32" for smaller groups; GPTQ and AWQ checkpoints):
 group-wise with zero points (int4.py says why and how it is laid out). CUDA runs the Triton kernel
 (triton_linear.py), which unpacks the nibbles in registers; a CPU runs torch's `_weight_int4pack_mm_for_cpu` on bf16
-activations at every token count, the fastest of the paths measured (perf/RESULTS.md, "Weight-only INT4"), and
-dequantize-then-GEMM (the reference) for the shapes that operator cannot take.
+activations at every token count, the fastest of the paths measured (perf/RESULTS.md, "Weight-only INT4"; a short
+last group is padded to a whole one), and dequantize-then-GEMM (the reference) for the shapes that operator cannot
+take (outputs not a multiple of 16).
 """
 from __future__ import annotations
 
@@ -141,6 +142,9 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
         return int4_linear_triton(x, w.packed, w.scales, w.zeros, w.group, bias)
     if w.cpu_scales_zeros is not None:
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        pad = w.scales.shape[0] * w.group - w.in_features       # a short last group, padded at load
+        if pad:
+            x2 = torch.nn.functional.pad(x2, (0, pad))
         y = torch._weight_int4pack_mm_for_cpu(x2, w.packed, w.group, w.cpu_scales_zeros).to(x.dtype)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias

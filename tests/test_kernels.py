@@ -614,7 +614,7 @@ def test_int4_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype,
 
     prepared = linear.prepare_int4(q)
     on_cpu_op = prepared.int4.cpu_scales_zeros is not None
-    assert on_cpu_op == (out_f % 16 == 0 and in_f % group == 0)
+    assert on_cpu_op == (out_f % 16 == 0)     # a short last group is padded for the operator
     assert torch.equal(prepared.int4.q(), q.q()), "the CPU layout holds exactly the quantized values"
     for bias in (None, b):
         expected = torch.nn.functional.linear(x.float(), w_ref.float(), None if bias is None else bias.float())

@@ -1,6 +1,7 @@
-"""Weight-only INT8 (`quantization: int8`): what it costs in quality on the default model, measured against the
-float model, and that a quantized model serves through tritonserver. The kernels themselves are checked against
-their reference in test_kernels.py."""
+"""Weight-only INT8 and INT4 (`quantization: int8 / int4`) and GPTQ/AWQ checkpoints: what quantization costs in
+quality on the default model, measured against the float model; that the GPTQ and AWQ files the packer writes hold
+the bits where those formats put them and read back exactly; and that a quantized model serves through
+tritonserver. The kernels themselves are checked against their reference in test_kernels.py."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,9 @@ import torch
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.request import SamplingParams
+from trellm_backend.models.quant_formats import AWQ_ORDER, QuantFormat, awq_pack, awq_unpack, gptq_pack, gptq_unpack
+from trellm_backend.tools.quantize_checkpoint import act_order, quantize_folder, quantize_linear
+from trellm_kernels.int4 import quantize_int4
 from trellm_kernels.linear import quantize_int8
 
 PROMPTS = ["The Python language", "A function definition", "Exceptions are raised when", "The import statement",
@@ -35,12 +39,41 @@ def engine_texts(model_path: str, quantization: str, max_tokens: int) -> dict[st
     return tokens
 
 
-def test_int8_greedy_tokens_agree_with_the_float_model(default_model_path):
+@pytest.fixture(scope="module")
+def float_tokens(default_model_path):
+    return engine_texts(default_model_path, "none", 32)
+
+
+def agreement(base: dict[str, list[int]], other: dict[str, list[int]]) -> dict[str, int]:
+    """Per prompt, how many greedy tokens agree before the first difference."""
+    return {p: next((i for i, (a, b) in enumerate(zip(base[p], other[p])) if a != b), len(base[p])) for p in PROMPTS}
+
+
+def test_int8_greedy_tokens_agree_with_the_float_model(default_model_path, float_tokens):
     """Measured 2026-11-25: all 8 prompts identical over 32 tokens. Bound: at least 7 of 8, and no prompt
     diverging before its 16th token."""
-    base, q8 = engine_texts(default_model_path, "none", 32), engine_texts(default_model_path, "int8", 32)
-    agree = {p: next((i for i, (a, b) in enumerate(zip(base[p], q8[p])) if a != b), 32) for p in PROMPTS}
+    agree = agreement(float_tokens, engine_texts(default_model_path, "int8", 32))
     assert sum(n == 32 for n in agree.values()) >= 7 and min(agree.values()) >= 16, agree
+
+
+def test_int4_greedy_tokens_agree_with_the_float_model(default_model_path, float_tokens):
+    """INT4 g128 made at load. Measured 2026-11-25: 5 of 8 prompts identical over 32 tokens, the others diverging
+    at tokens 5, 19 and 25 (26.1 agreed tokens on average); the same tokens when the CPU operator is replaced by
+    fp32 dequantize-then-GEMM, so the divergences are the 4-bit weights', not the operator's bf16 activations.
+    The default model is barely trained (perplexity ~1000): its top two logits are often close, which greedy
+    decoding turns into early divergences. Bound: at least 4 of 8 identical, at least 20 tokens on average."""
+    agree = agreement(float_tokens, engine_texts(default_model_path, "int4", 32))
+    assert sum(n == 32 for n in agree.values()) >= 4 and sum(agree.values()) / len(agree) >= 20, agree
+
+
+def test_a_gptq_act_order_checkpoint_agrees_with_the_float_model(default_model_path, float_tokens, tmp_path):
+    """The packer's GPTQ file (asymmetric, act-order, g128), read by the engine. Measured 2026-11-25: 4 of 8 prompts
+    identical to the float model over 32 tokens, 25.3 tokens on average (without act-order 5 of 8, 26.1; symmetric
+    with act-order 3 of 8, 23.5: sym gives up one of the 16 levels). Bound: at least 3 of 8, 20 on average."""
+    path = quantize_folder(default_model_path, str(tmp_path / "gptq"), QuantFormat("gptq", 128, desc_act=True,
+                                                                                    zero_offset=1))
+    agree = agreement(float_tokens, engine_texts(path, "none", 32))
+    assert sum(n == 32 for n in agree.values()) >= 3 and sum(agree.values()) / len(agree) >= 20, agree
 
 
 def held_text_perplexity(model) -> float:
@@ -52,20 +85,139 @@ def held_text_perplexity(model) -> float:
         return math.exp(model(ids, labels=ids).loss.item())
 
 
-def test_int8_perplexity_is_within_one_percent_of_float(default_model_path):
-    """Measured 2026-11-25: +0.03% (1039.4 -> 1039.8). The quantized weights are the engine's own (quantize_int8),
-    dequantized into transformers' model."""
+def quantized_perplexity(model_path: str, quantize) -> tuple[float, float]:
+    """(float, quantized) held-text perplexity of transformers' model, the layers' linears replaced by
+    quantize(weight).tensor(): the engine's own quantized weights, dequantized."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    held_text_perplexity.tokenizer = AutoTokenizer.from_pretrained(default_model_path)
-    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
+    held_text_perplexity.tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     base = held_text_perplexity(model)
     quantized = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
-            module.weight.data = quantize_int8(module.weight.data).tensor()
+            module.weight.data = quantize(module.weight.data).tensor()
             quantized += 1
     assert quantized == 7 * model.config.num_hidden_layers
-    assert held_text_perplexity(model) <= base * 1.01
+    return base, held_text_perplexity(model)
+
+
+def test_int8_perplexity_is_within_one_percent_of_float(default_model_path):
+    """Measured 2026-11-25: +0.03% (1039.4 -> 1039.8)."""
+    base, quantized = quantized_perplexity(default_model_path, quantize_int8)
+    assert quantized <= base * 1.01
+
+
+def test_int4_g128_perplexity_is_within_five_percent_of_float(default_model_path):
+    """Measured 2026-11-25: +0.12% (1039.4 -> 1040.7; g64 +0.10%, g32 +0.01%). Bound: the issue's +5%."""
+    base, quantized = quantized_perplexity(default_model_path, lambda w: quantize_int4(w, 128))
+    assert quantized <= base * 1.05
+
+
+# ------------------------------------------------------------------------------- GPTQ and AWQ checkpoint layouts
+
+def word(t: torch.Tensor, i: int, j: int) -> int:
+    return int(t[i, j]) & 0xFFFFFFFF      # the int32 as the 32 bits the formats describe
+
+
+def test_gptq_and_awq_put_each_value_in_the_bits_the_formats_define():
+    """Read element by element with the formats' definitions (quant_formats.py's docstring), not with the
+    vectorized unpacking the engine uses."""
+    g = torch.Generator().manual_seed(5)
+    N, K, group = 16, 64, 32
+    q = torch.randint(0, 16, (N, K), generator=g).to(torch.uint8)
+    zeros = torch.randint(1, 16, (K // group, N), generator=g).to(torch.uint8)
+    scales = torch.rand(K // group, N, generator=g)
+    g_idx = torch.arange(K, dtype=torch.int32) // group
+    t = gptq_pack(q, scales, zeros, g_idx, zero_offset=1)
+    assert t["qweight"].shape == (K // 8, N) and t["qzeros"].shape == (K // group, N // 8)
+    assert t["qweight"].dtype == t["qzeros"].dtype == torch.int32 and t["scales"].dtype == torch.float16
+    for n in range(N):
+        for k in range(K):
+            assert (word(t["qweight"], k // 8, n) >> 4 * (k % 8)) & 15 == q[n, k]
+        for gi in range(K // group):
+            assert ((word(t["qzeros"], gi, n // 8) >> 4 * (n % 8)) & 15) + 1 == zeros[gi, n]   # stored zero - 1
+    t = awq_pack(q, scales, zeros)
+    assert t["qweight"].shape == (K, N // 8) and t["qzeros"].shape == (K // group, N // 8)
+    for n in range(N):
+        nibble = AWQ_ORDER.index(n % 8)      # column 8c + AWQ_ORDER[i] sits in nibble i
+        for k in range(K):
+            assert (word(t["qweight"], k, n // 8) >> 4 * nibble) & 15 == q[n, k]
+        for gi in range(K // group):
+            assert (word(t["qzeros"], gi, n // 8) >> 4 * nibble) & 15 == zeros[gi, n]
+
+
+FORMATS = {
+    "gptq-sym": QuantFormat("gptq", 128, sym=True, zero_offset=1),
+    "gptq-asym-act-order": QuantFormat("gptq", 64, desc_act=True, zero_offset=1),
+    "gptq-sym-act-order": QuantFormat("gptq", 32, desc_act=True, sym=True, zero_offset=1),
+    "gptq_v2-asym": QuantFormat("gptq", 32),
+    "awq-g128": QuantFormat("awq", 128),
+    "awq-g32": QuantFormat("awq", 32),
+}
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("out_f, in_f", [(48, 256), (40, 344)])
+def test_unpack_of_pack_is_the_quantize_dequantize_weight(name, out_f, in_f):
+    """(40, 344): the default model's down_proj inputs, not a multiple of any group (GPTQ's last group is short;
+    AWQ cannot hold it)."""
+    fmt = FORMATS[name]
+    if fmt.method == "awq" and in_f % fmt.group_size:
+        with pytest.raises(ValueError, match="whole groups"):
+            awq_pack(*quantize_linear(torch.randn(out_f, in_f), fmt)[:3])
+        return
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(out_f, in_f, generator=g) * torch.rand(1, in_f, generator=g)   # inputs of unequal scale
+    order = act_order([w]) if fmt.desc_act else None
+    q, scales, zeros, g_idx = quantize_linear(w, fmt, order)
+    gi = g_idx.long()
+    dequantized = (q.float() - zeros.float()[gi].t()) * scales.float()[gi].t()   # the formats' W[n, k]
+    step = scales.float()[gi].t()
+    if not (fmt.zero_offset and not fmt.sym):     # a v1 GPTQ zero cannot be 0: the top step may clip
+        # half a step, plus the 15 steps of the group's range each off by the fp16 rounding of the scale
+        assert ((dequantized - w).abs() <= step * (0.5 + 15 * 2 ** -11) + 1e-6).all()
+    if fmt.method == "gptq":
+        packed = gptq_pack(q, scales, zeros, g_idx, fmt.zero_offset)
+        weight = gptq_unpack(packed, fmt, "test")
+        assert (weight.perm is not None) == fmt.desc_act
+        if fmt.desc_act:
+            assert not torch.equal(g_idx, torch.arange(in_f, dtype=torch.int32) // fmt.group_size)
+            assert torch.equal(weight.perm, torch.argsort(gi, stable=True))
+    else:
+        weight = awq_unpack(awq_pack(q, scales, zeros), fmt, "test")
+    weight.scales = weight.scales.float()          # as the engine holds it in fp32
+    assert torch.equal(weight.tensor(), dequantized)
+
+
+def test_the_engine_reads_each_linear_of_an_awq_and_a_gptq_checkpoint_into_its_place(tmp_path):
+    """A model made here whose sizes AWQ can hold (Qwen2: q/k/v biases, GQA, tied embeddings): every stacked
+    linear of the engine equals the packer's quantize-dequantize of the float weights, exactly."""
+    from hf_models import model_dir_for
+    from trellm_backend.models.config import load_model_config
+    from trellm_backend.models.llama import LlamaModel
+    from trellm_backend.models.weights import load_state_dict
+    src = model_dir_for(str(tmp_path), "qwen2-bias-gqa4")
+    float_state = load_state_dict(src, torch.float32)
+    for fmt in (QuantFormat("awq", 64), QuantFormat("gptq", 32, desc_act=True, zero_offset=1)):
+        dst = quantize_folder(src, str(tmp_path / fmt.method), fmt)
+        mc = load_model_config(dst)
+        assert mc.quant == fmt
+        model = LlamaModel(mc, load_state_dict(dst, torch.float32), torch.device("cpu"), torch.float32, 64)
+        for i, layer in enumerate(model.layers):
+            for weight, module, names in ((layer.qkv, "self_attn", ("q_proj", "k_proj", "v_proj")),
+                                          (layer.o, "self_attn", ("o_proj",)),
+                                          (layer.gate_up, "mlp", ("gate_proj", "up_proj")),
+                                          (layer.down, "mlp", ("down_proj",))):
+                ws = [float_state[f"model.layers.{i}.{module}.{n}.weight"] for n in names]
+                order = act_order(ws) if fmt.desc_act else None
+                want = []
+                for w in ws:
+                    q, scales, zeros, g_idx = quantize_linear(w, fmt, order)
+                    gi = g_idx.long()
+                    want.append((q.float() - zeros.float()[gi].t()) * scales.float()[gi].t())
+                assert weight.int4 is not None and (weight.int4.perm is not None) == fmt.desc_act
+                assert torch.equal(weight.tensor(), torch.cat(want)), (fmt.method, i, names)
+        assert layer.qkv_bias is not None   # the float tensors beside the packed ones are read too
 
 
 @pytest.mark.server

@@ -38,7 +38,7 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool size (default: the engine's)")
     ap.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
-    ap.add_argument("--quantization", default=None, help="the llm parameter: none or int8 (default: the engine's)")
+    ap.add_argument("--quantization", default=None, help="the llm parameter: none, int8, int4, int4-g64 or int4-g32 (default: the engine's)")
     ap.add_argument("--profile-step", action="store_true", help="profile one decode step of the whole batch")
     ap.add_argument("--anchor", action="store_true", help="the anchor profile's requests, time by step kind")
     args = ap.parse_args()

@@ -221,7 +221,10 @@ def test_the_engine_reads_each_linear_of_an_awq_and_a_gptq_checkpoint_into_its_p
 
 
 @pytest.mark.server
-def test_an_int8_model_added_with_the_command_serves_what_the_engine_generates(default_model_path, tmp_path):
+def test_quantized_models_added_with_the_command_serve_what_the_engine_generates(default_model_path, tmp_path):
+    """INT8 made at load and a GPTQ act-order checkpoint (read as stored: its config.json says so), in one
+    tritonserver. (INT4 made at load takes the INT8 path through the server: the same parameter, checked by
+    checks.py against the same list.)"""
     import subprocess
     import sys
     from conftest import free_ports
@@ -229,19 +232,26 @@ def test_an_int8_model_added_with_the_command_serves_what_the_engine_generates(d
     from trellm_backend.tools.launch import TritonServer
     from trellm_backend.tools.repository import read_config
     from trellm_client.client import LLMClient
+    gptq = quantize_folder(default_model_path, str(tmp_path / "gptq"), QuantFormat("gptq", 128, desc_act=True,
+                                                                                    zero_offset=1))
     repo = tmp_path / "repository"
     repo.mkdir()
-    r = subprocess.run([sys.executable, "-m", "trellm_backend.tools.add_model", "q8", default_model_path,
-                        f"--repository={repo}", "--quantization=int8", f"--kv-cache-bytes={32 << 20}"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert read_config(repo / "q8_llm" / "config.pbtxt").parameters["quantization"].string_value == "int8"
+    models = {"q8": (default_model_path, "int8"), "gptq": (gptq, "none")}
     tok = AutoTokenizer.from_pretrained(default_model_path)
-    want = {p: tok.decode(ids, skip_special_tokens=True)
-            for p, ids in engine_texts(default_model_path, "int8", 12).items()}
+    want = {}
+    for name, (path, quantization) in models.items():
+        r = subprocess.run([sys.executable, "-m", "trellm_backend.tools.add_model", name, path,
+                            f"--repository={repo}", f"--quantization={quantization}", f"--kv-cache-bytes={32 << 20}"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        config = read_config(repo / f"{name}_llm" / "config.pbtxt")
+        assert config.parameters["quantization"].string_value == quantization
+        want[name] = {p: tok.decode(ids, skip_special_tokens=True)
+                      for p, ids in engine_texts(path, quantization, 12).items()}
     http, grpc, metrics = free_ports(3)
     with TritonServer(str(repo), http, grpc, metrics, log_path=str(tmp_path / "server.log"),
-                      model_control_mode="explicit", load_models=["q8"]) as server:
-        with LLMClient(server.grpc_url, model="q8") as c:
-            got = {p: "".join(c.stream(p, max_tokens=12, min_tokens=12)) for p in PROMPTS}
-    assert got == want
+                      model_control_mode="explicit", load_models=list(models)) as server:
+        for name in models:
+            with LLMClient(server.grpc_url, model=name) as c:
+                got = {p: "".join(c.stream(p, max_tokens=12, min_tokens=12)) for p in PROMPTS}
+            assert got == want[name], name

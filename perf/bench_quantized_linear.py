@@ -1,0 +1,61 @@
+"""Per-layer time of the CPU paths a quantized linear can take, by token count: what chose kernels/linear.py's
+INT4 path (and re-checks INT8's). Not a test: a measurement for perf/RESULTS.md.
+
+Each path cycles through 16 distinct weights so that every call reads its weight from memory, as a decode step
+does (one weight would stay in the cache and flatter the small formats less than the large).
+
+    python perf/bench_quantized_linear.py [--out 2816 --in 512 --tokens 1,4,16,48,128,512 --group 128]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from trellm_kernels import cpu_ops, linear
+from trellm_kernels.int4 import Int4Weight, quantize_int4, to_cpu_int4pack
+
+
+def per_call_us(fn, calls: int) -> float:
+    for i in range(3):
+        fn(i)
+    t = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=int, default=2816, help="output features (the anchor's gate_up)")
+    ap.add_argument("--in", dest="in_f", type=int, default=512, help="input features")
+    ap.add_argument("--tokens", default="1,4,16,48,128,512")
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--weights", type=int, default=16, help="distinct weights cycled")
+    args = ap.parse_args()
+    cpu_ops.load()
+    torch.manual_seed(0)
+    dense = [torch.randn(args.out, args.in_f) for _ in range(args.weights)]
+    onednn = [linear.prepare_weight(w) for w in dense]
+    int8 = [linear.prepare_weight(w, "int8") for w in dense]
+    canonical: list[Int4Weight] = [quantize_int4(w, args.group) for w in dense]
+    int4pack = [linear.Weight(None, int4=to_cpu_int4pack(w)) for w in canonical]
+    nibbles = [linear.Weight(None, int4=w) for w in canonical]       # the dequantize-then-GEMM path
+    n = args.weights
+    print(f"{args.out} x {args.in_f}, group {args.group}, {torch.get_num_threads()} threads, us per call")
+    print("| tokens | fp32 oneDNN | INT8 C++ operator / dequantize+GEMM | INT4 torch int4pack (bf16 activations) "
+          "| INT4 dequantize + fp32 GEMM |")
+    print("|---|---|---|---|---|")
+    for m in (int(t) for t in args.tokens.split(",")):
+        x = torch.randn(m, args.in_f)
+        calls = max(5, 2000 // m)
+        row = [per_call_us(lambda i: linear.linear(x, onednn[i % n]), calls),
+               per_call_us(lambda i: linear.linear(x, int8[i % n]), calls),
+               per_call_us(lambda i: linear.linear(x, int4pack[i % n]), calls),
+               per_call_us(lambda i: linear.linear(x, nibbles[i % n]), max(3, calls // 8))]
+        print(f"| {m} | " + " | ".join(f"{v:.0f}" for v in row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -221,3 +221,72 @@ def test_ngram_proposer_guesses_from_the_latest_match_and_repeats_loops():
     assert "l" not in p.index
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramProposer(3, 2)
+
+
+def make_disagreeing_draft(model_dir: str, out_dir: str) -> str:
+    """The target's own folder with a zeroed LM head: every logit is 0, so the draft always guesses token 0
+    (<unk>), which the target never makes: every guess is rejected."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(model_dir, out_dir)
+    state = load_file(f"{out_dir}/model.safetensors")
+    state["lm_head.weight"] = torch.zeros_like(state["lm_head.weight"])
+    save_file(state, f"{out_dir}/model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
+def test_draft_model_that_is_the_target_has_every_guess_accepted(default_model_path, tokenizer):
+    """With the target as its own draft every guess is right: the draft's K/V (in the target's blocks) must be in
+    step through prefill chunks, the catch-up after a fully accepted step, and a tight budget."""
+    prompts = [tokenizer(t).input_ids for t in REPETITIVE] + random_prompts(3, 4096, [90])
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=48, long_prefill_token_threshold=32, block_size=16)
+    base = run(engine(default_model_path, method="none", **kw), prompts, greedy, [0, 0, 1, 3, 4])
+    eng = engine(default_model_path, method="draft", draft_model_path=default_model_path,
+                 num_speculative_tokens=4, **kw)
+    got = run(eng, prompts, greedy, [0, 0, 1, 3, 4])
+    assert [g["tokens"] for g in got] == [b["tokens"] for b in base]
+    s = eng.stats()
+    assert s.spec_num_draft_tokens > 50 and s.spec_num_accepted_tokens == s.spec_num_draft_tokens
+    # The pool is shared by both models' K/V: the same budget holds half the blocks for a same-size draft.
+    assert eng.kv.num_blocks * 2 == engine(default_model_path, method="none", **kw).kv.num_blocks
+
+
+def test_draft_model_that_always_disagrees_changes_nothing_but_speed(default_model_path, tokenizer, tmp_path):
+    draft = make_disagreeing_draft(default_model_path, str(tmp_path / "draft"))
+    prompts = [tokenizer(t).input_ids for t in REPETITIVE]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    base = run(engine(default_model_path, method="none"), prompts, greedy)
+    eng = engine(default_model_path, method="draft", draft_model_path=draft, num_speculative_tokens=3)
+    got = run(eng, prompts, greedy)
+    assert [g["tokens"] for g in got] == [b["tokens"] for b in base]
+    s = eng.stats()
+    assert s.spec_num_draft_tokens > 0 and s.spec_num_accepted_tokens == 0
+
+
+def test_draft_model_under_preemption_and_prefix_caching(default_model_path, tokenizer):
+    shared = tokenizer(REPETITIVE[1] * 3).input_ids
+    prompts = [shared + tokenizer(f" number {i}. The quick").input_ids for i in range(6)]
+    greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    kw = dict(block_size=16, num_kv_blocks=14, max_num_batched_tokens=64)
+    base = run(engine(default_model_path, method="none", **kw), prompts, greedy, [0, 0, 0, 2, 2, 9])
+    eng = engine(default_model_path, method="draft", draft_model_path=default_model_path, num_speculative_tokens=3,
+                 **kw)
+    got = run(eng, prompts, greedy, [0, 0, 0, 2, 2, 9])
+    assert [g["tokens"] for g in got] == [b["tokens"] for b in base]
+    s = eng.stats()
+    assert eng.num_preemptions > 0 and s.prefix_cache_hits > 0
+    # A guess can only be wrong where a cached block's draft K/V missed one position (module docstring of draft.py).
+    assert s.spec_num_accepted_tokens >= 0.9 * s.spec_num_draft_tokens > 0
+
+
+def test_draft_model_errors_name_the_setting(default_model_path, tmp_path):
+    with pytest.raises(ValueError, match="needs draft_model_path"):
+        EngineConfig(default_model_path, speculative_method="draft")
+    with pytest.raises(ValueError, match="speculative_method='eagle' is not one of none, ngram, draft"):
+        EngineConfig(default_model_path, speculative_method="eagle")
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=0 must be in \[1, 15\]"):
+        EngineConfig(default_model_path, speculative_method="ngram", num_speculative_tokens=0)
+    other = model_dir_for(str(tmp_path), "llama3-rope-bias")   # vocabulary of 320
+    with pytest.raises(ValueError, match="vocab_size=320, but the target model's is 4096"):
+        engine(default_model_path, method="draft", draft_model_path=other)

@@ -8,10 +8,11 @@ import time
 from trellm_backend.engine.kv_cache_manager import KVCacheManager
 from trellm_backend.engine.limits import context_limit, resolve_block_size, resolve_device_dtype
 from trellm_backend.engine.config import EngineConfig
-from trellm_backend.models.config import load_model_config
+from trellm_backend.models.config import ModelConfig, load_model_config
 from trellm_backend.engine.runner import ModelRunner
 from trellm_backend.engine.output_processor import OutputProcessor, bad_words_ids
 from trellm_backend.engine.request import Request, RequestOutput, SamplingParams, Status
+from trellm_backend.engine.draft import DraftModelProposer, load_draft_config
 from trellm_backend.engine.proposers import NgramProposer
 from trellm_backend.engine.sampler import SampledToken
 from trellm_backend.engine.scheduler import ScheduledChunk, Scheduler
@@ -29,16 +30,17 @@ class LLMEngine:
         self.tokenizer = tokenizer   # with one, outputs carry text and stop strings work; without, token ids only
         self._last_bad_words: tuple[tuple[str, ...] | None, list[list[int]]] = (None, [])
         self.max_model_len = context_limit(config, mc)
-        self.runner = ModelRunner(config, mc, self.max_model_len)
+        draft_cfg = load_draft_config(config, mc, self.max_model_len)
+        self.runner = ModelRunner(config, mc, self.max_model_len, draft_cfg)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.long_prefill_token_threshold,
-                                   *self._speculation(config))
+                                   *self._speculation(config, draft_cfg))
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.pool_tokens = self.kv.num_blocks * config.block_size
 
-    def _speculation(self, config: EngineConfig):
+    def _speculation(self, config: EngineConfig, draft_cfg: ModelConfig | None):
         """(proposer, tokens per guess, batch size past which no step guesses) from the settings."""
         method = config.speculative_method      # checked by EngineConfig
         if method == "none":
@@ -46,7 +48,9 @@ class LLMEngine:
         if method == "ngram":
             proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         else:
-            raise ValueError("speculative_method=draft is not available yet")
+            r = self.runner
+            proposer = DraftModelProposer(draft_cfg, r.num_blocks, r.block_size, r.device, r.dtype,
+                                          self.max_model_len)
         return proposer, config.num_speculative_tokens, config.speculative_disable_batch_size
 
     # -- requests in ---------------------------------------------------------------------------------------
@@ -195,3 +199,4 @@ class LLMEngine:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+

@@ -23,9 +23,13 @@ log = logging.getLogger("trellm")
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int):
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
+                 draft_cfg: ModelConfig | None = None):
+        """`draft_cfg`: a speculative draft model whose K/V share the pool's blocks (draft.py): each block is sized
+        for both, so the same budget holds fewer blocks."""
         self.cfg = cfg
         self.model_cfg = model_cfg
+        self.draft_cfg = draft_cfg
         self.device, self.dtype = resolve_device_dtype(cfg, model_cfg)
         if self.device.type == "cpu":
             cpu_ops.load()   # build or load the C++ operators now, at model load, never on a request
@@ -41,6 +45,8 @@ class ModelRunner:
 
     def _num_kv_blocks(self) -> int:
         per_block = kv_bytes_per_block(self.model_cfg, self.block_size, self.dtype)
+        if self.draft_cfg is not None:
+            per_block += kv_bytes_per_block(self.draft_cfg, self.block_size, self.dtype)
         budget, setting = kv_budget(self.cfg, self.device, per_block)
         n = budget // per_block
         if n < 1:
@@ -56,22 +62,8 @@ class ModelRunner:
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
-        starts = [c.start for c in chunks]
-        q_lens = [c.num_new_tokens for c in chunks]
-        tables = [c.block_ids for c in chunks]
-        B, T = len(chunks), len(ids)
-        max_blocks = max(len(t) for t in tables)
-        dev = self.device
-        block_tables = torch.tensor([t + [-1] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-        q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
-        starts_t = torch.tensor(starts, dtype=torch.int32)
-        cu = torch.zeros(B + 1, dtype=torch.int32)
-        torch.cumsum(q_lens_t, 0, out=cu[1:])
-        seq_of_tok = torch.repeat_interleave(torch.arange(B), q_lens_t, output_size=T)
-        positions = torch.arange(T, dtype=torch.int32) - cu[:-1][seq_of_tok] + starts_t[seq_of_tok]
-        slots = (block_tables[seq_of_tok, positions // self.block_size] * self.block_size
-                 + positions % self.block_size)
-        seq_lens = starts_t + q_lens_t
+        meta, cu = attention_metadata([c.start for c in chunks], [c.num_new_tokens for c in chunks],
+                                      [c.block_ids for c in chunks], self.block_size, self.device)
         # Logits of each sampling chunk's last row, and with guesses of one row per guess before it too.
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         rows = [len(chunks[i].draft_token_ids) + 1 for i in sampling]
@@ -80,15 +72,33 @@ class ModelRunner:
             logits_indices = ends - 1
         else:
             logits_indices = torch.cat([torch.arange(e - r, e) for e, r in zip(ends.tolist(), rows)])
-        meta = AttentionMetadata(
-            positions=positions.to(dev), slot_mapping=slots.to(dev), cu_seqlens_q=cu.to(dev),
-            seq_lens=seq_lens.to(dev), block_tables=block_tables.to(dev),
-            max_seqlen_q=max(q_lens), max_seqlen_k=int(seq_lens.max()))
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev)
-        logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices.to(dev))
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device)
+        logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices.to(self.device))
         if not sampling:
             return []
         return sample(logits, [r for i in sampling for r in rows_to_sample(chunks[i])], self.model_cfg.eos_token_ids)
+
+
+def attention_metadata(starts: list[int], q_lens: list[int], tables: list[list[int]], block_size: int,
+                       device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Where each token of a flat batch sits: sequence b runs q_lens[b] tokens from position starts[b], through
+    block table tables[b]. Returns the metadata (on `device`) and cu_seqlens_q on the CPU."""
+    B, T = len(starts), sum(q_lens)
+    max_blocks = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [-1] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+    q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
+    starts_t = torch.tensor(starts, dtype=torch.int32)
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    torch.cumsum(q_lens_t, 0, out=cu[1:])
+    seq_of_tok = torch.repeat_interleave(torch.arange(B), q_lens_t, output_size=T)
+    positions = torch.arange(T, dtype=torch.int32) - cu[:-1][seq_of_tok] + starts_t[seq_of_tok]
+    slots = block_tables[seq_of_tok, positions // block_size] * block_size + positions % block_size
+    seq_lens = starts_t + q_lens_t
+    meta = AttentionMetadata(
+        positions=positions.to(device), slot_mapping=slots.to(device), cu_seqlens_q=cu.to(device),
+        seq_lens=seq_lens.to(device), block_tables=block_tables.to(device),
+        max_seqlen_q=max(q_lens), max_seqlen_k=int(seq_lens.max()))
+    return meta, cu
 
 
 def rows_to_sample(chunk: ScheduledChunk) -> list[Request]:

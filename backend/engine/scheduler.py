@@ -22,6 +22,7 @@ and the engine read facts that no later update can change.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -167,16 +168,26 @@ class Scheduler:
                 budget -= k
                 free -= self.kv.blocks_missing(req, req.num_computed_tokens + k)
             wanted.append(k)
-        proposals = self.proposer.propose(out.chunks, wanted)
+        # Slots for the most guesses first (a draft model writes its K/V there while guessing), then back to what
+        # the guesses used.
+        asked = []
+        for c, k in zip(out.chunks, wanted):
+            if k:
+                self.kv.allocate_slots(c.request, c.request.num_computed_tokens + k)
+                c = dataclasses.replace(c, block_ids=list(self.kv.block_ids(c.request.request_id)))
+            asked.append(c)
+        proposals = self.proposer.propose(asked, wanted)
         for i, (c, k, drafts) in enumerate(zip(out.chunks, wanted, proposals)):
-            drafts = drafts[:k]
-            if not drafts:
+            if not k:
                 continue
+            drafts = drafts[:k]
             req = c.request
             req.num_computed_tokens += len(drafts)
-            self.kv.allocate_slots(req, req.num_computed_tokens)
-            out.chunks[i] = ScheduledChunk(req, c.start, c.token_ids + drafts, list(self.kv.block_ids(req.request_id)),
-                                           samples=True, draft_token_ids=drafts)
+            self.kv.trim(req, req.num_computed_tokens)
+            if drafts:
+                out.chunks[i] = ScheduledChunk(req, c.start, c.token_ids + drafts,
+                                               list(self.kv.block_ids(req.request_id)), samples=True,
+                                               draft_token_ids=drafts)
 
     def verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """The forward pass accepted `num_accepted` of the request's `num_drafts` guesses: the rejected ones were

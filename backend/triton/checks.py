@@ -16,6 +16,7 @@ import os
 import torch
 
 from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.draft import load_draft_config
 from trellm_backend.models.config import ModelConfig, ModelConfigError, load_model_config
 from trellm_backend.engine.limits import (context_limit, kv_budget, kv_bytes_per_block, resolve_block_size,
                                          resolve_device_dtype)
@@ -35,6 +36,8 @@ def serving_config(params: dict[str, str], model_dir: str) -> EngineConfig:
     if "model_path" not in params:
         raise ModelConfigError(f"{config_file}: parameter model_path is missing (the Hugging Face folder)")
     params["model_path"] = resolve_model_path(params["model_path"], model_dir)
+    if params.get("draft_model_path"):
+        params["draft_model_path"] = resolve_model_path(params["draft_model_path"], model_dir)
     try:
         cfg = EngineConfig.from_strings(params)
     except ValueError as e:
@@ -60,8 +63,14 @@ def check_model(cfg: EngineConfig, config_file: str) -> ModelConfig:
         cfg = dataclasses.replace(cfg, block_size=resolve_block_size(cfg, device))
     except ValueError as e:
         raise ModelConfigError(f"{config_file}: {e}") from None
+    try:
+        draft = load_draft_config(cfg, mc, context_limit(cfg, mc))
+    except ValueError as e:
+        raise ModelConfigError(f"{config_file}: {e}") from None
     weights = weight_bytes(mc.path, dtype)            # also rejects missing, truncated or corrupt files
-    kv = check_kv_budget(cfg, mc, device, dtype, weights, config_file)
+    if draft is not None:
+        weights += weight_bytes(draft.path, dtype)
+    kv = check_kv_budget(cfg, mc, device, dtype, weights, config_file, draft)
     check_memory(mc.path, device, weights, kv, config_file)
     return mc
 
@@ -109,9 +118,12 @@ def weight_bytes(path: str, dtype: torch.dtype) -> int:
 
 
 def check_kv_budget(cfg: EngineConfig, mc: ModelConfig, device: torch.device, dtype: torch.dtype, weights: int,
-                    config_file: str) -> int:
-    """Raise unless the KV pool holds one sequence of max_model_len tokens; return the pool's bytes."""
+                    config_file: str, draft: ModelConfig | None = None) -> int:
+    """Raise unless the KV pool holds one sequence of max_model_len tokens; return the pool's bytes. A draft
+    model's K/V share the blocks (engine/draft.py), so each block is sized for both."""
     per_block = kv_bytes_per_block(mc, cfg.block_size, dtype)
+    if draft is not None:
+        per_block += kv_bytes_per_block(draft, cfg.block_size, dtype)
     try:
         max_len = context_limit(cfg, mc)
     except ValueError as e:

@@ -96,7 +96,7 @@ def quantize_groups(w: torch.Tensor, group: int, sym: bool = False, scale_dtype:
 
     sym: GPTQ's symmetric mode, zero fixed at 8 and scale = 2 max|w| / 15. min_zero: the smallest zero point the
     format can store (GPTQ's original layout stores zero - 1 in four bits, so it cannot hold 0)."""
-    if group not in GROUP_SIZES and group != w.shape[1]:
+    if group not in GROUP_SIZES:
         raise ValueError(f"group size {group} is not one of {', '.join(map(str, GROUP_SIZES))}")
     N, K = w.shape
     G = -(-K // group)

@@ -10,10 +10,13 @@ so the weight is read from memory as one byte per element and never expanded in 
 memory-bound, which is where the halved (bf16) or quartered (fp32) weight bytes pay.
 
 INT4 reads its nibble-packed weight (uint8 [out, ceil(in/2)], even inputs in the low nibble) a byte per two
-weights: each k of the tile loads byte k // 2 and shifts by 4 (k % 2), so the unpacking is fused into the load and
-the weight never exists unpacked in memory. A group's scale and zero cannot wait for the finished accumulator (a
-K tile may span groups), so the tile is dequantized in registers, (q - zero) * scale in fp32, and rounded to the
-activations' dtype before the dot, exactly as the reference rounds its dequantized weight.
+weights: each k of the tile loads byte k // 2 (the second load of a byte hits the cache) and shifts by 4 (k % 2),
+so the unpacking is fused into the load and the weight never exists unpacked in memory. A K tile never spans two
+groups (its size divides the group), so each tile loads one scale and zero per output column; the tile is
+dequantized in registers, (q - zero) * scale in fp32, and rounded to the activations' dtype before the dot, exactly
+as the reference rounds its dequantized weight. On an H100 (2026-11-25, fp16, g128) it runs at 0.16-0.46x of
+cuBLAS's fp16 GEMM: correct, not yet fast (per-element scale loads were 3x slower still; loading the bytes once for
+two dots, even and odd inputs, was slower too). A split-K decode variant is what is left for speed.
 """
 import torch
 import triton
@@ -83,13 +86,13 @@ def _int4_linear_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, s_xm,
         kk = k0 + rk
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * s_xm + kk[None, :],
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        wmask = (rn[None, :] < N) & (kk[:, None] < K)
-        byte = tl.load(q_ptr + rn[None, :].to(tl.int64) * s_qn + kk[:, None] // 2, mask=wmask, other=0)
+        byte = tl.load(q_ptr + rn[None, :].to(tl.int64) * s_qn + kk[:, None] // 2,
+                       mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
         q = (byte.to(tl.int32) >> ((kk[:, None] % 2) * 4)) & 15
-        g = kk[:, None] // GROUP
-        scale = tl.load(s_ptr + g * N + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + g * N + rn[None, :], mask=wmask, other=0).to(tl.float32)
-        w = (q.to(tl.float32) - zero) * scale
+        g = k0 // GROUP          # BLOCK_K divides GROUP: the tile lies in one group, one scale and zero per column
+        scale = tl.load(s_ptr + g * N + rn, mask=rn < N, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + g * N + rn, mask=rn < N, other=0).to(tl.float32)
+        w = (q.to(tl.float32) - zero[None, :]) * scale[None, :]
         if UPCAST:
             acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision=PREC)
         else:
@@ -106,7 +109,7 @@ def int4_linear_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     [..., out] in x's dtype. Inputs already in the weight's stored order (act-order is gathered by the caller)."""
     K = x.shape[-1]
     N = packed.shape[0]
-    if packed.shape[1] != (K + 1) // 2 or scales.shape != (-(-K // group), N) or zeros.shape != scales.shape:
+    if group not in (32, 64, 128) or packed.shape[1] != (K + 1) // 2 or scales.shape != (-(-K // group), N) or zeros.shape != scales.shape:
         raise ValueError(f"int4_linear_triton: packed {tuple(packed.shape)}, scales {tuple(scales.shape)}, zeros "
                          f"{tuple(zeros.shape)} do not fit {K} inputs in groups of {group}")
     x2 = x.reshape(-1, K)
@@ -115,7 +118,7 @@ def int4_linear_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     M = x2.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     BLOCK_M = 16 if M <= 16 else 64
-    BLOCK_N, BLOCK_K = 64, 32
+    BLOCK_N, BLOCK_K = 64, min(group, 64)   # group sizes are powers of two >= 32
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     upcast = x.dtype == torch.bfloat16 and not isinstance(_int4_linear_kernel, triton.runtime.JITFunction)

@@ -290,3 +290,43 @@ def test_draft_model_errors_name_the_setting(default_model_path, tmp_path):
     other = model_dir_for(str(tmp_path), "llama3-rope-bias")   # vocabulary of 320
     with pytest.raises(ValueError, match="vocab_size=320, but the target model's is 4096"):
         engine(default_model_path, method="draft", draft_model_path=other)
+
+
+@pytest.mark.server
+def test_served_streams_are_the_same_with_speculation_on_and_off(default_model_path, tokenizer, tmp_path):
+    """Two entries of the default model added with the command (n-gram lookup; a draft model, the target itself),
+    streamed through the ensemble: the text the engine makes without speculation, several tokens arriving in some
+    responses, and the accepted-token counters on the metrics endpoint."""
+    import re
+    import subprocess
+    import sys
+    import urllib.request
+    from conftest import free_ports
+    from trellm_backend.tools.launch import TritonServer
+    from trellm_client.client import LLMClient
+    plain = run(engine(default_model_path, tokenizer, method="none"), [tokenizer(p).input_ids for p in REPETITIVE],
+                SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    want = [g["text"] for g in plain]
+    repo = tmp_path / "repository"
+    repo.mkdir()
+    models = {"lookup": ["--speculative-method=ngram", "--num-speculative-tokens=5"],
+              "drafted": ["--speculative-method=draft", f"--draft-model-path={default_model_path}"]}
+    for name, flags in models.items():
+        r = subprocess.run([sys.executable, "-m", "trellm_backend.tools.add_model", name, default_model_path,
+                            f"--repository={repo}", f"--kv-cache-bytes={32 << 20}", *flags],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(str(repo), http, grpc, metrics, log_path=str(tmp_path / "server.log"),
+                      model_control_mode="explicit", load_models=list(models)) as server:
+        for name in models:
+            with LLMClient(server.grpc_url, model=name) as c:
+                chunks = [list(c.stream_chunks(p, stream=True, max_tokens=40, min_tokens=40,
+                                               return_num_output_tokens=True)) for p in REPETITIVE]
+            assert ["".join(ch.text for ch in chunk) for chunk in chunks] == want, name
+            counts = [[ch.num_output_tokens for ch in chunk if ch.num_output_tokens] for chunk in chunks]
+            assert max(b - a for n in counts for a, b in zip([0] + n, n)) > 1, "no response carried several tokens"
+        page = urllib.request.urlopen(f"http://localhost:{metrics}/metrics", timeout=5).read().decode()
+        accepted = {m: float(v) for m, v in re.findall(
+            r'vllm:spec_decode_num_accepted_tokens_total\{model="(\w+)_llm"[^}]*\} (\S+)', page)}
+        assert accepted["lookup"] > 0 and accepted["drafted"] > 0, accepted

@@ -60,11 +60,10 @@ class Int4Weight:
 
     def stored_tensor(self) -> torch.Tensor:
         """The dequantized weight [N, K] in stored input order, in the scales' dtype (computed in fp32, rounded once)."""
-        K = self.in_features
-        q = self.q().float()
-        z = self.zeros.float().repeat_interleave(self.group, 0)[:K].t()
-        s = self.scales.float().repeat_interleave(self.group, 0)[:K].t()
-        return ((q - z) * s).to(self.scales.dtype)
+        K, (G, N) = self.in_features, self.scales.shape
+        q = torch.nn.functional.pad(self.q(), (0, G * self.group - K)).view(N, G, self.group).float()
+        w = (q - self.zeros.t().float()[:, :, None]) * self.scales.t().float()[:, :, None]
+        return w.view(N, G * self.group)[:, :K].to(self.scales.dtype)
 
     def tensor(self) -> torch.Tensor:
         """The dequantized weight [N, K] in the layer's input order: y = x W^T."""

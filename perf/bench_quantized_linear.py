@@ -9,9 +9,13 @@ does (one weight would stay in the cache and flatter the small formats less than
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
-import torch
+from trellm_backend.tools.launch import openmp_wait_defaults
+
+os.environ.update(openmp_wait_defaults(os.environ))   # the OpenMP wait policy the server runs with, before torch loads
+import torch  # noqa: E402
 
 from trellm_kernels import cpu_ops, linear
 from trellm_kernels.int4 import Int4Weight, quantize_int4, to_cpu_int4pack

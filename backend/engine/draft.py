@@ -5,10 +5,13 @@ Its KV cache is a second tensor indexed by the target's block ids: a request's d
 its target K/V, so they are taken, shared through the prefix cache, freed and dropped on preemption together, by
 the one KV cache manager, with no bookkeeping of their own. The pool's blocks are sized for both (runner.py).
 
-Keeping in step: the first pass of a step runs every chunk the target runs (prefill chunks included), from where
-the draft's K/V of that request end; that is the chunk's start, except after a step that accepted every guess,
-where the draft has not yet seen the last guess (one token behind), or on a preempted request, which starts over
-with the target. The guesses are the draft's argmax: a point-mass proposal, which verification (engine.py,
+Keeping in step: the first pass of a step that guesses runs every chunk the target runs (prefill chunks
+included), each from where the draft's K/V of that request end: the chunk's start, except after a step that
+accepted every guess (the draft has not yet seen the last guess: one token behind), after steps that guessed
+nothing (a batch past `speculative_disable_batch_size` costs the draft nothing; it catches up in one chunk when
+guessing resumes), or on a preempted request, which starts over with the target. A request's first chunk trusts
+the draft K/V of the prefix-cache blocks it reuses; blocks computed while the draft was behind hold none, which
+makes guesses over such a prefix worse, never the output wrong. The guesses are the draft's argmax: a point-mass proposal, which verification (engine.py,
 sampler.py) turns into exactly the target's distribution. An EAGLE-style head would be another proposer with the
 same two methods, reading the target's hidden states instead of running a model of its own.
 """
@@ -38,6 +41,12 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, chunks: list, num_tokens: list[int]) -> list[list[int]]:
         guesses: list[list[int]] = [[] for _ in chunks]
+        if not any(num_tokens):
+            # A step without guesses (a large batch) costs the draft nothing: it only notes where a request it has
+            # not seen starts (the cached prefix before its first chunk), and catches up later.
+            for c in chunks:
+                self.computed.setdefault(c.request.request_id, c.start)
+            return guesses
         # Pass 1: every chunk, from where its draft K/V end; logits of the last row of those that guess.
         starts, tokens, tables, guessing = [], [], [], []
         for i, (c, k) in enumerate(zip(chunks, num_tokens)):

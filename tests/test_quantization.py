@@ -9,6 +9,7 @@ import collections
 import email
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -255,3 +256,38 @@ def test_quantized_models_added_with_the_command_serve_what_the_engine_generates
             with LLMClient(server.grpc_url, model=name) as c:
                 got = {p: "".join(c.stream(p, max_tokens=12, min_tokens=12)) for p in PROMPTS}
             assert got == want[name], name
+
+
+@pytest.mark.parametrize("qc, message", [
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "quantization_config.bits=8 is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "quantization_config.group_size=-1 is not supported"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 256}, "quantization_config.group_size=256 is not supported"),
+    ({"quant_method": "fp8"}, "quantization_config.quant_method='fp8' is not supported"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+     "quantization_config.version='gemv' is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
+     "quantization_config.checkpoint_format='marlin' is not supported"),
+])
+def test_an_unsupported_quantization_config_is_a_load_error_naming_the_file_and_value(default_model_path, tmp_path,
+                                                                                      qc, message):
+    import shutil
+    from trellm_backend.models.config import ModelConfigError
+    from trellm_backend.triton.checks import serving_config
+    folder = tmp_path / "model"
+    shutil.copytree(default_model_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = qc
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError, match="^" + re.escape(f"{folder / 'config.json'}: {message}")):
+        serving_config({"model_path": str(folder), "kv_cache_bytes": str(32 << 20)}, str(tmp_path / "entry"))
+
+
+def test_a_prequantized_checkpoint_refuses_quantization_at_load(default_model_path, tmp_path):
+    from trellm_backend.models.config import ModelConfigError
+    from trellm_backend.triton.checks import serving_config
+    path = quantize_folder(default_model_path, str(tmp_path / "gptq"), QuantFormat("gptq", 64, zero_offset=1))
+    with pytest.raises(ModelConfigError, match="quantization='int4', but .*config.json is already a gptq checkpoint"):
+        serving_config({"model_path": path, "kv_cache_bytes": str(32 << 20), "quantization": "int4"},
+                       str(tmp_path / "entry"))
+    with pytest.raises(ModelConfigError, match="already quantized"):
+        engine_texts(path, "int8", 1)

@@ -291,3 +291,19 @@ def test_a_prequantized_checkpoint_refuses_quantization_at_load(default_model_pa
                        str(tmp_path / "entry"))
     with pytest.raises(ModelConfigError, match="already quantized"):
         engine_texts(path, "int8", 1)
+
+
+def test_the_packer_command_writes_the_quantization_config_it_was_asked_for(default_model_path, tmp_path, capsys):
+    from trellm_backend.models.config import load_model_config
+    from trellm_backend.tools import quantize_checkpoint
+    dst = tmp_path / "gptq"
+    quantize_checkpoint.main([default_model_path, str(dst), "--method", "gptq", "--group-size", "64", "--desc-act",
+                              "--asym", "--v2"])
+    assert json.loads((dst / "config.json").read_text())["quantization_config"] == {
+        "quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": True, "sym": False,
+        "checkpoint_format": "gptq_v2"}
+    assert load_model_config(str(dst)).quant == QuantFormat("gptq", 64, desc_act=True, sym=False, zero_offset=0)
+    assert (dst / "tokenizer.json").is_file()
+    with pytest.raises(SystemExit):
+        quantize_checkpoint.main([default_model_path, str(tmp_path / "awq"), "--method", "awq", "--desc-act"])
+    assert "GPTQ options" in capsys.readouterr().err

@@ -54,9 +54,13 @@ class Int4Weight:
         G, N = self.scales.shape
         unit = torch.empty(G, N, 2, dtype=torch.bfloat16)
         unit[..., 0], unit[..., 1] = 1.0, 0.0    # (q - 8) * 1 + 0, then + 8 below: exact in bf16 (|q - 8| <= 8)
-        eye = torch.eye(G * self.group, dtype=torch.bfloat16)
-        qt = torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, unit)   # [K, N] = (q - 8)^T
-        return (qt[:self.in_features].float() + 8).round().to(torch.uint8).t().contiguous()
+        K, rows = G * self.group, []
+        for k0 in range(0, self.in_features, 1024):     # rows k0.. of the identity: (q - 8)^T [rows, N]
+            n = min(1024, self.in_features - k0)
+            eye = torch.zeros(n, K, dtype=torch.bfloat16)
+            eye[:, k0:k0 + n] = torch.eye(n, dtype=torch.bfloat16)
+            rows.append(torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, unit))
+        return (torch.cat(rows).float() + 8).round().to(torch.uint8).t().contiguous()
 
     def stored_tensor(self) -> torch.Tensor:
         """The dequantized weight [N, K] in stored input order, in the scales' dtype (computed in fp32, rounded once)."""

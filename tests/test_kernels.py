@@ -78,6 +78,7 @@ MIXED = [  # q_lens, ctx_lens, H, KVH, D, block_size, dtype
     ([2, 1, 16], [31, 0, 16], 8, 1, 16, 16, BF16),
     ([40], [0], 2, 2, 16, 16, F32),                                  # plain prefill spanning several tiles
     ([2, 0, 1, 0], [30, 5, 16, 0], 8, 2, 16, 16, F32),               # sequences with no new rows
+    ([5, 5, 1, 3, 5], [30, 16, 9, 63, 0], 8, 2, 64, 16, F32),        # speculative verification: guesses + 1 rows
 ]
 
 
@@ -347,6 +348,7 @@ CPU_OP_CASES = [  # q_lens, ctx_lens: decodes, chunks over a cached prefix, a fr
     ([1, 1, 1, 1, 1], [0, 14, 15, 200, 33]),
     ([9, 1, 40, 1, 3], [20, 63, 0, 5, 130]),
     ([1] * 12 + [17], [int(x) for x in torch.randint(0, 300, (13,), generator=torch.Generator().manual_seed(1))]),
+    ([5, 5, 2, 16, 5, 1], [127, 128, 40, 250, 3, 60]),   # speculative verification: guesses + 1 rows per sequence
 ]
 
 

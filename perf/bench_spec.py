@@ -71,10 +71,22 @@ def run_closed_loop(engine: LLMEngine, reqs, concurrency: int) -> dict:
                 accepted=accepted, tokens=[tokens[i] for i in range(len(reqs))])
 
 
+class WrongGuesses:
+    """k guesses of token 0 (<unk>, which the models never make): every one is rejected."""
+
+    def propose(self, chunks, num_tokens):
+        return [[0] * k for k in num_tokens]
+
+    def forget(self, request_id):
+        pass
+
+
 MODES = {   # name: engine settings
     "off": dict(speculative_method="none"),
     "ngram": dict(speculative_method="ngram"),                 # with the batch-size rule
     "ngram-always": dict(speculative_method="ngram", speculative_disable_batch_size=1 << 20),
+    # Guesses that are always wrong (every position rejected): what verification costs when speculation fails.
+    "wrong-always": dict(speculative_method="ngram", speculative_disable_batch_size=1 << 20),
     "draft": dict(speculative_method="draft"),
     "draft-always": dict(speculative_method="draft", speculative_disable_batch_size=1 << 20),
 }
@@ -108,6 +120,8 @@ def main():
         if args.speculative_disable_batch_size is not None and mode in ("ngram", "draft"):
             kw["speculative_disable_batch_size"] = args.speculative_disable_batch_size
         engines[mode] = LLMEngine(EngineConfig(args.model, **kw))
+        if mode == "wrong-always":
+            engines[mode].scheduler.proposer = WrongGuesses()
         engines[mode].generate([[1, 2, 3]], SamplingParams(max_tokens=4))     # warm-up
     print(f"model {args.model}, draft {args.draft_model}, k={args.num_speculative_tokens}, greedy; engine alone")
     print("| workload | concurrency | mode | out tok/s | vs off | mean ITL ms | accepted / guessed |")

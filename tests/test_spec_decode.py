@@ -151,6 +151,43 @@ class WrongGuesses:
         pass
 
 
+class WrongThenRight:
+    """Guesses wrong for the first `wrong_calls` steps, then the true continuation (known from a run without
+    guesses)."""
+
+    def __init__(self, answer: list[int], wrong_calls: int):
+        self.answer, self.wrong_calls, self.calls = answer, wrong_calls, 0
+
+    def propose(self, chunks, num_tokens):
+        self.calls += 1
+        out = []
+        for c, k in zip(chunks, num_tokens):
+            n = c.request.num_tokens
+            out.append([0] * k if self.calls <= self.wrong_calls else self.answer[n:n + k])
+        return out
+
+    def forget(self, request_id):
+        pass
+
+
+def test_a_request_whose_guesses_fail_stops_guessing_and_resumes_when_they_pay(default_model_path, tokenizer):
+    """Failed guesses cost a CPU step nearly what extra sequences do: after a few failures a request guesses one
+    token every few steps only, and full guesses come back once a probe is right."""
+    from trellm_backend.engine import scheduler
+    prompt = tokenizer(REPETITIVE[3]).input_ids
+    greedy = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    (answer,) = engine(default_model_path, method="none").generate([prompt], greedy)
+    eng = engine(default_model_path, num_speculative_tokens=4)
+    eng.scheduler.proposer = WrongThenRight(prompt + answer, wrong_calls=40)
+    assert eng.generate([prompt], greedy) == [answer]
+    s = eng.stats()
+    # 40 failing steps: full guesses only until the acceptance decays under the threshold, then probes of one.
+    failing = 4 * math.ceil(math.log(scheduler.MIN_ACCEPTANCE) / math.log(scheduler.ACCEPTANCE_DECAY))
+    wrong = s.spec_num_draft_tokens - s.spec_num_accepted_tokens
+    assert wrong <= failing + 40 // scheduler.PROBE_EVERY, (wrong, failing)
+    assert s.spec_num_accepted_tokens >= 40, "guessing must resume in full once the guesses are right"
+
+
 def test_sampling_keeps_the_target_distribution_with_bad_guesses(default_model_path, tokenizer):
     """Unseeded draws of the second and third tokens (both decided by verification: the first comes from the
     prompt's prefill) against the target's exact distribution, computed by transformers. The guess is a token the

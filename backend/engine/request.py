@@ -144,6 +144,8 @@ class Request:
     output_processor: object | None = None        # text and stop strings (output_processor.py), with a tokenizer
     cache_salt: str | None = None                 # requests with different salts never share cached blocks
     num_cached_tokens: int = 0                    # prompt tokens found in the prefix cache at first admission
+    spec_acceptance: float = 1.0                  # speculative guesses: recent acceptance rate (the scheduler's)
+    spec_steps_since_probe: int = 0
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

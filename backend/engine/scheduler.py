@@ -11,8 +11,10 @@ prefix of its tokens (kv_cache_manager.py).
 
 Speculative decoding: once the step is planned, the budget it left over goes to guessed tokens (proposers.py)
 appended to decode chunks, while no more than `speculative_disable_batch_size` sequences run (past that, a step
-is no longer bound by reading the weights, and verifying guesses costs more than it saves: perf/RESULTS.md). The
-guesses get KV slots like any token and count as computed; after the forward pass, `verified` takes back the
+is no longer bound by reading the weights, and verifying guesses costs more than it saves: perf/RESULTS.md), and
+only for requests whose guesses have been paying: one whose recent acceptance fell below `MIN_ACCEPTANCE` guesses a
+single token every `PROBE_EVERY` steps until its guesses are right again (failed guesses cost a CPU step about as
+much as extra sequences do). The guesses get KV slots like any token and count as computed; after the forward pass, `verified` takes back the
 rejected ones (vLLM v1 does the same) and returns blocks that only they needed.
 
 The scheduler alone advances request progress: once a step is planned, each scheduled request's
@@ -51,6 +53,13 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+
+
+# A request's acceptance rate (a moving average over its verified steps) under which it stops guessing but for a
+# one-token probe every PROBE_EVERY decode steps; ACCEPTANCE_DECAY weighs the past against the latest step.
+MIN_ACCEPTANCE = 0.3
+PROBE_EVERY = 8
+ACCEPTANCE_DECAY = 0.7
 
 
 @dataclass
@@ -160,7 +169,7 @@ class Scheduler:
         for c in out.chunks:
             req, k = c.request, 0
             if speculate and c.samples and c.num_new_tokens == 1 and req.params.speculative_decoding:
-                k = min(self.num_speculative_tokens, budget, req.params.max_tokens - req.num_output_tokens - 1,
+                k = min(self._guesses_for(req), budget, req.params.max_tokens - req.num_output_tokens - 1,
                         req.max_len - req.num_tokens - 1)
                 while k > 0 and self.kv.blocks_missing(req, req.num_computed_tokens + k) > free:
                     k -= 1
@@ -189,11 +198,23 @@ class Scheduler:
                                                list(self.kv.block_ids(req.request_id)), samples=True,
                                                draft_token_ids=drafts)
 
+    def _guesses_for(self, req: Request) -> int:
+        """How many tokens `req` may guess this step: all, or while its guesses keep failing a probe of one now and
+        then (so a request whose text turns repetitive starts guessing again)."""
+        if req.spec_acceptance >= MIN_ACCEPTANCE:
+            return self.num_speculative_tokens
+        req.spec_steps_since_probe += 1
+        if req.spec_steps_since_probe < PROBE_EVERY:
+            return 0
+        req.spec_steps_since_probe = 0
+        return 1
+
     def verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """The forward pass accepted `num_accepted` of the request's `num_drafts` guesses: the rejected ones were
         not computed after all, and blocks only they used go back."""
         req.num_computed_tokens -= num_drafts - num_accepted
         self.kv.trim(req, req.num_computed_tokens)
+        req.spec_acceptance = ACCEPTANCE_DECAY * req.spec_acceptance + (1 - ACCEPTANCE_DECAY) * num_accepted / num_drafts
         s = self.spec
         s.num_drafts += 1
         s.num_draft_tokens += num_drafts

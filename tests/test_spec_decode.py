@@ -367,3 +367,21 @@ def test_served_streams_are_the_same_with_speculation_on_and_off(default_model_p
         accepted = {m: float(v) for m, v in re.findall(
             r'vllm:spec_decode_num_accepted_tokens_total\{model="(\w+)_llm"[^}]*\} (\S+)', page)}
         assert accepted["lookup"] > 0 and accepted["drafted"] > 0, accepted
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_abort_between_verified_steps_returns_every_block(default_model_path, tokenizer, method):
+    eng = engine(default_model_path, method=method, draft_model_path=default_model_path, num_speculative_tokens=4,
+                 block_size=16)
+    prompts = [tokenizer(t).input_ids for t in REPETITIVE]
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    for _ in range(20):
+        eng.step()
+    assert eng.stats().spec_num_drafts > 0 and eng.kv_blocks_used() > 0
+    for i in range(len(prompts)):
+        out = eng.abort(str(i))
+        assert out.finished and out.finish_reason == "abort"
+    assert eng.kv_blocks_used() == 0 and not eng.has_unfinished()
+    proposer = eng.scheduler.proposer
+    assert not (proposer.index if method == "ngram" else proposer.computed), "the proposer must forget them"

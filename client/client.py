@@ -131,7 +131,6 @@ class LLMClient:
             raise ServerUnavailable(f"no Triton server at {self.url}: {e}") from None
         request_id = uuid.uuid4().hex
         finished = False
-        answered = False     # the server ended the request itself: a final response or an error
         try:
             try:
                 self.client.async_stream_infer(self.model, build_inputs(self._grpc, prompt, params, messages),
@@ -145,17 +144,14 @@ class LLMClient:
             while True:
                 result, error = responses.get(timeout=600)
                 if error is not None:
-                    answered = True
                     raise _as_error(error, self.url)
                 chunk = chunk_from_result(result)
-                finished = answered = chunk.final
+                finished = chunk.final
                 yield chunk
                 if chunk.final:
                     return
         finally:
-            # Cancel only a request still running: the soak saw tritonserver 2.51 keep ~39 KiB for every cancelled
-            # stream whose request its core had refused (perf/RESULTS.md).
-            self.client.stop_stream(cancel_requests=not answered)
+            self.client.stop_stream(cancel_requests=True)
             if not finished:
                 self._stop_engine_request(request_id)
 

@@ -80,17 +80,24 @@ class EngineConfig:
 def check_speculation(cfg: EngineConfig) -> None:
     """Raise ValueError naming the speculative decoding setting at fault and what it allows."""
     if cfg.speculative_method not in SPECULATIVE_METHODS:
-        raise ValueError(f"speculative_method={cfg.speculative_method!r} is not one of {', '.join(SPECULATIVE_METHODS)}")
+        raise ValueError(f"speculative_method={cfg.speculative_method!r} is not one of "
+                         f"{', '.join(SPECULATIVE_METHODS)}")
     if cfg.speculative_method == "none":
         return
     if not 1 <= cfg.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"num_speculative_tokens={cfg.num_speculative_tokens} must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+        raise ValueError(f"num_speculative_tokens={cfg.num_speculative_tokens} must be in "
+                         f"[1, {MAX_SPECULATIVE_TOKENS}]")
     if cfg.speculative_disable_batch_size < 0:
         raise ValueError(f"speculative_disable_batch_size={cfg.speculative_disable_batch_size} must be >= 0 "
                          "(0: speculation in no step)")
-    if cfg.speculative_method == "ngram" and not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
-        raise ValueError(f"prompt_lookup_min={cfg.prompt_lookup_min} and prompt_lookup_max={cfg.prompt_lookup_max} "
-                         "must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max")
+    if cfg.speculative_method == "ngram":
+        check_prompt_lookup(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if cfg.speculative_method == "draft" and not cfg.draft_model_path:
         raise ValueError("speculative_method=draft needs draft_model_path (a model folder with the target's "
                          "tokenizer)")
+
+
+def check_prompt_lookup(min_n: int, max_n: int) -> None:
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"prompt_lookup_min={min_n} and prompt_lookup_max={max_n} must satisfy "
+                         "1 <= prompt_lookup_min <= prompt_lookup_max")

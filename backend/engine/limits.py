@@ -44,8 +44,11 @@ def resolve_block_size(cfg: EngineConfig, device: torch.device) -> int:
     return cfg.block_size or DEFAULT_BLOCK_SIZE.get(device.type, DEFAULT_BLOCK_SIZE["cuda"])
 
 
-def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * (torch.finfo(dtype).bits // 8)
+def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype, draft: ModelConfig | None = None) -> int:
+    """Bytes of one KV block; with a speculative `draft` model, whose K/V share the blocks (draft.py), for both."""
+    per_model = [m for m in (mc, draft) if m is not None]
+    return sum(m.num_layers * 2 * block_size * m.num_kv_heads * m.head_dim for m in per_model) * \
+        (torch.finfo(dtype).bits // 8)
 
 
 def kv_budget(cfg: EngineConfig, device: torch.device, per_block: int, weights_to_load: int = 0) -> tuple[int, str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from trellm_backend.engine.config import check_prompt_lookup
 from trellm_backend.engine.request import Request
 
 
@@ -32,9 +33,7 @@ class Proposer(Protocol):
 
 class NgramProposer:
     def __init__(self, min_n: int, max_n: int):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"prompt_lookup_min={min_n} and prompt_lookup_max={max_n} must satisfy "
-                             "1 <= prompt_lookup_min <= prompt_lookup_max")
+        check_prompt_lookup(min_n, max_n)
         self.min_n, self.max_n = min_n, max_n
         # request id -> ({n-gram: index of the token after its latest occurrence}, tokens indexed so far)
         self.index: dict[str, tuple[dict[tuple[int, ...], int], list[int]]] = {}

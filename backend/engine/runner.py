@@ -44,9 +44,7 @@ class ModelRunner:
                  self.kv_cache.element_size() / 2**20, str(self.dtype).removeprefix("torch."), self.device)
 
     def _num_kv_blocks(self) -> int:
-        per_block = kv_bytes_per_block(self.model_cfg, self.block_size, self.dtype)
-        if self.draft_cfg is not None:
-            per_block += kv_bytes_per_block(self.draft_cfg, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model_cfg, self.block_size, self.dtype, self.draft_cfg)
         budget, setting = kv_budget(self.cfg, self.device, per_block)
         n = budget // per_block
         if n < 1:

@@ -121,9 +121,7 @@ def check_kv_budget(cfg: EngineConfig, mc: ModelConfig, device: torch.device, dt
                     config_file: str, draft: ModelConfig | None = None) -> int:
     """Raise unless the KV pool holds one sequence of max_model_len tokens; return the pool's bytes. A draft
     model's K/V share the blocks (engine/draft.py), so each block is sized for both."""
-    per_block = kv_bytes_per_block(mc, cfg.block_size, dtype)
-    if draft is not None:
-        per_block += kv_bytes_per_block(draft, cfg.block_size, dtype)
+    per_block = kv_bytes_per_block(mc, cfg.block_size, dtype, draft)
     try:
         max_len = context_limit(cfg, mc)
     except ValueError as e:

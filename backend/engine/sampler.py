@@ -29,9 +29,9 @@ class SampledToken:
     logprob: float | None = None                    # when the request asked for logprobs
     top: list[tuple[int, float]] | None = None      # the top-k alternatives (token id, logprob), best first
     rank: int | None = None                         # 1 + how many tokens were more likely than the sampled one
-    # A seeded row that drew: its generator's state right after this row's draw. When later rows of the same
-    # request are thrown away (rejected guesses), the generator goes back to the state after the last row kept,
-    # so a seeded request gives the same tokens with and without speculation.
+    # A seeded row that drew, followed by a guessed row of the same request: its generator's state right after
+    # this row's draw. When the later rows are thrown away (rejected guesses), the generator goes back to the state
+    # after the last row kept, so a seeded request gives the same tokens with and without speculation.
     rng_state: torch.Tensor | None = None
 
 
@@ -113,7 +113,7 @@ def apply_bans(logits: torch.Tensor, requests: list[Request], eos_token_ids=()) 
 def _draw(logits: torch.Tensor, requests: list[Request], temps: list[float]):
     """Greedy rows: argmax of the penalized logits; random rows: temperature, top-k/top-p/min-p, then a draw.
     Returns the token ids, the logits each row's token was finally chosen from, and {row: its generator's state
-    after its draw} for the seeded rows."""
+    after its draw} for the seeded rows that a row of the same request follows."""
     device, V = logits.device, logits.shape[1]
     greedy_ids = logits.argmax(dim=-1)
     temp = torch.tensor([t if t > 0 else 1.0 for t in temps], device=device, dtype=torch.float32)
@@ -134,8 +134,10 @@ def _draw(logits: torch.Tensor, requests: list[Request], temps: list[float]):
     states = {}
     for i in seeded:
         # Drawn on CPU from the request's own generator: reproducible on any device and in any batch.
-        noise[i] = torch.empty(V).exponential_(generator=requests[i].generator).to(device)
-        states[i] = requests[i].generator.get_state()
+        gen = requests[i].generator
+        noise[i] = torch.empty(V).exponential_(generator=gen).to(device)
+        if i + 1 < len(requests) and requests[i + 1].generator is gen:   # a guessed row of the same request follows
+            states[i] = gen.get_state()
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([t == 0.0 for t in temps], device=device)
     return torch.where(is_greedy, greedy_ids, sampled), torch.where(is_greedy[:, None], logits, scaled), states

@@ -11,9 +11,10 @@ accepted every guess (the draft has not yet seen the last guess: one token behin
 nothing (a batch past `speculative_disable_batch_size` costs the draft nothing; it catches up in one chunk when
 guessing resumes), or on a preempted request, which starts over with the target. A request's first chunk trusts
 the draft K/V of the prefix-cache blocks it reuses; blocks computed while the draft was behind hold none, which
-makes guesses over such a prefix worse, never the output wrong. The guesses are the draft's argmax: a point-mass proposal, which verification (engine.py,
-sampler.py) turns into exactly the target's distribution. An EAGLE-style head would be another proposer with the
-same two methods, reading the target's hidden states instead of running a model of its own.
+makes guesses over such a prefix worse, never the output wrong. The guesses are the draft's argmax: a point-mass
+proposal, which verification (engine.py, sampler.py) turns into exactly the target's distribution. An EAGLE-style
+head would be another proposer with the same two methods, reading the target's hidden states instead of running a
+model of its own.
 """
 from __future__ import annotations
 

@@ -199,4 +199,3 @@ class LLMEngine:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
-

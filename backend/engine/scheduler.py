@@ -14,8 +14,8 @@ appended to decode chunks, while no more than `speculative_disable_batch_size` s
 is no longer bound by reading the weights, and verifying guesses costs more than it saves: perf/RESULTS.md), and
 only for requests whose guesses have been paying: one whose recent acceptance fell below `MIN_ACCEPTANCE` guesses a
 single token every `PROBE_EVERY` steps until its guesses are right again (failed guesses cost a CPU step about as
-much as extra sequences do). The guesses get KV slots like any token and count as computed; after the forward pass, `verified` takes back the
-rejected ones (vLLM v1 does the same) and returns blocks that only they needed.
+much as extra sequences do). The guesses get KV slots like any token and count as computed; after the forward
+pass, `verified` takes back the rejected ones (vLLM v1 does the same) and returns blocks that only they needed.
 
 The scheduler alone advances request progress: once a step is planned, each scheduled request's
 `num_computed_tokens` already counts that step's tokens (vLLM v1 does the same), and the output is plain data fixed
@@ -214,7 +214,8 @@ class Scheduler:
         not computed after all, and blocks only they used go back."""
         req.num_computed_tokens -= num_drafts - num_accepted
         self.kv.trim(req, req.num_computed_tokens)
-        req.spec_acceptance = ACCEPTANCE_DECAY * req.spec_acceptance + (1 - ACCEPTANCE_DECAY) * num_accepted / num_drafts
+        latest = num_accepted / num_drafts
+        req.spec_acceptance = ACCEPTANCE_DECAY * req.spec_acceptance + (1 - ACCEPTANCE_DECAY) * latest
         s = self.spec
         s.num_drafts += 1
         s.num_draft_tokens += num_drafts

@@ -1,4 +1,5 @@
 """The launcher: starts tritonserver, reports readiness, and on SIGTERM leaves no process behind."""
+import http.server
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import pytest
 from conftest import REPO, free_ports
 from repository_helpers import processes_mentioning
 from trellm_backend.tools.launch import TritonServer, openmp_wait_defaults
+from trellm_backend.tools.supervisor import Supervisor
 from trellm_client.client import LLMClient
 
 pytestmark = pytest.mark.server
@@ -35,6 +37,59 @@ def test_load_models_need_explicit_model_control():
     r = subprocess.run([sys.executable, "-m", "trellm_backend.tools.launch", "--load-model", "ensemble"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "load_models needs model_control_mode='explicit'" in r.stderr
+
+
+class _Index(http.server.BaseHTTPRequestHandler):
+    """A repository index as tritonserver answers it: vllm_model was unloaded, the rest are READY."""
+    def do_POST(self):
+        body = json.dumps([{"name": "ensemble", "version": "1", "state": "READY"},
+                           {"name": "llm", "version": "1", "state": "READY"},
+                           {"name": "preprocess", "version": "1", "state": "READY"},
+                           {"name": "vllm_model", "state": "UNAVAILABLE", "reason": "unloaded"}]).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class _FakeServer:
+    """What Supervisor uses of launch.TritonServer; start() records the models it was asked to load."""
+    model_control_mode = "explicit"
+
+    def __init__(self, http_url):
+        self.http_url, self.load_models, self.started_with = http_url, ["*"], []
+        self.proc = subprocess.Popen(["sleep", "60"])
+
+    def stop(self, timeout):
+        self.proc.kill()
+        self.proc.wait()
+
+    def start(self):
+        self.started_with.append(list(self.load_models))
+        self.proc = subprocess.Popen(["sleep", "60"])
+
+
+def test_a_server_that_crashed_comes_back_with_the_models_loaded_before_not_all_of_them():
+    """tritonserver 2.51 sometimes aborts on its own when a stub dies; the supervisor can then no longer ask it what
+    was loaded and must use what it saw last, or an unloaded model comes back."""
+    index = http.server.ThreadingHTTPServer(("localhost", 0), _Index)
+    threading.Thread(target=index.serve_forever, daemon=True).start()
+    server = _FakeServer(f"localhost:{index.server_address[1]}")
+    try:
+        supervisor = Supervisor(server, log=open(os.devnull, "w"))
+        assert supervisor.check() is None
+        server.proc.kill()
+        server.proc.wait()
+        reason = supervisor.check()
+        assert reason and "exited" in reason
+        supervisor.restart(reason, backoff=0)
+        assert server.started_with == [["ensemble", "llm", "preprocess"]]
+    finally:
+        server.stop(timeout=1)
+        index.shutdown()
 
 
 def test_sigterm_stops_server_and_stubs(default_model_path, tmp_path):

@@ -9,7 +9,8 @@ longer READY; a reload has started a new stub). A model with several instances t
 the generate probe covers it. On that sign, on the server's own exit (a
 crash), or on a failed generate probe (opt-in: `probe_interval`), it kills the server's process group, which ends
 every open stream with a connection error at once, and starts the server again with the models that were loaded,
-at once the first time and after 1, 2, 4 ... 30 s when restarts follow each other closely.
+as the index said just before (or, where the server is already gone or too busy to answer, at the last look, taken
+every `index_interval` seconds while it serves), at once the first time and after 1, 2, 4 ... 30 s when restarts follow each other closely.
 """
 from __future__ import annotations
 
@@ -80,12 +81,25 @@ class Supervisor:
     probe_interval: float = 0.0           # seconds between generate probes; 0: no probe
     probe_model: str = "ensemble"
     probe_failures: int = 3               # consecutive failed probes that count as a fault
+    index_interval: float = 5.0           # seconds between looks at which models are loaded (explicit mode)
     log: object = sys.stderr
     restarts: list[dict] = field(default_factory=list)   # {"reason", "down_s"} per restart, for the caller
     _stub_models: dict[int, str] = field(default_factory=dict)
     _zombie_seen: dict[int, int] = field(default_factory=dict)
     _failed_probes: int = 0
     _next_probe: float = 0.0
+    _loaded: list[str] = field(default_factory=list)   # READY models at the last look; [] before the first
+    _next_index: float = 0.0
+
+    def _look_at_index(self) -> list[str]:
+        """The READY models now, remembered for a restart that finds the server gone or unresponsive."""
+        try:
+            models = ready_models(self.server.http_url)
+        except (urllib.error.URLError, OSError, ValueError):
+            return self._loaded
+        if models:
+            self._loaded = models
+        return self._loaded
 
     def check(self) -> str | None:
         proc = self.server.proc
@@ -111,6 +125,9 @@ class Supervisor:
             for pid in sorted(suspects):
                 if self._stub_models[pid] in ready:
                     return f"the Python-backend stub of model '{self._stub_models[pid]}' (pid {pid}) died"
+        if self.server.model_control_mode == "explicit" and time.monotonic() >= self._next_index:
+            self._next_index = time.monotonic() + self.index_interval
+            self._look_at_index()
         if self.probe_interval > 0 and time.monotonic() >= self._next_probe:
             self._next_probe = time.monotonic() + self.probe_interval
             problem = generate_probe(self.server.http_url, self.probe_model, timeout=max(self.probe_interval, 5.0))
@@ -124,11 +141,8 @@ class Supervisor:
         and start it again after `backoff` seconds, loading the models that were loaded."""
         down = time.monotonic()
         models = []
-        if self.server.model_control_mode == "explicit" and self.server.proc.poll() is None:
-            try:
-                models = ready_models(self.server.http_url)
-            except (urllib.error.URLError, OSError, ValueError):
-                models = []
+        if self.server.model_control_mode == "explicit":
+            models = self._look_at_index() if self.server.proc.poll() is None else self._loaded
         print(f"supervisor: {reason}; restarting tritonserver in {backoff:.0f} s", file=self.log, flush=True)
         try:
             os.killpg(self.server.proc.pid, signal.SIGKILL)
@@ -142,6 +156,7 @@ class Supervisor:
         self._stub_models.clear()
         self._zombie_seen.clear()
         self._failed_probes = 0
+        self._next_index = 0.0
         self.restarts.append({"reason": reason, "down_s": round(time.monotonic() - down, 1)})
         print(f"supervisor: tritonserver is ready again after {self.restarts[-1]['down_s']} s", file=self.log,
               flush=True)

@@ -8,24 +8,32 @@ Three implementations behind one dispatch: the Triton-lang kernels on CUDA, the 
 CPU for decodes and short chunks (it reads the blocks in place; see cpu_ops.py for how it is built) with torch's
 fused attention for long prefill chunks, and the PyTorch reference below, which is the tests' oracle and the CPU
 fallback when no compiler is present.
+
+An INT8 or FP8 cache (kv_cache.py) comes with k_scale, v_scale [num_blocks, block_size, KVH] float16: key j of
+head h reads as float(k_cache[j, h]) * k_scale[j, h]. The reference dequantizes the blocks the batch uses and runs
+the float reference on them; the kernels fold the scales into the scores and the softmax weights.
 """
 import torch
 import torch.nn.functional as F
 
 from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
+from trellm_kernels.kv_cache import dequantize_kv, is_quantized
 
 
 DECODE_GROUPS = 4
 
 
 def paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                              max_seqlen_q: int, max_seqlen_k: int):
+                              max_seqlen_q: int, max_seqlen_k: int, k_scale=None, v_scale=None):
     """q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; cu_seqlens_q: [B+1]; seq_lens: [B];
-    block_tables: [B, max_blocks] (-1 padded). Returns [T, H, D] in q's dtype.
+    block_tables: [B, max_blocks] (-1 padded); k_scale, v_scale: an INT8/FP8 cache's scales. Returns [T, H, D] in
+    q's dtype.
 
     All decodes (one query row each) run as one padded batch; each prefill chunk runs alone, so a 512-token chunk
     does not pad every decode in the step to 512 rows."""
+    if is_quantized(k_cache):
+        k_cache, v_cache, block_tables = dequantize_blocks(k_cache, v_cache, k_scale, v_scale, block_tables, q.dtype)
     B = seq_lens.shape[0]
     if B == 1 and max_seqlen_q > 1:
         return _padded_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
@@ -47,6 +55,17 @@ def paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block
                                       kv_lens[group[-1]])
     _chunks_alone(out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, longer_than=1)
     return out
+
+
+def dequantize_blocks(k_cache, v_cache, k_scale, v_scale, block_tables, dtype):
+    """The blocks `block_tables` uses, dequantized to `dtype` and numbered 0.. in a compact pair of caches, and the
+    tables renumbered to match (-1 stays -1): the float reference then runs unchanged, reading only those blocks."""
+    used = block_tables[block_tables >= 0].long().unique()
+    renumber = torch.full((k_cache.shape[0],), -1, dtype=block_tables.dtype, device=block_tables.device)
+    renumber[used] = torch.arange(used.numel(), dtype=block_tables.dtype, device=block_tables.device)
+    tables = torch.where(block_tables >= 0, renumber[block_tables.clamp(min=0).long()], -1)
+    return (dequantize_kv(k_cache[used], k_scale[used], dtype), dequantize_kv(v_cache[used], v_scale[used], dtype),
+            tables)
 
 
 def _padded_chunk(q, k_cache, v_cache, table_row, ctx: int, scale):
@@ -119,18 +138,18 @@ def _padded_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                    max_seqlen_q: int, max_seqlen_k: int):
+                    max_seqlen_q: int, max_seqlen_k: int, k_scale=None, v_scale=None):
     """Attention of each query row over its sequence's cached keys/values; see the module docstring."""
     if use_triton(q):
         from trellm_kernels.triton_attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                                      max_seqlen_q, max_seqlen_k)
+                                      max_seqlen_q, max_seqlen_k, k_scale=k_scale, v_scale=v_scale)
     ops = cpu_ops.for_tensor(q)
-    if ops is not None:
+    if ops is not None and (not is_quantized(k_cache) or q.dtype in (torch.float32, torch.bfloat16)):
         return _paged_attention_cpu(ops, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                                    max_seqlen_q)
+                                    max_seqlen_q, k_scale, v_scale)
     return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                                     max_seqlen_q, max_seqlen_k)
+                                     max_seqlen_q, max_seqlen_k, k_scale, v_scale)
 
 
 # Chunks with more query rows than this run in torch's fused attention; decodes and short chunks (speculative
@@ -138,18 +157,29 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
 CPU_OP_MAX_Q_LEN = 16
 
 
-def _paged_attention_cpu(ops, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q):
+def _paged_attention_cpu(ops, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q,
+                         k_scale=None, v_scale=None):
     out = torch.empty_like(q)
     cu, lens = cu_seqlens_q.int(), seq_lens.int()
-    ops.paged_attention(out, q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), cu, lens,
-                        block_tables.int().contiguous(), scale, CPU_OP_MAX_Q_LEN)
+    tables = block_tables.int().contiguous()
+    if is_quantized(k_cache):
+        ops.paged_attention_quantized(out, q.contiguous(), k_cache.view(torch.int8), v_cache.view(torch.int8),
+                                      k_scale.contiguous(), v_scale.contiguous(), cu, lens, tables, scale,
+                                      CPU_OP_MAX_Q_LEN, k_cache.dtype == torch.int8)
+    else:
+        ops.paged_attention(out, q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), cu, lens, tables, scale,
+                            CPU_OP_MAX_Q_LEN)
     if max_seqlen_q > CPU_OP_MAX_Q_LEN:
+        chunk = _sdpa_chunk
+        if is_quantized(k_cache):
+            def chunk(q, k_cache, v_cache, table_row, ctx, scale):
+                return _sdpa_chunk(q, k_cache, v_cache, table_row, ctx, scale, k_scale, v_scale)
         _chunks_alone(out, q, k_cache, v_cache, cu, lens, block_tables, scale, longer_than=CPU_OP_MAX_Q_LEN,
-                      chunk_attention=_sdpa_chunk)
+                      chunk_attention=chunk)
     return out
 
 
-def _sdpa_chunk(q, k_cache, v_cache, table_row, ctx: int, scale):
+def _sdpa_chunk(q, k_cache, v_cache, table_row, ctx: int, scale, k_scale=None, v_scale=None):
     """One long chunk's rows on a CPU: its keys and values gathered once from its blocks (small next to a long
     chunk's work), then torch's fused CPU attention with the causal mask aligned to the chunk's last row. Unlike
     the reference's GEMMs it never builds the score matrix and skips the masked upper triangle of a fresh prompt
@@ -157,8 +187,11 @@ def _sdpa_chunk(q, k_cache, v_cache, table_row, ctx: int, scale):
     n, H, D = q.shape
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]
     blocks = table_row[:(ctx + block_size - 1) // block_size].long()
-    k = k_cache[blocks].reshape(-1, KVH, D)[:ctx].transpose(0, 1)[None]   # [1, KVH, ctx, D]
-    v = v_cache[blocks].reshape(-1, KVH, D)[:ctx].transpose(0, 1)[None]
+    k, v = k_cache[blocks], v_cache[blocks]
+    if k_scale is not None:     # INT8/FP8: the chunk's blocks dequantized (a long chunk's work dwarfs this)
+        k, v = dequantize_kv(k, k_scale[blocks], q.dtype), dequantize_kv(v, v_scale[blocks], q.dtype)
+    k = k.reshape(-1, KVH, D)[:ctx].transpose(0, 1)[None]   # [1, KVH, ctx, D]
+    v = v.reshape(-1, KVH, D)[:ctx].transpose(0, 1)[None]
     # Row i sits at position ctx - n + i and sees keys 0..that position (the lower-right causal mask).
     mask = None if n == ctx else torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,

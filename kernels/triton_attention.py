@@ -37,10 +37,25 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, q_pos, kc_ptr, vc_ptr, bt_ptr, key_lo, key_hi, block_size,
-            s_kb, s_ks, s_vb, s_vs, qk_scale, HEAD_DIM: tl.constexpr, D_P: tl.constexpr, TILE: tl.constexpr,
-            PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Online softmax of the rows q ([M, D_P], absolute positions q_pos) over keys [key_lo, key_hi)."""
+def _decode_kv(raw, QUANT: tl.constexpr):
+    """An INT8 (QUANT 1) or FP8 e4m3 (QUANT 2, its bits as uint8) tile as float32, before its scales. FP8 is decoded
+    with integer arithmetic, exactly, on any GPU and in the interpreter."""
+    if QUANT == 1:
+        return raw.to(tl.float32)
+    b = raw.to(tl.int32) & 0xFF
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where(b >= 128, -mag, mag)
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, q_pos, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, key_lo, key_hi, block_size,
+            s_kb, s_ks, s_vb, s_vs, s_ksb, s_kss, s_vsb, s_vss, qk_scale, HEAD_DIM: tl.constexpr,
+            D_P: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
+    """Online softmax of the rows q ([M, D_P], absolute positions q_pos) over keys [key_lo, key_hi). QUANT (1 INT8,
+    2 FP8): key j's scale multiplies score j, value j's scale the weight p_j, so tiles are only converted."""
     d = tl.arange(0, D_P)
     for start in range(key_lo, key_hi, TILE):
         kpos = start + tl.arange(0, TILE)
@@ -48,25 +63,36 @@ def _attend(acc, m_i, l_i, q, q_pos, kc_ptr, vc_ptr, bt_ptr, key_lo, key_hi, blo
         blk = tl.load(bt_ptr + kpos // block_size, mask=kmask, other=0).to(tl.int64)
         slot = kpos % block_size
         lmask = kmask[None, :] & (d[:, None] < HEAD_DIM)
-        k_t = tl.load(kc_ptr + blk[None, :] * s_kb + slot[None, :] * s_ks + d[:, None], mask=lmask, other=0.0)
-        s = _dot(q, k_t.to(q.dtype), PREC, UPCAST) * qk_scale                       # [M, TILE], log2 domain
+        k_t = tl.load(kc_ptr + blk[None, :] * s_kb + slot[None, :] * s_ks + d[:, None], mask=lmask, other=0)
+        if QUANT == 0:
+            s = _dot(q, k_t.to(q.dtype), PREC, UPCAST) * qk_scale                   # [M, TILE], log2 domain
+        else:
+            k_sc = tl.load(ks_ptr + blk * s_ksb + slot * s_kss, mask=kmask, other=0.0).to(tl.float32)
+            s = _dot(q, _decode_kv(k_t, QUANT).to(q.dtype), PREC, UPCAST) * (k_sc * qk_scale)[None, :]
         s = tl.where((kpos[None, :] <= q_pos[:, None]) & kmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vc_ptr + blk[:, None] * s_vb + slot[:, None] * s_vs + d[None, :],
-                    mask=kmask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+                    mask=kmask[:, None] & (d[None, :] < HEAD_DIM), other=0)
+        if QUANT == 0:
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+        else:
+            v_sc = tl.load(vs_ptr + blk * s_vsb + slot * s_vss, mask=kmask, other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + _dot((p * v_sc[None, :]).to(q.dtype), _decode_kv(v, QUANT).to(q.dtype),
+                                              PREC, UPCAST)
         m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit
-def _paged_attn_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, qk_scale, num_seqs,
-                       block_size, s_qt, s_qh, s_ot, s_oh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt,
+def _paged_attn_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, qk_scale,
+                       num_seqs, block_size, s_qt, s_qh, s_ot, s_oh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt,
+                       s_ksb, s_kss, s_vsb, s_vss,
                        GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       D_P: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                       D_P: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                       QUANT: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     # Largest b with cu_q[b] // BLOCK_Q + b <= pid: the sequence whose tile numbering contains pid.
@@ -97,20 +123,21 @@ def _paged_attn_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, seq_lens_ptr, b
         acc = tl.zeros([BLOCK_Q * GROUP_P, D_P], dtype=tl.float32)
         m_i = tl.full([BLOCK_Q * GROUP_P], NEG_BIG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.float32)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kc_ptr + kvh * s_kh, vc_ptr + kvh * s_vh,
-                                bt_ptr + b.to(tl.int64) * s_bt, 0, key_hi, block_size, s_kb, s_ks, s_vb, s_vs,
-                                qk_scale, HEAD_DIM, D_P, TILE, PREC, UPCAST)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kc_ptr + kvh * s_kh, vc_ptr + kvh * s_vh, ks_ptr + kvh,
+                                vs_ptr + kvh, bt_ptr + b.to(tl.int64) * s_bt, 0, key_hi, block_size, s_kb, s_ks,
+                                s_vb, s_vs, s_ksb, s_kss, s_vsb, s_vss, qk_scale, HEAD_DIM, D_P, TILE, PREC, UPCAST,
+                                QUANT)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + row[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
-def _split_decode_kernel(part_acc_ptr, part_ml_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
-                         qk_scale, block_size, split_len, num_heads, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh,
-                         s_bt, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, D_P: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr,
-                         UPCAST: tl.constexpr):
+def _split_decode_kernel(part_acc_ptr, part_ml_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cu_q_ptr, seq_lens_ptr,
+                         bt_ptr, qk_scale, block_size, split_len, num_heads, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs,
+                         s_vh, s_bt, s_ksb, s_kss, s_vsb, s_vss, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr,
+                         BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr, TILE: tl.constexpr,
+                         PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -130,9 +157,10 @@ def _split_decode_kernel(part_acc_ptr, part_ml_ptr, q_ptr, kc_ptr, vc_ptr, cu_q_
         acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kc_ptr + kvh * s_kh, vc_ptr + kvh * s_vh,
-                                bt_ptr + b.to(tl.int64) * s_bt, key_lo, key_hi, block_size, s_kb, s_ks, s_vb, s_vs,
-                                qk_scale, HEAD_DIM, D_P, TILE, PREC, UPCAST)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kc_ptr + kvh * s_kh, vc_ptr + kvh * s_vh, ks_ptr + kvh,
+                                vs_ptr + kvh, bt_ptr + b.to(tl.int64) * s_bt, key_lo, key_hi, block_size, s_kb,
+                                s_ks, s_vb, s_vs, s_ksb, s_kss, s_vsb, s_vss, qk_scale, HEAD_DIM, D_P, TILE, PREC,
+                                UPCAST, QUANT)
         # partials laid out [T, H, NUM_SPLITS, D_P] and [T, H, NUM_SPLITS, 2] (max, sum)
         idx = (row64 * num_heads + head) * NUM_SPLITS + split
         tl.store(part_acc_ptr + idx[:, None] * D_P + d[None, :], acc, mask=row_ok[:, None])
@@ -174,9 +202,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_s
 
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                           max_seqlen_q: int, max_seqlen_k: int, *, num_splits: int | None = None):
+                           max_seqlen_q: int, max_seqlen_k: int, *, num_splits: int | None = None, k_scale=None,
+                           v_scale=None):
     """Same arguments and result as paged_attention_reference ([T, H, D] in q's dtype). num_splits: None picks a
-    path (see choose_num_splits); 1 forces the single launch; > 1 forces the split path (decode-only batches)."""
+    path (see choose_num_splits); 1 forces the single launch; > 1 forces the split path (decode-only batches).
+    An INT8 or FP8 cache (int8 / float8_e4m3fn) comes with its float16 scales [num_blocks, block_size, KVH]."""
     T, H, D = q.shape
     _, block_size, KVH, _ = k_cache.shape
     B = seq_lens.shape[0]
@@ -194,25 +224,33 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     prec = "ieee" if q.dtype == torch.float32 else "tf32"        # fp32 inputs: exact products, no TF32
     upcast = q.dtype == torch.bfloat16 and not isinstance(_paged_attn_kernel, triton.runtime.JITFunction)
     cu_q, lens, bt = cu_seqlens_q.contiguous(), seq_lens.contiguous(), block_tables.contiguous()
+    quant = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(k_cache.dtype, 0)
+    if quant:
+        assert k_scale.stride(-1) == 1 and v_scale.stride(-1) == 1
+        raw = torch.int8 if quant == 1 else torch.uint8
+        k_cache, v_cache = k_cache.view(raw), v_cache.view(raw)
+    else:
+        k_scale = v_scale = k_cache          # not read: QUANT=0 compiles the scale loads away
     kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    scale_strides = (k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1))
     qk_scale = scale * LOG2E
     if num_splits == 1:
         block_m = max(group_p, 16 if max_seqlen_q * group_p <= 16 else 64)
         block_q = block_m // group_p
         grid = (T // block_q + B, KVH)
-        _paged_attn_kernel[grid](out, q, k_cache, v_cache, cu_q, lens, bt, qk_scale, B, block_size,
-                                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_strides, bt.stride(0),
-                                 GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, HEAD_DIM=D, D_P=d_p, TILE=TILE_N,
-                                 PREC=prec, UPCAST=upcast)
+        _paged_attn_kernel[grid](out, q, k_cache, v_cache, k_scale, v_scale, cu_q, lens, bt, qk_scale, B,
+                                 block_size, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_strides,
+                                 bt.stride(0), *scale_strides, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q,
+                                 HEAD_DIM=D, D_P=d_p, TILE=TILE_N, PREC=prec, UPCAST=upcast, QUANT=quant)
         return out
     split_len = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), TILE_N) * TILE_N
     part_acc = torch.empty(T, H, num_splits, d_p, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(T, H, num_splits, 2, dtype=torch.float32, device=q.device)
     _split_decode_kernel[(B, KVH, num_splits)](
-        part_acc, part_ml, q, k_cache, v_cache, cu_q, lens, bt, qk_scale, block_size, split_len, H,
-        q.stride(0), q.stride(1), *kv_strides, bt.stride(0), NUM_SPLITS=num_splits, GROUP=group,
-        BLOCK_M=max(16, group_p), HEAD_DIM=D, D_P=d_p, TILE=TILE_N, PREC=prec, UPCAST=upcast)
+        part_acc, part_ml, q, k_cache, v_cache, k_scale, v_scale, cu_q, lens, bt, qk_scale, block_size, split_len,
+        H, q.stride(0), q.stride(1), *kv_strides, bt.stride(0), *scale_strides, NUM_SPLITS=num_splits, GROUP=group,
+        BLOCK_M=max(16, group_p), HEAD_DIM=D, D_P=d_p, TILE=TILE_N, PREC=prec, UPCAST=upcast, QUANT=quant)
     _merge_splits_kernel[(T, H)](out, part_acc, part_ml, out.stride(0), out.stride(1), H, NUM_SPLITS=num_splits,
                                  SPLITS_P=triton.next_power_of_2(num_splits), HEAD_DIM=D, D_P=d_p)
     return out

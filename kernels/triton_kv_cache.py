@@ -1,13 +1,55 @@
-"""Triton kernel that scatters this step's K and V rows into the paged KV cache.
+"""Triton kernel that scatters this step's K and V rows into the paged KV cache, quantizing them for an INT8 or FP8
+cache (kv_cache.py's docstring defines the quantizer and why scales are per token and head).
 
 Grid: one program per token. A token's keys (and values) for all KV heads are one small [KVH, D] tile, so a
 program moves the whole token with one load and one store per cache; tokens never share a slot, so programs are
 independent. slot = block_id * block_size + offset_in_block; a slot of -1 marks padding and the program stores
 nothing, leaving that part of the cache untouched.
+
+Quantized, a program also reduces each head's row to its absolute maximum and stores the head's float16 scale.
+FP8 values are encoded with integer arithmetic into the cache's bytes (passed as uint8): the same bits as
+torch's float8_e4m3fn cast on every GPU, including those without FP8 conversion instructions, and in the
+interpreter, whose own float8 cast rounds some values across an exponent boundary wrongly.
 """
 import torch
 import triton
 import triton.language as tl
+
+RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 to the nearest even integer
+
+
+@triton.jit
+def _round_even(y):
+    return (y + RNE_MAGIC) - RNE_MAGIC
+
+
+@triton.jit
+def _encode_fp8_e4m3(y):
+    """float32 y with |y| <= 448 -> the float8_e4m3fn bits (as int32 0..255), rounding half to even."""
+    a = tl.abs(y)
+    bits = a.to(tl.int32, bitcast=True)
+    # Normal range (a >= 2**-6): round the float32 mantissa to 3 bits; a carry moves into the exponent by itself.
+    r = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    # Subnormals: multiples of 2**-9 (a result of 8 is the smallest normal's code, 0x08, as it should be).
+    sub = _round_even(a * 512.0).to(tl.int32)
+    code = tl.where(a < 0.015625, sub, normal)
+    return tl.where(y.to(tl.int32, bitcast=True) < 0, code | 0x80, code)   # the sign bit: -0.0 too
+
+
+@triton.jit
+def _quantize_store(x, c_ptr, s_ptr, mask, hmask, QUANT: tl.constexpr):
+    """Quantize x [BLOCK_H, BLOCK_D] (float32) per row; store the values at c_ptr and the row scales at s_ptr."""
+    QMAX: tl.constexpr = 127.0 if QUANT == 1 else 448.0
+    amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
+    s = tl.maximum(tl.div_rn(amax, QMAX), 0.00006103515625).to(tl.float16)
+    y = tl.div_rn(x, s.to(tl.float32)[:, None])
+    if QUANT == 1:
+        q = tl.minimum(tl.maximum(_round_even(y), -127.0), 127.0).to(tl.int32).to(tl.int8)
+    else:
+        q = _encode_fp8_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0)).to(tl.uint8)
+    tl.store(c_ptr, q, mask=mask)
+    tl.store(s_ptr, s, mask=hmask)
 
 
 @triton.jit
@@ -30,18 +72,52 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, block_size, num_kv_
         tl.store(vc_ptr + blk * s_vcb + off * s_vcs + h * s_vch + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _write_kv_quant_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, block_size, num_kv_heads,
+                           head_dim, s_kt, s_kh, s_vt, s_vh, s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch,
+                           s_ksb, s_kss, s_vsb, s_vss,
+                           QUANT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        blk = slot // block_size
+        off = slot % block_size
+        hh = tl.arange(0, BLOCK_H)
+        h = hh[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        hmask = hh < num_kv_heads
+        mask = (h < num_kv_heads) & (d < head_dim)
+        t64 = t.to(tl.int64)
+        k = tl.load(k_ptr + t64 * s_kt + h * s_kh + d, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t64 * s_vt + h * s_vh + d, mask=mask, other=0.0).to(tl.float32)
+        _quantize_store(k, kc_ptr + blk * s_kcb + off * s_kcs + h * s_kch + d, ks_ptr + blk * s_ksb + off * s_kss + hh,
+                        mask, hmask, QUANT)
+        _quantize_store(v, vc_ptr + blk * s_vcb + off * s_vcs + h * s_vch + d, vs_ptr + blk * s_vsb + off * s_vss + hh,
+                        mask, hmask, QUANT)
+
+
 def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, KVH, D] (any row strides); caches: [num_blocks, block_size, KVH, D]; slot_mapping: [T]."""
+                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
+    """k, v: [T, KVH, D] (any row strides); caches: [num_blocks, block_size, KVH, D]; slot_mapping: [T]; INT8/FP8
+    caches: k_scale, v_scale [num_blocks, block_size, KVH] float16 (head stride 1)."""
     T, KVH, D = k.shape
     if T == 0:
         return
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous in head_dim"
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    _write_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping.contiguous(), k_cache.shape[1], KVH, D,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        BLOCK_H=triton.next_power_of_2(KVH), BLOCK_D=triton.next_power_of_2(D))
+    common = (k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    blocks = dict(BLOCK_H=triton.next_power_of_2(KVH), BLOCK_D=triton.next_power_of_2(D))
+    if k_cache.dtype not in (torch.int8, torch.float8_e4m3fn):
+        _write_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping.contiguous(), k_cache.shape[1], KVH, D,
+                               *common, **blocks)
+        return
+    assert k_scale.stride(-1) == 1 and v_scale.stride(-1) == 1
+    raw = torch.int8 if k_cache.dtype == torch.int8 else torch.uint8
+    _write_kv_quant_kernel[(T,)](
+        k, v, k_cache.view(raw), v_cache.view(raw), k_scale, v_scale, slot_mapping.contiguous(), k_cache.shape[1],
+        KVH, D, *common, k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
+        QUANT=1 if k_cache.dtype == torch.int8 else 2, **blocks)

@@ -5,6 +5,10 @@
 void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                          torch::Tensor cu_seqlens_q, torch::Tensor seq_lens, torch::Tensor block_tables,
                          double scale, int64_t max_q_len);
+void paged_attention_quantized_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor cu_seqlens_q,
+                                   torch::Tensor seq_lens, torch::Tensor block_tables, double scale, int64_t max_q_len,
+                                   bool is_int8);
 void rms_norm_cpu(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm_cpu(torch::Tensor out, torch::Tensor res_out, torch::Tensor x, torch::Tensor residual,
                             torch::Tensor weight, double eps);
@@ -13,11 +17,15 @@ void silu_and_mul_cpu(torch::Tensor out, torch::Tensor x);
 void int8_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, torch::Tensor scales);
 void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor slot_mapping);
+void write_kv_quantized_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor slot_mapping, bool is_int8);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_attention", &paged_attention_cpu,
         "Paged attention over a mixed batch of prefill chunks and decodes, reading the cache in place", no_gil);
+  m.def("paged_attention_quantized", &paged_attention_quantized_cpu,
+        "paged_attention over an INT8 or FP8 e4m3 cache (int8 views) with per-token-and-head float16 scales", no_gil);
   m.def("rms_norm", &rms_norm_cpu, "out = rms_norm(x) * weight", no_gil);
   m.def("fused_add_rms_norm", &fused_add_rms_norm_cpu, "res_out = x + residual; out = rms_norm(res_out) * weight",
         no_gil);
@@ -25,4 +33,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul_cpu, "out = silu(gate) * up", no_gil);
   m.def("int8_linear", &int8_linear_cpu, "y = x (q * scales)^T with q int8 packed [N/8, K/16, 8, 16]", no_gil);
   m.def("write_kv", &write_kv_cpu, "store k and v at their slots of the paged caches", no_gil);
+  m.def("write_kv_quantized", &write_kv_quantized_cpu,
+        "quantize k and v per token and head into an INT8 or FP8 cache (int8 views) and its float16 scales", no_gil);
 }

@@ -160,3 +160,53 @@ void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch
     }
   });
 }
+
+namespace {
+
+// The quantizing KV write of an INT8 or FP8 cache: per token and KV head, amax -> float16 scale -> x / scale rounded
+// into the cache (kernels/kv_cache.py defines the steps; this follows them exactly, in float). The caches come as
+// int8 views of their bytes; `is_int8` picks the format.
+template <typename scalar_t>
+void write_kv_quantized_rows(const scalar_t* x, int64_t x_step, int8_t* cache, at::Half* scales, const int32_t* slots,
+                             int64_t T, int64_t KVH, int64_t D, bool is_int8) {
+  const float qmax = is_int8 ? 127.f : 448.f;
+  at::parallel_for(0, T, grain_rows(2 * KVH * D), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      if (slots[t] < 0) continue;
+      for (int64_t h = 0; h < KVH; ++h) {
+        const scalar_t* row = x + t * x_step + h * D;
+        float amax = 0.f;
+        for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(f32(row[d])));
+        const at::Half s = static_cast<at::Half>(std::max(amax / qmax, 6.103515625e-05f));
+        const float sf = static_cast<float>(s);
+        int8_t* out = cache + (static_cast<int64_t>(slots[t]) * KVH + h) * D;
+        scales[static_cast<int64_t>(slots[t]) * KVH + h] = s;
+        if (is_int8) {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d)
+            out[d] = static_cast<int8_t>(std::min(std::max(std::nearbyint(f32(row[d]) / sf), -127.f), 127.f));
+        } else {
+          for (int64_t d = 0; d < D; ++d)
+            out[d] = static_cast<int8_t>(trellm::fp8_e4m3_bits(std::min(std::max(f32(row[d]) / sf, -448.f), 448.f)));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void write_kv_quantized_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor slot_mapping, bool is_int8) {
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar &&
+                  k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf,
+              "write_kv_quantized: caches as int8 views, scales float16");
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
+  const int32_t* slots = slot_mapping.data_ptr<int32_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, k.scalar_type(), "write_kv_quantized", [&] {
+    write_kv_quantized_rows<scalar_t>(k.data_ptr<scalar_t>(), k.stride(0), k_cache.data_ptr<int8_t>(),
+                                      k_scale.data_ptr<at::Half>(), slots, T, KVH, D, is_int8);
+    write_kv_quantized_rows<scalar_t>(v.data_ptr<scalar_t>(), v.stride(0), v_cache.data_ptr<int8_t>(),
+                                      v_scale.data_ptr<at::Half>(), slots, T, KVH, D, is_int8);
+  });
+}

@@ -5,6 +5,10 @@
 // each work item (one sequence, one KV head, a tile of query rows) walks its block table and keeps an online
 // softmax (running max, running sum, running weighted V) in a few KiB of L1, so K and V are read once, in place.
 //
+// An INT8 or FP8 e4m3 cache (kv_cache_dtype) carries one float16 scale per token and KV head beside it
+// ([num_blocks, block_size, KVH]): a key's scale multiplies its scores, a value's its softmax weight (or the value
+// as it is converted to float), so values are read as 1-byte integers: a quarter of fp32's bytes.
+//
 // Layouts (all contiguous): q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
 // cu_seqlens_q [B+1], seq_lens [B], block_tables [B, max_blocks] (int32). Query row i of sequence b sits at
 // position seq_lens[b] - q_len + i and sees keys 0..that position. The G = H / KVH query heads of a KV head are
@@ -28,6 +32,7 @@
 namespace {
 
 using trellm::exp_approx;
+using trellm::fp8_e4m3;
 using trellm::load16;
 using trellm::v16;
 
@@ -37,24 +42,26 @@ using trellm::v16;
 // into 16 scores. The same slots' values are prefetched for the weighted sum that follows. D is a multiple of 16;
 // kb and vb point at the first slot's keys and values of the item's first KV head; a slot's item heads span
 // `item_width` elements.
-template <typename scalar_t>
-inline void slot_scores_16(const float* qs, int64_t rows, int64_t heads, int64_t G, int64_t D, const scalar_t* kb,
-                           const scalar_t* vb, int64_t slot_stride, int64_t item_width, int64_t n, v16* part,
-                           float* s, int64_t s_stride) {
-  constexpr int64_t kLine = 64 / sizeof(scalar_t);
+// Quantized caches: ksc (non-null) holds the item's key scales as float, [n_kv][BS] from the first slot's.
+template <typename kv_t>
+inline void slot_scores_16(const float* qs, int64_t rows, int64_t heads, int64_t G, int64_t D, const kv_t* kb,
+                           const kv_t* vb, int64_t slot_stride, int64_t item_width, int64_t n, v16* part,
+                           float* s, int64_t s_stride, const float* ksc, int64_t BS) {
+  constexpr int64_t kLine = 64 / sizeof(kv_t);
   for (int64_t jj = 0; jj < 16; ++jj) {
     if (jj >= n) {
       for (int64_t r = 0; r < rows; ++r) part[r * 16 + jj] = v16{};
       continue;
     }
-    const scalar_t* kj = kb + jj * slot_stride;
+    const kv_t* kj = kb + jj * slot_stride;
     for (int64_t e = 0; e < item_width; e += kLine) __builtin_prefetch(vb + jj * slot_stride + e);
     for (int64_t r = 0; r < rows; ++r) {
-      const scalar_t* kh = kj + ((r % heads) / G) * D;
+      const int64_t h = (r % heads) / G;
+      const kv_t* kh = kj + h * D;
       const float* qr = qs + r * D;
       v16 a = {};
       for (int64_t d = 0; d < D; d += 16) a += load16(qr + d) * load16(kh + d);
-      part[r * 16 + jj] = a;
+      part[r * 16 + jj] = ksc ? a * ksc[h * BS + jj] : a;
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -64,13 +71,13 @@ inline void slot_scores_16(const float* qs, int64_t rows, int64_t heads, int64_t
 }
 
 // acc[0:16 NV] += sum_j p[j] * v_j[0:16 NV] with the running sum in NV registers; v_j = v + j * stride.
-template <int NV>
-inline void accumulate_values(float* acc, const float* p, int64_t n, const float* v, int64_t stride) {
+template <int NV, typename kv_t>
+inline void accumulate_values(float* acc, const float* p, int64_t n, const kv_t* v, int64_t stride) {
   v16 a[NV];
   for (int i = 0; i < NV; ++i) a[i] = load16(acc + 16 * i);
   for (int64_t j = 0; j < n; ++j) {
     const float pj = p[j];
-    const float* vj = v + j * stride;
+    const kv_t* vj = v + j * stride;
     for (int i = 0; i < NV; ++i) a[i] += pj * load16(vj + 16 * i);
   }
   for (int i = 0; i < NV; ++i) trellm::store16(acc + 16 * i, a[i]);
@@ -101,10 +108,12 @@ inline void block_scores(const float* qs, int64_t rows, int64_t D, const float* 
   }
 }
 
-template <typename scalar_t, int BS_FIXED>
-void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scalar_t* vc, scalar_t* out,
-            const int32_t* cu, const int32_t* seq_lens, const int32_t* tables, int64_t max_blocks, int64_t H,
-            int64_t KVH, int64_t D, int64_t BS_RUNTIME, float scale) {
+// kv_t: the cache's type, scalar_t (q and out) for a float cache, int8_t or fp8_e4m3 for a quantized one, whose
+// float16 scales are ks, vs ([num_blocks, block_size, KVH]).
+template <typename scalar_t, typename kv_t, int BS_FIXED>
+void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc, const at::Half* ks,
+            const at::Half* vs, scalar_t* out, const int32_t* cu, const int32_t* seq_lens, const int32_t* tables,
+            int64_t max_blocks, int64_t H, int64_t KVH, int64_t D, int64_t BS_RUNTIME, float scale) {
   const int64_t BS = BS_FIXED > 0 ? BS_FIXED : BS_RUNTIME;
   const int64_t G = H / KVH;
   const int64_t q_start = cu[w.seq];
@@ -117,13 +126,17 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
   const int64_t rows = n_pos * heads;             // row r: position row_begin + r / heads, head kv_begin*G + r % heads
   const int64_t kv_end = first_pos + w.row_end;   // keys [0, kv_end) are visible to some row of the item
   const bool transposed = n_kv == 1 && rows >= kTransposeRows;
-  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+  constexpr bool kFloat = std::is_same_v<kv_t, float>;
+  constexpr bool kQuant = std::is_same_v<kv_t, int8_t> || std::is_same_v<kv_t, fp8_e4m3>;
+  // Quantized values with D 64 or 128 are read straight from the cache, the value scale folded into p; other
+  // non-float caches are converted into vb per block first.
+  const bool direct_values = kFloat || (kQuant && (D == 64 || D == 128));
 
   thread_local std::vector<v16> part_buf;          // [rows][16] partial dot products (slot_scores_16)
   if (part_buf.size() < static_cast<size_t>(rows * 16)) part_buf.resize(rows * 16);
   v16* part = part_buf.data();
   thread_local std::vector<float> buf;
-  const size_t need = rows * D * 2 + rows * 2 + rows * BS + D * BS + n_kv * BS * D;
+  const size_t need = rows * D * 2 + rows * 2 + rows * BS + D * BS + n_kv * BS * D + 2 * n_kv * BS + BS;
   if (buf.size() < need) buf.resize(need);
   float* qs = buf.data();            // [rows][D] scaled queries
   float* acc = qs + rows * D;        // [rows][D] running sum of p * V
@@ -132,6 +145,9 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
   float* s = l + rows;               // [rows][BS] scores of the current block
   float* kt = s + rows * BS;         // [D][BS] keys of the current block, transposed (one KV head)
   float* vb = kt + D * BS;           // [n_kv][BS][D] values of the current block as float (non-float caches)
+  float* ksc = vb + n_kv * BS * D;   // [n_kv][BS] key scales of the current block (quantized caches)
+  float* vsc = ksc + n_kv * BS;      // [n_kv][BS] value scales
+  float* pv = vsc + n_kv * BS;       // [BS] softmax weights times the value scales
 
   for (int64_t p = 0; p < n_pos; ++p) {
     const scalar_t* qrow = q + ((q_start + w.row_begin + p) * H + w.kv_begin * G) * D;
@@ -148,21 +164,32 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
     const int64_t block = table[nb];
     const int64_t base = nb * BS;
     const int64_t valid = std::min<int64_t>(BS, kv_end - base);
-    const scalar_t* kb = kc + (block * BS * KVH + w.kv_begin) * D;     // slot j, head h: kb[j*slot_stride + h*D]
-    const scalar_t* vblk = vc + (block * BS * KVH + w.kv_begin) * D;
-    if constexpr (!kFloat) {
+    const kv_t* kb = kc + (block * BS * KVH + w.kv_begin) * D;     // slot j, head h: kb[j*slot_stride + h*D]
+    const kv_t* vblk = vc + (block * BS * KVH + w.kv_begin) * D;
+    if constexpr (kQuant) {
+      const at::Half* kh = ks + block * BS * KVH + w.kv_begin;
+      const at::Half* vh = vs + block * BS * KVH + w.kv_begin;
       for (int64_t h = 0; h < n_kv; ++h)
         for (int64_t j = 0; j < valid; ++j) {
-          const scalar_t* vj = vblk + j * slot_stride + h * D;
+          ksc[h * BS + j] = static_cast<float>(kh[j * KVH + h]);
+          vsc[h * BS + j] = static_cast<float>(vh[j * KVH + h]);
+        }
+    }
+    if (!direct_values) {
+      for (int64_t h = 0; h < n_kv; ++h)
+        for (int64_t j = 0; j < valid; ++j) {
+          const kv_t* vj = vblk + j * slot_stride + h * D;
+          const float sc = kQuant ? vsc[h * BS + j] : 1.f;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) vb[(h * BS + j) * D + d] = static_cast<float>(vj[d]);
+          for (int64_t d = 0; d < D; ++d) vb[(h * BS + j) * D + d] = static_cast<float>(vj[d]) * sc;
         }
     }
     if (transposed) {
       // Many rows share one head's keys: transpose them once to [D][BS] so scores run along the slots.
       for (int64_t j = 0; j < valid; ++j) {
-        const scalar_t* kj = kb + j * slot_stride;
-        for (int64_t d = 0; d < D; ++d) kt[d * BS + j] = static_cast<float>(kj[d]);
+        const kv_t* kj = kb + j * slot_stride;
+        const float sc = kQuant ? ksc[j] : 1.f;
+        for (int64_t d = 0; d < D; ++d) kt[d * BS + j] = static_cast<float>(kj[d]) * sc;
       }
       for (int64_t j = valid; j < BS; ++j)
         for (int64_t d = 0; d < D; ++d) kt[d * BS + j] = 0.f;
@@ -173,17 +200,18 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
       if (D % 16 == 0) {
         for (int64_t j0 = 0; j0 < valid; j0 += 16)
           slot_scores_16(qs, rows, heads, G, D, kb + j0 * slot_stride, vblk + j0 * slot_stride, slot_stride,
-                         n_kv * D, std::min<int64_t>(16, valid - j0), part, s + j0, BS);
+                         n_kv * D, std::min<int64_t>(16, valid - j0), part, s + j0, BS, kQuant ? ksc + j0 : nullptr,
+                         BS);
       } else {
         for (int64_t j = 0; j < valid; ++j) {
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t h = (r % heads) / G;
-            const scalar_t* kj = kb + j * slot_stride + h * D;
+            const kv_t* kj = kb + j * slot_stride + h * D;
             const float* qr = qs + r * D;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < D; ++d) dot += qr[d] * static_cast<float>(kj[d]);
-            s[r * BS + j] = dot;
+            s[r * BS + j] = kQuant ? dot * ksc[h * BS + j] : dot;
           }
         }
       }
@@ -213,6 +241,14 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
       }
+      if (kQuant && direct_values) {
+        const float* vh = vsc + h * BS;
+#pragma omp simd
+        for (int64_t j = 0; j < visible; ++j) pv[j] = sr[j] * vh[j];
+        if (D == 64) accumulate_values<4>(ar, pv, visible, vblk + h * D, slot_stride);
+        else accumulate_values<8>(ar, pv, visible, vblk + h * D, slot_stride);
+        continue;
+      }
       const float* v0;
       int64_t v_stride;
       if constexpr (kFloat) v0 = vblk + h * D, v_stride = slot_stride;
@@ -239,10 +275,10 @@ void attend(const WorkItem& w, const scalar_t* q, const scalar_t* kc, const scal
   }
 }
 
-template <typename scalar_t>
-void run_all(const std::vector<WorkItem>& items, const scalar_t* q, const scalar_t* kc, const scalar_t* vc,
-             scalar_t* out, const int32_t* cu, const int32_t* seq_lens, const int32_t* tables, int64_t max_blocks,
-             int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale) {
+template <typename scalar_t, typename kv_t>
+void run_all(const std::vector<WorkItem>& items, const scalar_t* q, const kv_t* kc, const kv_t* vc, const at::Half* ks,
+             const at::Half* vs, scalar_t* out, const int32_t* cu, const int32_t* seq_lens, const int32_t* tables,
+             int64_t max_blocks, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale) {
   // Items are sorted longest first and taken from a shared counter: the threads of torch's own pool balance
   // sequences of very different lengths without a second OpenMP runtime in the process.
   std::atomic<int64_t> next{0};
@@ -251,28 +287,31 @@ void run_all(const std::vector<WorkItem>& items, const scalar_t* q, const scalar
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
       const WorkItem& w = items[i];
-      if (BS == 16) attend<scalar_t, 16>(w, q, kc, vc, out, cu, seq_lens, tables, max_blocks, H, KVH, D, BS, scale);
-      else if (BS == 32) attend<scalar_t, 32>(w, q, kc, vc, out, cu, seq_lens, tables, max_blocks, H, KVH, D, BS, scale);
-      else if (BS == 128) attend<scalar_t, 128>(w, q, kc, vc, out, cu, seq_lens, tables, max_blocks, H, KVH, D, BS, scale);
-      else attend<scalar_t, 0>(w, q, kc, vc, out, cu, seq_lens, tables, max_blocks, H, KVH, D, BS, scale);
+#define TRELLM_ATTEND(BSF) \
+  attend<scalar_t, kv_t, BSF>(w, q, kc, vc, ks, vs, out, cu, seq_lens, tables, max_blocks, H, KVH, D, BS, scale)
+      if (BS == 16) TRELLM_ATTEND(16);
+      else if (BS == 32) TRELLM_ATTEND(32);
+      else if (BS == 128) TRELLM_ATTEND(128);
+      else TRELLM_ATTEND(0);
+#undef TRELLM_ATTEND
     }
   });
 }
 
 }  // namespace
 
-void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                         torch::Tensor cu_seqlens_q, torch::Tensor seq_lens, torch::Tensor block_tables,
-                         double scale, int64_t max_q_len) {
+namespace {
+
+std::vector<WorkItem> work_items(torch::Tensor q, torch::Tensor out, torch::Tensor k_cache, torch::Tensor v_cache,
+                                 torch::Tensor cu_seqlens_q, torch::Tensor seq_lens, torch::Tensor block_tables,
+                                 int64_t max_q_len) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention_cpu: q, out and the caches must be contiguous");
   TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "paged_attention_cpu: cu_seqlens_q, seq_lens and block_tables must be int32 (block_tables contiguous)");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
-              "paged_attention_cpu: q, out and the caches must share a dtype");
-  const int64_t H = q.size(1), D = q.size(2);
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "paged_attention_cpu: q and out must share a dtype");
+  const int64_t H = q.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(H % KVH == 0, "paged_attention_cpu: num_heads must be a multiple of num_kv_heads");
   const int64_t B = seq_lens.size(0);
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
@@ -300,12 +339,52 @@ void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return items;
+}
 
-  const int64_t max_blocks = block_tables.size(1);
+}  // namespace
+
+void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                         torch::Tensor cu_seqlens_q, torch::Tensor seq_lens, torch::Tensor block_tables,
+                         double scale, int64_t max_q_len) {
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_attention_cpu: q, out and the caches must share a dtype");
+  const auto items = work_items(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_q_len);
+  const int64_t H = q.size(1), D = q.size(2), BS = k_cache.size(1), KVH = k_cache.size(2);
+  const int32_t *cu = cu_seqlens_q.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
-    run_all<scalar_t>(items, q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                      out.data_ptr<scalar_t>(), cu, lens, tables, max_blocks, H, KVH, D, BS,
-                      static_cast<float>(scale));
+    run_all<scalar_t, scalar_t>(items, q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                v_cache.data_ptr<scalar_t>(), nullptr, nullptr, out.data_ptr<scalar_t>(), cu, lens,
+                                tables, block_tables.size(1), H, KVH, D, BS, static_cast<float>(scale));
+  });
+}
+
+// The same over an INT8 (is_int8) or FP8 e4m3 cache, given as int8 views of its bytes, with float16 scales
+// [num_blocks, block_size, KVH]; q and out float32 or bfloat16.
+void paged_attention_quantized_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor cu_seqlens_q,
+                                   torch::Tensor seq_lens, torch::Tensor block_tables, double scale, int64_t max_q_len,
+                                   bool is_int8) {
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar &&
+                  k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf &&
+                  k_scale.is_contiguous() && v_scale.is_contiguous(),
+              "paged_attention_quantized: caches as int8 views, contiguous float16 scales");
+  const auto items = work_items(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_q_len);
+  const int64_t H = q.size(1), D = q.size(2), BS = k_cache.size(1), KVH = k_cache.size(2);
+  const int32_t *cu = cu_seqlens_q.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const at::Half *ks = k_scale.data_ptr<at::Half>(), *vs = v_scale.data_ptr<at::Half>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention_quantized", [&] {
+    if (is_int8)
+      run_all<scalar_t, int8_t>(items, q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+                                ks, vs, out.data_ptr<scalar_t>(), cu, lens, tables, block_tables.size(1), H, KVH, D,
+                                BS, static_cast<float>(scale));
+    else
+      run_all<scalar_t, fp8_e4m3>(items, q.data_ptr<scalar_t>(),
+                                  reinterpret_cast<const fp8_e4m3*>(k_cache.data_ptr<int8_t>()),
+                                  reinterpret_cast<const fp8_e4m3*>(v_cache.data_ptr<int8_t>()), ks, vs,
+                                  out.data_ptr<scalar_t>(), cu, lens, tables, block_tables.size(1), H, KVH, D, BS,
+                                  static_cast<float>(scale));
   });
 }

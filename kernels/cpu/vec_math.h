@@ -30,6 +30,37 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
+// An FP8 e4m3 (float8_e4m3fn) value of the KV cache, as its byte. The conversion to float is integer arithmetic
+// and selects (no table, no denormal float), so `omp simd` loops and load16 below vectorize it.
+struct fp8_e4m3 {
+  uint8_t bits;
+  operator float() const {
+    const int32_t b = bits, e = (b >> 3) & 15, m = b & 7;
+    const int32_t normal_bits = ((e + 120) << 23) | (m << 20);
+    float normal;
+    std::memcpy(&normal, &normal_bits, sizeof(normal));
+    const float mag = e == 0 ? static_cast<float>(m) * 0.001953125f : normal;
+    return b & 0x80 ? -mag : mag;
+  }
+};
+
+// float -> float8_e4m3fn bits for |y| <= 448, rounding half to even: torch's cast, bit for bit.
+inline uint8_t fp8_e4m3_bits(float y) {
+  int32_t ybits;
+  std::memcpy(&ybits, &y, sizeof(ybits));
+  const float a = std::fabs(y);
+  int32_t bits;
+  std::memcpy(&bits, &a, sizeof(bits));
+  int32_t code;
+  if (a < 0.015625f) {
+    code = static_cast<int32_t>(std::nearbyint(a * 512.0f));   // subnormals: multiples of 2^-9
+  } else {
+    const int32_t r = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF;
+    code = (((r >> 23) - 120) << 3) | ((r >> 20) & 7);
+  }
+  return static_cast<uint8_t>(ybits < 0 ? code | 0x80 : code);
+}
+
 // 16 floats as one value: GCC and Clang map it onto AVX-512 registers (two AVX2 ones elsewhere), so the loops
 // below keep their running sums in registers instead of reloading them from memory on every step.
 typedef float v16 __attribute__((vector_size(64)));

@@ -183,6 +183,116 @@ def test_write_kv_skips_padding(kvh, d, bs, dtype, cache_dtype):
     assert not torch.equal(k_cache, before)
 
 
+# ------------------------------------------------------------------------------- INT8 / FP8 KV cache (issue 17)
+
+KV_QUANT = [torch.int8, torch.float8_e4m3fn]
+
+
+def quantized(args, cache_dtype):
+    """paged_case's arguments with its caches quantized to cache_dtype (kv_cache.quantize_kv), and their scales."""
+    q, k_cache, v_cache = args[:3]
+    qk, k_scale = kv_cache.quantize_kv(k_cache, cache_dtype)
+    qv, v_scale = kv_cache.quantize_kv(v_cache, cache_dtype)
+    return (q, qk, qv, *args[3:]), dict(k_scale=k_scale, v_scale=v_scale)
+
+
+def dequantized(args, scales):
+    dtype = args[0].dtype
+    return (args[0], kv_cache.dequantize_kv(args[1], scales["k_scale"], dtype),
+            kv_cache.dequantize_kv(args[2], scales["v_scale"], dtype), *args[3:])
+
+
+@pytest.mark.parametrize("cache_dtype", KV_QUANT)
+@pytest.mark.parametrize("kvh,d,bs,dtype", [(2, 64, 16, F32), (1, 8, 32, F16), (4, 16, 16, BF16), (3, 64, 32, BF16)])
+def test_quantized_write_kv_kernels_match_the_reference_bit_for_bit(cache_dtype, kvh, d, bs, dtype):
+    """The Triton kernel and (fp32/bf16 inputs) the C++ operator store the reference's bytes and float16 scales;
+    -1 slots stay untouched; each value reads back within the format's rounding of its token-and-head scale."""
+    g = torch.Generator().manual_seed(13)
+    T, num_blocks = 19, 4
+    qkv = randn(g, T, (2 + 2 * kvh) * d, dtype=dtype) * 4
+    k = qkv[:, 2 * d:(2 + kvh) * d].view(T, kvh, d)
+    v = qkv[:, (2 + kvh) * d:].view(T, kvh, d)
+    k[2] = 0                                   # an all-zero row: the scale's floor keeps it finite
+    k[3, 0, 0] = 300                           # an outlier only widens its own token's scale
+    slots = torch.randperm(num_blocks * bs, generator=g)[:T]
+    slots[[1, 4, 8]] = -1
+    fresh = lambda: ([torch.randint(-100, 100, (num_blocks, bs, kvh, d), generator=g, dtype=torch.int8)  # noqa: E731
+                      .view(cache_dtype) for _ in range(2)],
+                     [torch.rand(num_blocks, bs, kvh, generator=g).half() for _ in range(2)])
+    (kc, vc), (ks, vs) = fresh()
+    ref = [t.clone() for t in (kc, vc, ks, vs)]
+    kv_cache.write_kv_reference(k, v, *ref[:2], slots, *ref[2:])
+    writers = [lambda *a: triton_kv_cache.write_kv_triton(*a)]
+    if dtype in (F32, BF16):
+        ops = cpu_ops.load()
+        assert ops is not None, cpu_ops.error()
+        writers.append(lambda k, v, kc, vc, slots, ks, vs: ops.write_kv_quantized(
+            k, v, kc.view(torch.int8), vc.view(torch.int8), ks, vs, slots.to(torch.int32), cache_dtype == torch.int8))
+    for write in writers:
+        got = [t.clone() for t in (kc, vc, ks, vs)]
+        write(k, v, *got[:2], slots, *got[2:])
+        for a, e in zip(got, ref):
+            assert torch.equal(a.view(torch.int8) if a.dtype == cache_dtype else a,
+                               e.view(torch.int8) if e.dtype == cache_dtype else e)
+    untouched = torch.ones(num_blocks * bs, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    raw = lambda c: c.view(torch.int8).view(-1, kvh, d)   # noqa: E731
+    assert torch.equal(raw(ref[0])[untouched], raw(kc)[untouched])
+    valid = slots[slots >= 0]
+    for x, c, sc in ((k, ref[0], ref[2]), (v, ref[1], ref[3])):
+        x = x[slots >= 0].float()
+        s = sc.view(-1, kvh)[valid].float()[..., None]
+        err = (kv_cache.dequantize_kv(c.view(-1, kvh, d)[valid], sc.view(-1, kvh)[valid]) - x).abs()
+        bound = s * 0.5 if cache_dtype == torch.int8 else x.abs() / 16 + s * 2 ** -10
+        assert (err <= bound * 1.001 + 1e-6).all()
+    assert torch.equal(ref[0].view(-1, kvh, d)[slots[2]].float(), torch.zeros(kvh, d))
+
+
+def test_fp8_encoding_in_the_kernel_is_torchs_cast_bit_for_bit():
+    """The Triton kernels encode FP8 e4m3 with integer arithmetic (the interpreter's own cast misrounds some values):
+    every representable value, every midpoint between two (ties to even) and a dense sweep, -0.0 included."""
+    import triton
+    import triton.language as tl
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[values.isfinite()].sort().values
+    x = torch.cat([values, (values[1:] + values[:-1]) / 2, torch.linspace(-448, 448, 20001),
+                   torch.linspace(-0.03, 0.03, 20001), torch.tensor([-0.0])])
+
+    @triton.jit
+    def encode(x_ptr, y_ptr, n, B: tl.constexpr):
+        i = tl.program_id(0) * B + tl.arange(0, B)
+        tl.store(y_ptr + i, triton_kv_cache._encode_fp8_e4m3(tl.load(x_ptr + i, mask=i < n)).to(tl.uint8),
+                 mask=i < n)
+
+    y = torch.empty(x.shape[0], dtype=torch.uint8)
+    encode[(triton.cdiv(x.shape[0], 8192),)](x, y, x.shape[0], B=8192)
+    assert torch.equal(y, x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+QUANT_ATTENTION = [  # q_lens, ctx_lens, H, KVH, D, block_size, dtype: decodes and chunks over a cached prefix
+    ([1, 5, 17, 1, 16], [0, 16, 15, 32, 17], 4, 4, 64, 16, F32),    # GQA 1
+    ([15, 1, 3], [17, 32, 30], 7, 1, 8, 32, F32),                    # GQA 7, head 8
+    ([1, 16, 1], [40, 16, 0], 16, 2, 64, 32, F32),                   # GQA 8
+    ([1, 5, 17, 1], [0, 16, 15, 32], 8, 2, 64, 32, BF16),
+    ([2, 1, 16], [31, 0, 16], 8, 1, 8, 16, F16),
+    ([1, 1, 1], [99, 16, 0], 8, 2, 64, 16, F16),                     # decode-only: the split path too
+]
+
+
+@pytest.mark.parametrize("cache_dtype", KV_QUANT)
+@pytest.mark.parametrize("q_lens,ctx_lens,h,kvh,d,bs,dtype", QUANT_ATTENTION)
+def test_quantized_attention_kernel_matches_the_reference(cache_dtype, q_lens, ctx_lens, h, kvh, d, bs, dtype):
+    float_args = paged_case(q_lens, ctx_lens, h, kvh, d, bs, dtype)
+    args, scales = quantized(float_args, cache_dtype)
+    ref = attention.paged_attention_reference(*args, **scales)
+    close(ref, attention.paged_attention_reference(*dequantized(args, scales)))   # the oracle: dequantize, attend
+    for splits in ([1, 3] if max(q_lens) == 1 else [1]):
+        close(triton_attention.paged_attention_triton(*args, num_splits=splits, **scales), ref)
+    # What quantization costs here (unit-variance K/V): INT8 ~0.02, FP8 ~0.09 at most on these cases.
+    drift = (ref.float() - attention.paged_attention_reference(*float_args).float()).abs().max().item()
+    assert drift < (0.05 if cache_dtype == torch.int8 else 0.2), drift
+
+
 # ------------------------------------------------------------------------------------------------------ RMSNorm
 
 @pytest.mark.parametrize("shape,dtype,w_dtype", [((5, 64), F32, F32), ((4, 100), F16, F16), ((3, 48), BF16, BF16),
@@ -318,12 +428,20 @@ def build(fn, consts, ptrs, floats=()):
 idx = {"cu_q_ptr": "*i32", "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
 for dt, prec in (("*fp16", "tf32"), ("*fp32", "ieee")):
     build(triton_attention._paged_attn_kernel, dict(GROUP=7, GROUP_P=8, BLOCK_Q=8, HEAD_DIM=8, D_P=16, TILE=32,
-          PREC=prec, UPCAST=False), {"*": dt, **idx}, ("qk_scale",))
+          PREC=prec, UPCAST=False, QUANT=0), {"*": dt, **idx}, ("qk_scale",))
     build(triton_attention._split_decode_kernel, dict(NUM_SPLITS=4, GROUP=4, BLOCK_M=16, HEAD_DIM=128, D_P=128,
-          TILE=32, PREC=prec, UPCAST=False), {"*": dt, **idx}, ("qk_scale",))
+          TILE=32, PREC=prec, UPCAST=False, QUANT=0), {"*": dt, **idx}, ("qk_scale",))
 build(triton_attention._merge_splits_kernel, dict(NUM_SPLITS=3, SPLITS_P=4, HEAD_DIM=64, D_P=64),
       {"*": "*fp32", "out_ptr": "*bf16"})
 build(triton_kv_cache._write_kv_kernel, dict(BLOCK_H=4, BLOCK_D=64), {"*": "*bf16", "slot_ptr": "*i64"})
+for raw, quant in (("*i8", 1), ("*u8", 2)):    # INT8 / FP8 KV caches (FP8 as its bytes: any GPU)
+    kv = {"kc_ptr": raw, "vc_ptr": raw, "ks_ptr": "*fp16", "vs_ptr": "*fp16"}
+    build(triton_attention._paged_attn_kernel, dict(GROUP=4, GROUP_P=4, BLOCK_Q=4, HEAD_DIM=64, D_P=64, TILE=32,
+          PREC="tf32", UPCAST=False, QUANT=quant), {"*": "*bf16", **idx, **kv}, ("qk_scale",))
+    build(triton_attention._split_decode_kernel, dict(NUM_SPLITS=4, GROUP=4, BLOCK_M=16, HEAD_DIM=128, D_P=128,
+          TILE=32, PREC="tf32", UPCAST=False, QUANT=quant), {"*": "*fp16", **idx, **kv}, ("qk_scale",))
+    build(triton_kv_cache._write_kv_quant_kernel, dict(QUANT=quant, BLOCK_H=4, BLOCK_D=64),
+          {"*": "*bf16", "slot_ptr": "*i64", **kv})
 build(triton_rmsnorm._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK_N=1024), {"*": "*bf16"}, ("eps",))
 build(triton_rotary._rotary_kernel, dict(BLOCK_HQ=8, BLOCK_HK=2, BLOCK_R=32),
       {"*": "*fp16", "pos_ptr": "*i64", "cs_ptr": "*fp32"})
@@ -367,6 +485,76 @@ def test_cpu_attention_operator_matches_reference(case, group, d, bs, dtype):
     out = torch.empty_like(args[0])
     ops.paged_attention(out, *args[:7], 1 << 30)
     close(out, attention.paged_attention_reference(*args))
+
+
+@pytest.mark.parametrize("cache_dtype", KV_QUANT)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("bs", [16, 128])
+@pytest.mark.parametrize("d", [8, 64, 128])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("case", range(len(CPU_OP_CASES)))
+def test_cpu_quantized_attention_operator_matches_reference(case, group, d, bs, dtype, cache_dtype):
+    """The operator over an INT8 / FP8 cache (values read as bytes, scales folded into scores and weights)."""
+    ops = cpu_ops.load()
+    assert ops is not None, cpu_ops.error()
+    kvh = 2
+    args, scales = quantized(paged_case(*CPU_OP_CASES[case], kvh * group, kvh, d, bs, dtype, seed=case), cache_dtype)
+    out = torch.empty_like(args[0])
+    ops.paged_attention_quantized(out, args[0], args[1].view(torch.int8), args[2].view(torch.int8),
+                                  scales["k_scale"], scales["v_scale"], *args[3:7], 1 << 30, cache_dtype == torch.int8)
+    close(out, attention.paged_attention_reference(*args, **scales))
+
+
+@pytest.mark.parametrize("cache_dtype", KV_QUANT)
+def test_cpu_dispatch_over_a_quantized_cache(monkeypatch, cache_dtype):
+    """A quantized cache on a CPU: decodes and short chunks in the operator, long chunks through torch's fused
+    attention over their dequantized blocks; together the reference's answer, and the operator saw the short rows
+    only. Without the operators the reference runs."""
+    args, scales = quantized(paged_case([1, 40, 1, 5], [30, 7, 90, 0], 8, 4, 64, 16, F32), cache_dtype)
+    want = attention.paged_attention_reference(*args, **scales)
+    seen = []
+    real = cpu_ops.load()
+
+    class Spy:
+        def paged_attention_quantized(self, *a):
+            seen.append(a[-2])
+            return real.paged_attention_quantized(*a)
+
+    monkeypatch.setattr(cpu_ops, "_module", Spy())
+    monkeypatch.setenv("TRELLM_FORCE_TRITON", "0")
+    close(attention.paged_attention(*args, **scales), want)
+    assert seen == [attention.CPU_OP_MAX_Q_LEN]
+    monkeypatch.setattr(cpu_ops, "_module", None)
+    monkeypatch.setattr(cpu_ops, "_error", "off")
+    close(attention.paged_attention(*args, **scales), want)
+
+
+def test_dispatch_over_a_quantized_cache_routes_to_triton_when_forced(monkeypatch):
+    calls = []
+    for module, name in ((triton_attention, "paged_attention_triton"), (triton_kv_cache, "write_kv_triton")):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
+    args, scales = quantized(paged_case([3, 1], [13, 20], 4, 2, 16, 16, F32), torch.int8)
+    k = randn(torch.Generator().manual_seed(3), 3, 2, 16)
+    slots = torch.tensor([3, -1, 40])
+
+    def run():
+        caches = [args[1].clone(), args[2].clone(), scales["k_scale"].clone(), scales["v_scale"].clone()]
+        kv_cache.write_kv(k, k * 2, caches[0], caches[1], slots, caches[2], caches[3])
+        return (attention.paged_attention(args[0], caches[0], caches[1], *args[3:], k_scale=caches[2],
+                                          v_scale=caches[3]), *caches)
+
+    monkeypatch.setenv("TRELLM_FORCE_TRITON", "0")
+    expected = run()
+    assert calls == []
+    monkeypatch.setenv("TRELLM_FORCE_TRITON", "1")
+    got = run()
+    assert sorted(calls) == ["paged_attention_triton", "write_kv_triton"]
+    close(got[0], expected[0])
+    for a, e in zip(got[1:], expected[1:]):
+        assert torch.equal(a, e)
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        kv_cache.write_kv(k, k, args[1], args[2], slots)
 
 
 def test_cpu_dispatch_splits_long_chunks(monkeypatch):

@@ -17,6 +17,8 @@ def parse_bool(value) -> bool:
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
+# auto: the model's dtype; int8 / fp8_e4m3: quantized per token and KV head with float16 scales (kernels/kv_cache.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 # A verified chunk (guesses + 1 rows) then stays within the CPU attention operator's short chunks (16 rows,
 # kernels/attention.py).
 MAX_SPECULATIVE_TOKENS = 15
@@ -28,6 +30,7 @@ class EngineConfig:
     device: str = "auto"                  # auto: cuda when available, else cpu
     dtype: str = "auto"                   # auto: the checkpoint's dtype on GPU, float32 on CPU
     quantization: str = "none"            # int8: weight-only INT8 of the layers' linears (kernels/linear.py)
+    kv_cache_dtype: str = "auto"          # auto (the model's dtype), int8 or fp8_e4m3: the KV cache's values
     block_size: int = 0                   # tokens per KV block; 0: 128 on CPU, 16 on CUDA (limits.resolve_block_size)
     kv_cache_bytes: int = 512 << 20       # KV pool on CPU
     gpu_memory_utilization: float = 0.9   # KV pool on GPU: this fraction of the memory free after loading weights
@@ -50,6 +53,8 @@ class EngineConfig:
                                           # end with finish_reason abort (under the server's exit timeout, 10 s here)
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         check_speculation(self)
 
     @classmethod

@@ -23,7 +23,7 @@ import os
 import torch
 
 from trellm_backend.engine.config import EngineConfig
-from trellm_backend.engine.runner import attention_metadata
+from trellm_backend.engine.runner import allocate_kv_cache, attention_metadata
 from trellm_backend.models.config import ModelConfig, ModelConfigError, load_model_config
 from trellm_backend.models.llama import LlamaModel
 from trellm_backend.models.weights import load_state_dict
@@ -31,12 +31,14 @@ from trellm_backend.models.weights import load_state_dict
 
 class DraftModelProposer:
     def __init__(self, draft_cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int):
+                 dtype: torch.dtype, max_model_len: int, kv_dtype: torch.dtype | None = None):
+        """kv_dtype: the target's KV cache dtype (INT8/FP8 too: a block's draft K/V are quantized as its target K/V
+        are, which is what limits.kv_bytes_per_block counts); default `dtype`."""
         self.cfg = draft_cfg
         self.block_size, self.device = block_size, device
         self.model = LlamaModel(draft_cfg, load_state_dict(draft_cfg.path, dtype), device, dtype, max_model_len)
-        self.kv_cache = torch.zeros(draft_cfg.num_layers, 2, num_blocks, block_size, draft_cfg.num_kv_heads,
-                                    draft_cfg.head_dim, dtype=dtype, device=device)
+        self.kv_cache, self.kv_scales = allocate_kv_cache(draft_cfg, num_blocks, block_size, kv_dtype or dtype,
+                                                          device)
         self.computed: dict[str, int] = {}     # request id -> positions whose draft K/V are written
 
     @torch.inference_mode()
@@ -81,7 +83,7 @@ class DraftModelProposer:
         meta, cu = attention_metadata(starts, [len(t) for t in tokens], tables, self.block_size, self.device)
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=self.device)
         logits_indices = (cu[1:] - 1)[sample_rows].to(self.device)
-        logits = self.model.forward(ids, meta, self.kv_cache, logits_indices)
+        logits = self.model.forward(ids, meta, self.kv_cache, logits_indices, self.kv_scales)
         return logits.argmax(dim=-1).tolist()
 
     def forget(self, request_id: str) -> None:

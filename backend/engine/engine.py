@@ -50,7 +50,7 @@ class LLMEngine:
         else:
             r = self.runner
             proposer = DraftModelProposer(draft_cfg, r.num_blocks, r.block_size, r.device, r.dtype,
-                                          self.max_model_len)
+                                          self.max_model_len, kv_dtype=r.kv_dtype)
         return proposer, config.num_speculative_tokens, config.speculative_disable_batch_size
 
     # -- requests in ---------------------------------------------------------------------------------------

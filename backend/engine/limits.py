@@ -7,6 +7,7 @@ import torch
 
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.models.config import DTYPES, ModelConfig
+from trellm_kernels.kv_cache import KV_CACHE_DTYPES, QMAX, SCALE_DTYPE
 
 
 def resolve_device_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> tuple[torch.device, torch.dtype]:
@@ -44,11 +45,22 @@ def resolve_block_size(cfg: EngineConfig, device: torch.device) -> int:
     return cfg.block_size or DEFAULT_BLOCK_SIZE.get(device.type, DEFAULT_BLOCK_SIZE["cuda"])
 
 
-def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype, draft: ModelConfig | None = None) -> int:
-    """Bytes of one KV block; with a speculative `draft` model, whose K/V share the blocks (draft.py), for both."""
+def resolve_kv_cache_dtype(cfg: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache tensor's dtype: the model's `dtype` (kv_cache_dtype auto), else int8 or float8_e4m3fn."""
+    return dtype if cfg.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[cfg.kv_cache_dtype]
+
+
+def kv_bytes_per_block(mc: ModelConfig, block_size: int, kv_dtype: torch.dtype,
+                       draft: ModelConfig | None = None) -> int:
+    """Bytes of one KV block in a cache of `kv_dtype` (resolve_kv_cache_dtype); an INT8/FP8 cache adds its float16
+    scale per token and KV head. With a speculative `draft` model, whose K/V share the blocks (draft.py) in the same
+    kv_dtype, for both."""
     per_model = [m for m in (mc, draft) if m is not None]
-    return sum(m.num_layers * 2 * block_size * m.num_kv_heads * m.head_dim for m in per_model) * \
-        (torch.finfo(dtype).bits // 8)
+    per_value = kv_dtype.itemsize
+    per_head = sum(m.num_layers * 2 * block_size * m.num_kv_heads for m in per_model)
+    head_dims = sum(m.num_layers * 2 * block_size * m.num_kv_heads * m.head_dim for m in per_model)
+    scale_bytes = per_head * SCALE_DTYPE.itemsize if kv_dtype in QMAX else 0
+    return head_dims * per_value + scale_bytes
 
 
 def kv_budget(cfg: EngineConfig, device: torch.device, per_block: int, weights_to_load: int = 0) -> tuple[int, str]:

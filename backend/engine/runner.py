@@ -10,7 +10,7 @@ import logging
 import torch
 
 from trellm_backend.engine.config import EngineConfig
-from trellm_backend.engine.limits import kv_budget, kv_bytes_per_block, resolve_device_dtype
+from trellm_backend.engine.limits import kv_budget, kv_bytes_per_block, resolve_device_dtype, resolve_kv_cache_dtype
 from trellm_backend.models.config import ModelConfig
 from trellm_backend.models.llama import AttentionMetadata, LlamaModel
 from trellm_backend.engine.sampler import SampledToken, sample
@@ -18,6 +18,7 @@ from trellm_backend.engine.request import Request
 from trellm_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
 from trellm_backend.models.weights import load_state_dict
 from trellm_kernels import cpu_ops
+from trellm_kernels.kv_cache import QMAX, SCALE_DTYPE
 
 log = logging.getLogger("trellm")
 
@@ -31,20 +32,23 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.draft_cfg = draft_cfg
         self.device, self.dtype = resolve_device_dtype(cfg, model_cfg)
+        self.kv_dtype = resolve_kv_cache_dtype(cfg, self.dtype)
         if self.device.type == "cpu":
             cpu_ops.load()   # build or load the C++ operators now, at model load, never on a request
         state = load_state_dict(model_cfg.path, self.dtype)
         self.model = LlamaModel(model_cfg, state, self.device, self.dtype, max_model_len, cfg.quantization)
         self.block_size = cfg.block_size
         self.num_blocks = self._num_kv_blocks()
-        self.kv_cache = torch.zeros(model_cfg.num_layers, 2, self.num_blocks, self.block_size,
-                                    model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache, self.kv_scales = allocate_kv_cache(model_cfg, self.num_blocks, self.block_size, self.kv_dtype,
+                                                          self.device)
         log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB, %s on %s", self.num_blocks,
-                 self.block_size, self.num_blocks * self.block_size, self.kv_cache.numel() *
-                 self.kv_cache.element_size() / 2**20, str(self.dtype).removeprefix("torch."), self.device)
+                 self.block_size, self.num_blocks * self.block_size, self.num_blocks * kv_bytes_per_block(
+                     model_cfg, self.block_size, self.kv_dtype) / 2**20,
+                 str(self.kv_dtype).removeprefix("torch.") + (" (float16 scale per token and head)"
+                                                              if self.kv_scales is not None else ""), self.device)
 
     def _num_kv_blocks(self) -> int:
-        per_block = kv_bytes_per_block(self.model_cfg, self.block_size, self.dtype, self.draft_cfg)
+        per_block = kv_bytes_per_block(self.model_cfg, self.block_size, self.kv_dtype, self.draft_cfg)
         budget, setting = kv_budget(self.cfg, self.device, per_block)
         n = budget // per_block
         if n < 1:
@@ -71,10 +75,20 @@ class ModelRunner:
         else:
             logits_indices = torch.cat([torch.arange(e - r, e) for e, r in zip(ends.tolist(), rows)])
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device)
-        logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices.to(self.device))
+        logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices.to(self.device), self.kv_scales)
         if not sampling:
             return []
         return sample(logits, [r for i in sampling for r in rows_to_sample(chunks[i])], self.model_cfg.eos_token_ids)
+
+
+def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pool [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] in kv_dtype and, for an INT8/FP8
+    cache, its scales [num_layers, 2, num_blocks, block_size, num_kv_heads] (float16), else None."""
+    shape = (mc.num_layers, 2, num_blocks, block_size, mc.num_kv_heads)
+    cache = torch.zeros(*shape, mc.head_dim, dtype=kv_dtype, device=device)
+    scales = torch.zeros(*shape, dtype=SCALE_DTYPE, device=device) if kv_dtype in QMAX else None
+    return cache, scales
 
 
 def attention_metadata(starts: list[int], q_lens: list[int], tables: list[list[int]], block_size: int,

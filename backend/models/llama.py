@@ -126,10 +126,12 @@ class LlamaModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] -> logits [len(logits_indices), vocab] (fp32) of the selected tokens.
 
         kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; new K/V are written into it.
+        kv_scales: with an INT8/FP8 kv_cache, its float16 scales [num_layers, 2, num_blocks, block_size,
+        num_kv_heads] (kernels/kv_cache.py).
         """
         cfg = self.cfg
         T = input_ids.shape[0]
@@ -151,9 +153,10 @@ class LlamaModel:
                 k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
             q, k = apply_rotary(q.contiguous(), k.contiguous(), meta.positions, self.cos_sin)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
             attn = paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                                   self.scale, meta.max_seqlen_q, meta.max_seqlen_k)
+                                   self.scale, meta.max_seqlen_q, meta.max_seqlen_k, k_scale, v_scale)
             h = linear(attn.reshape(T, self.q_size), w.o, w.o_bias)
             x, residual = fused_add_rms_norm(h, residual, w.post_norm, cfg.rms_norm_eps)
             gu = linear(x, w.gate_up, w.gate_up_bias)

@@ -19,7 +19,7 @@ from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.draft import load_draft_config
 from trellm_backend.models.config import ModelConfig, ModelConfigError, load_model_config
 from trellm_backend.engine.limits import (context_limit, kv_budget, kv_bytes_per_block, resolve_block_size,
-                                         resolve_device_dtype)
+                                         resolve_device_dtype, resolve_kv_cache_dtype)
 from trellm_backend.triton.parameters import resolve_model_path
 from trellm_kernels.linear import QUANTIZATIONS
 from trellm_backend.models.weights import safetensors_files, tensor_header
@@ -121,7 +121,7 @@ def check_kv_budget(cfg: EngineConfig, mc: ModelConfig, device: torch.device, dt
                     config_file: str, draft: ModelConfig | None = None) -> int:
     """Raise unless the KV pool holds one sequence of max_model_len tokens; return the pool's bytes. A draft
     model's K/V share the blocks (engine/draft.py), so each block is sized for both."""
-    per_block = kv_bytes_per_block(mc, cfg.block_size, dtype, draft)
+    per_block = kv_bytes_per_block(mc, cfg.block_size, resolve_kv_cache_dtype(cfg, dtype), draft)
     try:
         max_len = context_limit(cfg, mc)
     except ValueError as e:

@@ -53,6 +53,20 @@ def test_prefix_cache_under_preemption(default_model_path, expected):
     assert got == expected
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_kv_cache_under_prefix_caching_chunking_and_preemption(default_model_path, kv_cache_dtype):
+    """An INT8/FP8 cache stores each token's K/V quantized on their own (one scale per token and head), so a reused
+    prefix block, a prefill cut into 8-token chunks and a preempted-and-recomputed request give the tokens of a
+    plain run with the same cache dtype (that run's agreement with the float model: test_quantization.py)."""
+    _, plain = run(default_model_path, kv_cache_bytes=32 << 20, enable_prefix_caching=False,
+                   max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype)
+    engine, got = run(default_model_path, kv_cache_bytes=32 << 20, max_num_batched_tokens=8,
+                      kv_cache_dtype=kv_cache_dtype)
+    assert engine.kv.num_hits >= 3 * (len(PROMPTS) - 2) and got == plain
+    engine, got = run(default_model_path, num_kv_blocks=12, max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype)
+    assert engine.num_preemptions > 0 and got == plain
+
+
 def test_reused_blocks_are_reported_per_request(default_model_path):
     engine = LLMEngine(EngineConfig(model_path=default_model_path, block_size=16, kv_cache_bytes=16 << 20))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

@@ -38,6 +38,10 @@ def watch_server_shutdown(pb_utils, model_name: str, on_shutdown: Callable[[str]
         reader, writer = socket.socketpair()
         writer.setblocking(False)
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        # Python installs its handlers without SA_RESTART, so the signal made a blocking call of the stub's C++ IPC
+        # fail with EINTR; the stub's boost semaphore wait throws on that and the stub died (1 run in 5): its
+        # streams then hung until the exit timeout. The stub's own handler restarts such calls; so must ours.
+        signal.siginterrupt(signal.SIGTERM, False)
         signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     except ValueError:
         log.info("not on the main thread: the server's stop is noticed by polling only")

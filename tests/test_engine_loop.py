@@ -10,6 +10,7 @@ from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.loop import DuplicateClientId, EngineLoop, QueueFull
 from trellm_backend.engine.request import SamplingParams
+from trellm_backend.triton.tokenization import load_tokenizer
 
 LONG = SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True)
 
@@ -139,3 +140,37 @@ def test_shut_down_refuses_new_requests_and_ends_those_in_flight_after_the_grace
     assert running.done.wait(10) and waiting.done.wait(10)
     assert running.outputs[-1].finish_reason == waiting.outputs[-1].finish_reason == "abort"
     wait_until(lambda: loop.engine.kv.num_used == 0)
+
+
+class SlowSink(Sink):
+    """A client whose responses take longer than a step, as a busy server's IPC does."""
+
+    def send(self, output):
+        time.sleep(0.03)
+        super().send(output)
+
+
+def test_a_responder_behind_the_steps_sends_each_request_one_merged_response_losing_nothing(default_model_path):
+    tokenizer = load_tokenizer(default_model_path)
+    engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20, max_num_seqs=4),
+                       tokenizer=tokenizer)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [[1, 50, 60, 70], [1, 80, 90], [1, 7, 8, 9, 10]]
+    expected = engine.generate(prompts, params)
+    loop = EngineLoop(engine)
+    try:
+        sinks = [SlowSink() for _ in prompts]
+        loop.submit([engine.make_request(f"r{i}", p, params) for i, p in enumerate(prompts)], sinks)
+        for s in sinks:
+            assert s.done.wait(60)
+    finally:
+        loop.stop()
+    for sink, tokens in zip(sinks, expected):
+        outs = sink.outputs
+        assert len(outs) < len(tokens), "a responder slower than the steps must send fewer responses than tokens"
+        assert [t for o in outs for t in o.new_token_ids] == tokens
+        assert [len(o.logprobs) for o in outs] == [len(o.new_token_ids) for o in outs]
+        assert [len(o.top_logprobs) for o in outs] == [len(o.new_token_ids) for o in outs]
+        assert "".join(o.text for o in outs) == tokenizer.decode(tokens)
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert outs[-1].num_output_tokens == len(tokens) and outs[-1].finish_reason == "length"

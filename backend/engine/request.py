@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -178,3 +178,12 @@ class RequestOutput:
     cumulative_logprob: float = 0.0
     times: RequestTimes = field(default_factory=lambda: RequestTimes(0))
     num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache
+
+    def then(self, later: "RequestOutput") -> "RequestOutput":
+        """This output and the same request's next one as a single output: the new tokens, text and logprobs of
+        both, the rest as of the later one (a responder that fell behind sends one response instead of two)."""
+        def both(a, b):
+            return None if a is None or b is None else a + b
+        return replace(
+            later, new_token_ids=self.new_token_ids + later.new_token_ids, text=self.text + later.text,
+            logprobs=both(self.logprobs, later.logprobs), top_logprobs=both(self.top_logprobs, later.top_logprobs))

@@ -187,9 +187,11 @@ def _sdpa_chunk(q, k_cache, v_cache, table_row, ctx: int, scale, k_scale=None, v
     n, H, D = q.shape
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]
     blocks = table_row[:(ctx + block_size - 1) // block_size].long()
-    k, v = k_cache[blocks], v_cache[blocks]
-    if k_scale is not None:     # INT8/FP8: the chunk's blocks dequantized (a long chunk's work dwarfs this)
-        k, v = dequantize_kv(k, k_scale[blocks], q.dtype), dequantize_kv(v, v_scale[blocks], q.dtype)
+    if k_scale is None:
+        k, v = k_cache[blocks], v_cache[blocks]
+    else:   # INT8/FP8: the chunk's blocks dequantized as they are gathered (a long chunk's work dwarfs this)
+        k, v = _gather_dequantized(k_cache, k_scale, blocks, q.dtype), _gather_dequantized(v_cache, v_scale, blocks,
+                                                                                           q.dtype)
     k = k.reshape(-1, KVH, D)[:ctx].transpose(0, 1)[None]   # [1, KVH, ctx, D]
     v = v.reshape(-1, KVH, D)[:ctx].transpose(0, 1)[None]
     # Row i sits at position ctx - n + i and sees keys 0..that position (the lower-right causal mask).
@@ -197,3 +199,14 @@ def _sdpa_chunk(q, k_cache, v_cache, table_row, ctx: int, scale, k_scale=None, v
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,
                                        scale=scale, enable_gqa=H != KVH)
     return o[0].transpose(0, 1)
+
+
+def _gather_dequantized(cache, scales, blocks, dtype):
+    """cache[blocks] * scales[blocks] in `dtype`: the C++ operator on a CPU (one pass: 0.015-0.03 ms for a 512-token
+    context of the anchor's shape, where torch's gather, cast and multiply took 0.3 ms), else torch."""
+    ops = cpu_ops.for_tensor(cache)
+    if ops is None or dtype not in (torch.float32, torch.bfloat16):
+        return dequantize_kv(cache[blocks], scales[blocks], dtype)
+    out = torch.empty(blocks.shape[0], *cache.shape[1:], dtype=dtype, device=cache.device)
+    ops.gather_dequantize(out, cache.view(torch.int8), scales, blocks.contiguous(), cache.dtype == torch.int8)
+    return out

@@ -506,6 +506,19 @@ def test_cpu_quantized_attention_operator_matches_reference(case, group, d, bs, 
 
 
 @pytest.mark.parametrize("cache_dtype", KV_QUANT)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("d", [8, 64])
+def test_cpu_gather_dequantize_operator_matches_the_reference(cache_dtype, dtype, d):
+    """The long-chunk path's gather: the blocks in the order given, each value times its scale, as torch does it."""
+    g = torch.Generator().manual_seed(14)
+    cache, scales = kv_cache.quantize_kv(randn(g, 9, 16, 3, d) * 3, cache_dtype)
+    blocks = torch.tensor([7, 2, 2, 0, 8])
+    out = torch.empty(5, 16, 3, d, dtype=dtype)
+    _cpu_ops().gather_dequantize(out, cache.view(torch.int8), scales, blocks, cache_dtype == torch.int8)
+    assert torch.equal(out, kv_cache.dequantize_kv(cache[blocks], scales[blocks], dtype))
+
+
+@pytest.mark.parametrize("cache_dtype", KV_QUANT)
 def test_cpu_dispatch_over_a_quantized_cache(monkeypatch, cache_dtype):
     """A quantized cache on a CPU: decodes and short chunks in the operator, long chunks through torch's fused
     attention over their dequantized blocks; together the reference's answer, and the operator saw the short rows
@@ -520,10 +533,15 @@ def test_cpu_dispatch_over_a_quantized_cache(monkeypatch, cache_dtype):
             seen.append(a[-2])
             return real.paged_attention_quantized(*a)
 
+        def __getattr__(self, name):
+            seen.append(name)
+            return getattr(real, name)
+
     monkeypatch.setattr(cpu_ops, "_module", Spy())
     monkeypatch.setenv("TRELLM_FORCE_TRITON", "0")
     close(attention.paged_attention(*args, **scales), want)
-    assert seen == [attention.CPU_OP_MAX_Q_LEN]
+    # the long chunk's keys and values dequantized by the operator as they are gathered
+    assert seen == [attention.CPU_OP_MAX_Q_LEN, "gather_dequantize", "gather_dequantize"]
     monkeypatch.setattr(cpu_ops, "_module", None)
     monkeypatch.setattr(cpu_ops, "_error", "off")
     close(attention.paged_attention(*args, **scales), want)

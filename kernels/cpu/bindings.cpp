@@ -17,6 +17,8 @@ void silu_and_mul_cpu(torch::Tensor out, torch::Tensor x);
 void int8_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, torch::Tensor scales);
 void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor slot_mapping);
+void gather_dequantize_cpu(torch::Tensor out, torch::Tensor cache, torch::Tensor scales, torch::Tensor blocks,
+                           bool is_int8);
 void write_kv_quantized_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor slot_mapping, bool is_int8);
 
@@ -33,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul_cpu, "out = silu(gate) * up", no_gil);
   m.def("int8_linear", &int8_linear_cpu, "y = x (q * scales)^T with q int8 packed [N/8, K/16, 8, 16]", no_gil);
   m.def("write_kv", &write_kv_cpu, "store k and v at their slots of the paged caches", no_gil);
+  m.def("gather_dequantize", &gather_dequantize_cpu,
+        "out[i] = the INT8 / FP8 cache block blocks[i], each value times its token-and-head scale", no_gil);
   m.def("write_kv_quantized", &write_kv_quantized_cpu,
         "quantize k and v per token and head into an INT8 or FP8 cache (int8 views) and its float16 scales", no_gil);
 }

@@ -210,3 +210,51 @@ void write_kv_quantized_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_ca
                                       v_scale.data_ptr<at::Half>(), slots, T, KVH, D, is_int8);
   });
 }
+
+namespace {
+
+// Blocks of an INT8 / FP8 cache as float or bfloat16 values (value x its token-and-head scale), for the fused
+// prefill attention, which needs its chunk's keys and values gathered anyway.
+template <typename out_t, typename kv_t>
+void gather_dequantize_rows(out_t* out, const kv_t* cache, const at::Half* scales, const int64_t* blocks,
+                            int64_t n_blocks, int64_t BS, int64_t KVH, int64_t D) {
+  const int64_t rows = n_blocks * BS * KVH;   // one (slot, head) row of D values each
+  at::parallel_for(0, rows, grain_rows(D), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t i = r / (BS * KVH), within = r % (BS * KVH);
+      const int64_t src = blocks[i] * BS * KVH + within;
+      const kv_t* x = cache + src * D;
+      const float s = static_cast<float>(scales[src]);
+      out_t* o = out + r * D;
+      if (D % 16 == 0) {
+        for (int64_t d = 0; d < D; d += 16) {
+          const trellm::v16 y = trellm::load16(x + d) * s;
+          if constexpr (std::is_same_v<out_t, float>) trellm::store16(o + d, y);
+          else for (int j = 0; j < 16; ++j) o[d + j] = static_cast<out_t>(y[j]);
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<out_t>(static_cast<float>(x[d]) * s);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void gather_dequantize_cpu(torch::Tensor out, torch::Tensor cache, torch::Tensor scales, torch::Tensor blocks,
+                           bool is_int8) {
+  TORCH_CHECK(out.is_contiguous() && cache.is_contiguous() && scales.is_contiguous() &&
+                  cache.scalar_type() == at::kChar && scales.scalar_type() == at::kHalf &&
+                  blocks.scalar_type() == at::kLong && blocks.is_contiguous(),
+              "gather_dequantize: contiguous out, int8 view of the cache, float16 scales, int64 block ids");
+  const int64_t n = blocks.size(0), BS = cache.size(1), KVH = cache.size(2), D = cache.size(3);
+  const int64_t* ids = blocks.data_ptr<int64_t>();
+  const at::Half* sc = scales.data_ptr<at::Half>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "gather_dequantize", [&] {
+    if (is_int8)
+      gather_dequantize_rows(out.data_ptr<scalar_t>(), cache.data_ptr<int8_t>(), sc, ids, n, BS, KVH, D);
+    else
+      gather_dequantize_rows(out.data_ptr<scalar_t>(), reinterpret_cast<const trellm::fp8_e4m3*>(
+          cache.data_ptr<int8_t>()), sc, ids, n, BS, KVH, D);
+  });
+}

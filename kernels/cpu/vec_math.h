@@ -7,6 +7,10 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace trellm {
 
 // exp(x) for x <= 88: 2^(x log2 e) split into an integer power, set in the exponent bits, and a degree-6 Taylor
@@ -82,6 +86,34 @@ inline v16 load16(const T* p) {
   }
   return r;
 }
+
+// 16 KV-cache bytes as floats. GCC leaves the generic loop above scalar for 1-byte types (as it did for the INT8
+// linear operator), so AVX-512 widens them here: INT8 sign-extends and converts; FP8 e4m3 builds each float's bits
+// (exponent + 120, mantissa moved up) and takes m * 2^-9 where the exponent is 0 (subnormals and zero).
+#if defined(__AVX512F__)
+inline v16 load16(const int8_t* p) {
+  const __m512 r = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  v16 out;
+  std::memcpy(&out, &r, sizeof(out));
+  return out;
+}
+
+inline v16 load16(const fp8_e4m3* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(b, 3), _mm512_set1_epi32(15));
+  const __m512i m = _mm512_and_si512(b, _mm512_set1_epi32(7));
+  const __m512i normal = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
+                                         _mm512_slli_epi32(m, 20));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0.001953125f));
+  const __mmask16 is_sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+  __m512 mag = _mm512_mask_blend_ps(is_sub, _mm512_castsi512_ps(normal), sub);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  mag = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+  v16 out;
+  std::memcpy(&out, &mag, sizeof(out));
+  return out;
+}
+#endif
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 

@@ -37,17 +37,20 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _decode_kv(raw, QUANT: tl.constexpr):
-    """An INT8 (QUANT 1) or FP8 e4m3 (QUANT 2, its bits as uint8) tile as float32, before its scales. FP8 is decoded
-    with integer arithmetic, exactly, on any GPU and in the interpreter."""
+def _decode_kv(raw, dtype: tl.constexpr, QUANT: tl.constexpr):
+    """An INT8 (QUANT 1) or FP8 e4m3 (QUANT 2: its bits as uint8; 3: the same, converted by the GPU's own FP8
+    instructions, sm_89 and later) tile in `dtype`, before its scales. QUANT 2 decodes with integer arithmetic,
+    exactly, on any GPU and in the interpreter. Every e4m3 and int8 value is exact in fp16, bf16 and fp32."""
     if QUANT == 1:
-        return raw.to(tl.float32)
+        return raw.to(tl.float32).to(dtype)    # (the interpreter casts int8 to bf16 wrongly when direct)
+    if QUANT == 3:
+        return raw.to(tl.float8e4nv, bitcast=True).to(dtype)
     b = raw.to(tl.int32) & 0xFF
     e = (b >> 3) & 15
     m = b & 7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where(b >= 128, -mag, mag)
+    return tl.where(b >= 128, -mag, mag).to(dtype)
 
 
 @triton.jit
@@ -68,7 +71,7 @@ def _attend(acc, m_i, l_i, q, q_pos, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, key
             s = _dot(q, k_t.to(q.dtype), PREC, UPCAST) * qk_scale                   # [M, TILE], log2 domain
         else:
             k_sc = tl.load(ks_ptr + blk * s_ksb + slot * s_kss, mask=kmask, other=0.0).to(tl.float32)
-            s = _dot(q, _decode_kv(k_t, QUANT).to(q.dtype), PREC, UPCAST) * (k_sc * qk_scale)[None, :]
+            s = _dot(q, _decode_kv(k_t, q.dtype, QUANT), PREC, UPCAST) * (k_sc * qk_scale)[None, :]
         s = tl.where((kpos[None, :] <= q_pos[:, None]) & kmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -80,7 +83,7 @@ def _attend(acc, m_i, l_i, q, q_pos, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, key
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
         else:
             v_sc = tl.load(vs_ptr + blk * s_vsb + slot * s_vss, mask=kmask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + _dot((p * v_sc[None, :]).to(q.dtype), _decode_kv(v, QUANT).to(q.dtype),
+            acc = acc * alpha[:, None] + _dot((p * v_sc[None, :]).to(q.dtype), _decode_kv(v, q.dtype, QUANT),
                                               PREC, UPCAST)
         m_i = m_new
     return acc, m_i, l_i
@@ -185,6 +188,12 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, s_ot, s_oh, num_hea
     tl.store(out_ptr + t * s_ot + h * s_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def native_fp8(device: torch.device) -> bool:
+    """Whether the GPU converts FP8 e4m3 itself (sm_89 and later; never in the interpreter)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+            and os.environ.get("TRITON_INTERPRET") != "1")
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int,
                       device: torch.device) -> int:
     """1 (single launch) unless the batch is decode-only and (sequence, KV head) programs are too few for the
@@ -225,6 +234,8 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     upcast = q.dtype == torch.bfloat16 and not isinstance(_paged_attn_kernel, triton.runtime.JITFunction)
     cu_q, lens, bt = cu_seqlens_q.contiguous(), seq_lens.contiguous(), block_tables.contiguous()
     quant = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(k_cache.dtype, 0)
+    if quant == 2 and native_fp8(q.device):
+        quant = 3
     if quant:
         assert k_scale.stride(-1) == 1 and v_scale.stride(-1) == 1
         raw = torch.int8 if quant == 1 else torch.uint8

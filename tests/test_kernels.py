@@ -434,13 +434,13 @@ for dt, prec in (("*fp16", "tf32"), ("*fp32", "ieee")):
 build(triton_attention._merge_splits_kernel, dict(NUM_SPLITS=3, SPLITS_P=4, HEAD_DIM=64, D_P=64),
       {"*": "*fp32", "out_ptr": "*bf16"})
 build(triton_kv_cache._write_kv_kernel, dict(BLOCK_H=4, BLOCK_D=64), {"*": "*bf16", "slot_ptr": "*i64"})
-for raw, quant in (("*i8", 1), ("*u8", 2)):    # INT8 / FP8 KV caches (FP8 as its bytes: any GPU)
+for raw, quant in (("*i8", 1), ("*u8", 2), ("*u8", 3)):   # INT8 / FP8 KV caches (FP8 as bytes; 3: sm_89+ cvt)
     kv = {"kc_ptr": raw, "vc_ptr": raw, "ks_ptr": "*fp16", "vs_ptr": "*fp16"}
     build(triton_attention._paged_attn_kernel, dict(GROUP=4, GROUP_P=4, BLOCK_Q=4, HEAD_DIM=64, D_P=64, TILE=32,
           PREC="tf32", UPCAST=False, QUANT=quant), {"*": "*bf16", **idx, **kv}, ("qk_scale",))
     build(triton_attention._split_decode_kernel, dict(NUM_SPLITS=4, GROUP=4, BLOCK_M=16, HEAD_DIM=128, D_P=128,
           TILE=32, PREC="tf32", UPCAST=False, QUANT=quant), {"*": "*fp16", **idx, **kv}, ("qk_scale",))
-    build(triton_kv_cache._write_kv_quant_kernel, dict(QUANT=quant, BLOCK_H=4, BLOCK_D=64),
+    build(triton_kv_cache._write_kv_quant_kernel, dict(QUANT=min(quant, 2), BLOCK_H=4, BLOCK_D=64),
           {"*": "*bf16", "slot_ptr": "*i64", **kv})
 build(triton_rmsnorm._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK_N=1024), {"*": "*bf16"}, ("eps",))
 build(triton_rotary._rotary_kernel, dict(BLOCK_HQ=8, BLOCK_HK=2, BLOCK_R=32),

@@ -88,8 +88,7 @@ inline v16 load16(const T* p) {
 }
 
 // 16 KV-cache bytes as floats. GCC leaves the generic loop above scalar for 1-byte types (as it did for the INT8
-// linear operator), so AVX-512 widens them here: INT8 sign-extends and converts; FP8 e4m3 builds each float's bits
-// (exponent + 120, mantissa moved up) and takes m * 2^-9 where the exponent is 0 (subnormals and zero).
+// linear operator), so AVX-512 widens them here: INT8 sign-extends and converts; FP8 e4m3 goes through float16.
 #if defined(__AVX512F__)
 inline v16 load16(const int8_t* p) {
   const __m512 r = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -99,18 +98,14 @@ inline v16 load16(const int8_t* p) {
 }
 
 inline v16 load16(const fp8_e4m3* p) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(b, 3), _mm512_set1_epi32(15));
-  const __m512i m = _mm512_and_si512(b, _mm512_set1_epi32(7));
-  const __m512i normal = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
-                                         _mm512_slli_epi32(m, 20));
-  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0.001953125f));
-  const __mmask16 is_sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
-  __m512 mag = _mm512_mask_blend_ps(is_sub, _mm512_castsi512_ps(normal), sub);
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-  mag = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+  // e4m3's exponent and mantissa moved into a float16's (bias 15 instead of 7: the value / 2^8, subnormals
+  // included, which the hardware conversion handles), the sign into the float16's, then x 2^8.
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  const __m512 r = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
   v16 out;
-  std::memcpy(&out, &mag, sizeof(out));
+  std::memcpy(&out, &r, sizeof(out));
   return out;
 }
 #endif

@@ -3,12 +3,15 @@
 cached prefix.
 
     .venv/bin/python perf/bench_attention.py [--seqs 48] [--ctx 263] [--chunk 256] [--prefix 256] [--repeats 20]
+        [--kv-dtypes auto,int8,fp8_e4m3]
 
 Options: `reference` (the PyTorch oracle), `dispatch` (what the engine runs on a CPU: the C++ operator for decodes
 and short chunks, torch's fused attention over each long chunk's gathered blocks), `cpp`
 (kernels/cpu/paged_attention.cpp for every chunk), `sdpa` (a loop of torch's scaled_dot_product_attention over
 each sequence's index_select-ed blocks), `flex` (torch.compile'd flex_attention over the same gathered views).
 Each is checked against the reference before it is timed. Ratios within one run are what to compare.
+--kv-dtypes adds rows for an INT8 / FP8 e4m3 cache (kv_cache_dtype; the same random K/V quantized with their
+per-token-and-head scales), timed with the options that read one: reference, dispatch, cpp.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 from trellm_kernels import cpu_ops
 from trellm_kernels.attention import paged_attention, paged_attention_reference
+from trellm_kernels.kv_cache import KV_CACHE_DTYPES, quantize_kv
 
 
 def paged_batch(seq_shapes, H, KVH, D, bs, dtype, seed=0):
@@ -49,10 +53,14 @@ def paged_batch(seq_shapes, H, KVH, D, bs, dtype, seed=0):
     return q, k, v, cu, seq_lens, block_tables, int(q_lens.max()), int(seq_lens.max())
 
 
-def cpp(q, k, v, cu, seq_lens, bt, scale, mq, mk):
+def cpp(q, k, v, cu, seq_lens, bt, scale, mq, mk, k_scale=None, v_scale=None):
     """The C++ operator alone, for every chunk length."""
     out = torch.empty_like(q)
-    cpu_ops.load().paged_attention(out, q, k, v, cu, seq_lens, bt, scale, 1 << 30)
+    if k_scale is not None:
+        cpu_ops.load().paged_attention_quantized(out, q, k.view(torch.int8), v.view(torch.int8), k_scale, v_scale,
+                                                 cu, seq_lens, bt, scale, 1 << 30, k.dtype == torch.int8)
+    else:
+        cpu_ops.load().paged_attention(out, q, k, v, cu, seq_lens, bt, scale, 1 << 30)
     return out
 
 
@@ -102,15 +110,17 @@ def flex(q, k, v, cu, seq_lens, bt, scale, mq, mk):
 
 
 OPTIONS = {"reference": paged_attention_reference, "dispatch": paged_attention, "cpp": cpp, "sdpa": sdpa, "flex": flex}
+QUANTIZED_OPTIONS = ("reference", "dispatch", "cpp")    # the options that read an INT8/FP8 cache
 
 
-def time_option(fn, args, repeats):
+def time_option(fn, args, repeats, kwargs=None):
     """The fastest of `repeats` calls: on a shared machine the minimum is the least disturbed figure."""
-    fn(*args)
+    kwargs = kwargs or {}
+    fn(*args, **kwargs)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn(*args)
+        fn(*args, **kwargs)
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
 
@@ -125,6 +135,8 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--options", default="reference,dispatch,cpp,sdpa,flex")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--kv-dtypes", default="auto", help="KV cache dtypes, comma-separated: auto (the dtype's own), "
+                    "int8, fp8_e4m3")
     args = ap.parse_args()
     if cpu_ops.load() is None:
         sys.exit(cpu_ops.error())
@@ -134,24 +146,35 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per layer (H={H}, KVH={KVH}, D={D}, "
           f"block {bs})")
     names = args.options.split(",")
-    print(f"{'case':<28}{'dtype':<10}" + "".join(f"{n:>12}" for n in names) + f"{'ref/cpp':>10}")
+    print(f"{'case':<28}{'dtype':<10}{'kv':<10}" + "".join(f"{n:>12}" for n in names) + f"{'ref/cpp':>10}")
     for case, shapes in cases.items():
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
             batch = paged_batch(shapes, H, KVH, D, bs, dtype)
             q, k, v, cu, sl, bt, mq, mk = batch
-            call = (q, k, v, cu, sl, bt, D ** -0.5, mq, mk)
-            ref = paged_attention_reference(*call).float()
-            times = {}
-            for n in names:
-                out = OPTIONS[n](*call).float()
-                tol = 1e-4 if dtype == torch.float32 else 3e-2
-                if not torch.allclose(out, ref, atol=tol, rtol=tol):
-                    sys.exit(f"{n} disagrees with the reference on {case} {dtype_name}: "
-                             f"max error {(out - ref).abs().max().item():.3g}")
-                times[n] = time_option(OPTIONS[n], call, args.repeats)
-            ratio = times["reference"] / times["cpp"] if "reference" in times and "cpp" in times else float("nan")
-            print(f"{case:<28}{dtype_name:<10}" + "".join(f"{times[n]:>12.2f}" for n in names) + f"{ratio:>9.1f}x")
+            for kv_name in args.kv_dtypes.split(","):
+                kw = {}
+                if kv_name != "auto":
+                    (k_q, k_s), (v_q, v_s) = (quantize_kv(x, KV_CACHE_DTYPES[kv_name]) for x in (k, v))
+                    call = (q, k_q, v_q, cu, sl, bt, D ** -0.5, mq, mk)
+                    kw = dict(k_scale=k_s, v_scale=v_s)
+                else:
+                    call = (q, k, v, cu, sl, bt, D ** -0.5, mq, mk)
+                ref = paged_attention_reference(*call, **kw).float()
+                times = {}
+                for n in names:
+                    if kw and n not in QUANTIZED_OPTIONS:
+                        times[n] = float("nan")
+                        continue
+                    out = OPTIONS[n](*call, **kw).float()
+                    tol = 1e-4 if dtype == torch.float32 else 3e-2
+                    if not torch.allclose(out, ref, atol=tol, rtol=tol):
+                        sys.exit(f"{n} disagrees with the reference on {case} {dtype_name} {kv_name}: "
+                                 f"max error {(out - ref).abs().max().item():.3g}")
+                    times[n] = time_option(OPTIONS[n], call, args.repeats, kw)
+                ratio = times["reference"] / times["cpp"] if "reference" in times and "cpp" in times else float("nan")
+                print(f"{case:<28}{dtype_name:<10}{kv_name:<10}" + "".join(f"{times[n]:>12.2f}" for n in names)
+                      + f"{ratio:>9.1f}x")
 
 
 if __name__ == "__main__":

@@ -39,12 +39,15 @@ def main():
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool size (default: the engine's)")
     ap.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
     ap.add_argument("--quantization", default=None, help="the llm parameter: none, int8, int4, int4-g64 or int4-g32 (default: the engine's)")
+    ap.add_argument("--kv-cache-dtype", default=None, help="the llm parameter: auto, int8 or fp8_e4m3 (default: the "
+                    "engine's, auto)")
     ap.add_argument("--profile-step", action="store_true", help="profile one decode step of the whole batch")
     ap.add_argument("--anchor", action="store_true", help="the anchor profile's requests, time by step kind")
     args = ap.parse_args()
 
     extra = {k: v for k, v in (("kv_cache_bytes", args.kv_cache_bytes), ("block_size", args.block_size),
-                               ("quantization", args.quantization)) if v is not None}
+                               ("quantization", args.quantization), ("kv_cache_dtype", args.kv_cache_dtype))
+             if v is not None}
     engine = LLMEngine(EngineConfig(model_path=args.model, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens, **extra))
     vocab = engine.model_config.vocab_size
@@ -101,11 +104,18 @@ def split_anchor_steps(engine: LLMEngine, model_dir: str):
         return r
 
     engine.runner.execute = timed
-    start, generated = time.perf_counter(), 0
+    start, generated, first = time.perf_counter(), 0, {}
     while engine.has_unfinished():
-        generated += sum(len(o.new_token_ids) for o in engine.step())
+        for o in engine.step():
+            generated += len(o.new_token_ids)
+            if o.new_token_ids:
+                first.setdefault(o.request_id, time.perf_counter() - start)
     wall = time.perf_counter() - start
-    print(f"anchor: {len(items)} requests, {generated} output tokens in {wall:.1f} s = {generated / wall:.1f} tok/s")
+    ttft = sorted(first.values())
+    r = engine.runner
+    print(f"anchor: {len(items)} requests, {generated} output tokens in {wall:.1f} s = {generated / wall:.1f} tok/s, "
+          f"TTFT mean {sum(ttft) / len(ttft):.2f} s p50 {ttft[len(ttft) // 2]:.2f} s; KV pool {r.num_blocks} blocks "
+          f"of {r.block_size} tokens, {str(r.kv_dtype).removeprefix('torch.')}")
     for name, (steps, seconds, seqs) in kinds.items():
         print(f"  {name}: {steps} steps, {seconds:.1f} s, {seconds / max(steps, 1) * 1e3:.0f} ms a step, "
               f"{seqs / max(steps, 1):.1f} sequences a step")

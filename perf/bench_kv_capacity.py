@@ -3,7 +3,7 @@
 together is counted in the engine's steps (not computed), beside the pool's blocks and bytes per block.
 
     .venv/bin/python perf/bench_kv_capacity.py --model hf_models/anchor [--kv-cache-bytes 134217728]
-        [--dtypes float32,bfloat16] [--kv-dtypes auto,int8,fp8_e4m3] [--requests 100]
+        [--dtypes float32,bfloat16] [--kv-dtypes auto,int8,fp8_e4m3] [--requests 120]
 
 INT8 and FP8 store one byte per value plus a float16 scale per token and KV head (kernels/kv_cache.py), so the
 ratio to `auto` is 4 D / (D + 2) against float32 and 2 D / (D + 2) against bfloat16, rounded down to whole blocks
@@ -48,9 +48,9 @@ def main():
     ap.add_argument("--kv-cache-bytes", type=int, default=128 << 20)
     ap.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes (the llm parameter dtype)")
     ap.add_argument("--kv-dtypes", default="auto,int8,fp8_e4m3")
-    ap.add_argument("--requests", type=int, default=100)
-    ap.add_argument("--prompt-len", type=int, default=240)
-    ap.add_argument("--gen-len", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--prompt-len", type=int, default=192)
+    ap.add_argument("--gen-len", type=int, default=64)
     args = ap.parse_args()
     print(f"{args.model}: kv_cache_bytes={args.kv_cache_bytes}, {args.requests} requests of {args.prompt_len} + "
           f"{args.gen_len} tokens sent at once")

@@ -28,7 +28,7 @@ import urllib.error
 import urllib.request
 
 from trellm_backend.tools.repository import default_repository
-from trellm_backend.tools.supervisor import Supervisor
+from trellm_backend.tools.supervisor import Supervisor, remove_shm_regions, stub_shm_regions
 
 DEFAULT_REPOSITORY = default_repository()
 MODEL_CONTROL_MODES = ("none", "poll", "explicit")
@@ -166,6 +166,7 @@ class TritonServer:
         if self.proc is None:
             return
         pgid = self.proc.pid
+        regions = stub_shm_regions(pgid)     # read while the stubs live: a stub killed below leaves its region
         try:
             os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:
@@ -179,6 +180,7 @@ class TritonServer:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        remove_shm_regions(regions)
         self.proc = None
         if self._log:
             self._log.close()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from trellm_backend.tools.healthcheck import generate_probe
 
 STUB_NAME = "triton_python_backend_stub"
+SHM_PREFIX = "triton_python_backend_shm_region_"
 MAX_BACKOFF_S = 30.0
 STABLE_AFTER_S = 60.0          # a server healthy this long resets the back-off
 
@@ -42,9 +43,9 @@ def _read(path: str, mode: str = "r"):
         return None
 
 
-def server_children(server_pid: int) -> dict[int, tuple[str, str]]:
-    """{pid: (state, model name or "")} of the server's child processes; the model name is read from a live stub's
-    command line (`<stub> <repository>/<model>/<version>/model.py ...`)."""
+def server_children(server_pid: int) -> dict[int, tuple[str, str, str]]:
+    """{pid: (state, model name or "", shared-memory region or "")} of the server's child processes; a live stub's
+    command line names both (`<stub> <repository>/<model>/<version>/model.py <region> ...`), a zombie's is empty."""
     children = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -57,11 +58,29 @@ def server_children(server_pid: int) -> dict[int, tuple[str, str]]:
         if int(ppid) != server_pid:
             continue
         argv = (_read(f"/proc/{entry}/cmdline", "rb") or b"").split(b"\0")
-        model = ""
-        if argv and argv[0].endswith(STUB_NAME.encode()) and len(argv) > 1:
+        model = region = ""
+        if argv and argv[0].endswith(STUB_NAME.encode()) and len(argv) > 2:
             model = os.path.basename(os.path.dirname(os.path.dirname(argv[1].decode(errors="replace"))))
-        children[int(entry)] = (state, model)
+            region = argv[2].decode(errors="replace")
+        children[int(entry)] = (state, model, region)
     return children
+
+
+def stub_shm_regions(server_pid: int) -> set[str]:
+    """The shared-memory regions of the server's live stubs."""
+    return {region for _, _, region in server_children(server_pid).values() if region}
+
+
+def remove_shm_regions(regions: set[str]) -> None:
+    """Unlink the regions of stubs that were killed: a stub removes its own only when it is unloaded, so each kill
+    left ~1-64 MiB in /dev/shm for good (270 regions, 273 MiB, on one development machine)."""
+    for region in regions:
+        name = os.path.basename(region)
+        if name.startswith(SHM_PREFIX):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:      # already removed by its stub or server
+                pass
 
 
 def ready_models(http_url: str, timeout: float = 5.0) -> list[str]:
@@ -88,6 +107,7 @@ class Supervisor:
     _zombie_seen: dict[int, int] = field(default_factory=dict)
     _failed_probes: int = 0
     _next_probe: float = 0.0
+    _regions: set[str] = field(default_factory=set)      # shared memory of every stub seen, for after a kill
     _loaded: list[str] = field(default_factory=list)   # READY models at the last look; [] before the first
     _next_index: float = 0.0
 
@@ -106,13 +126,14 @@ class Supervisor:
         if proc.poll() is not None:
             return f"tritonserver exited with code {proc.returncode}"
         children = server_children(proc.pid)
-        for pid, (state, model) in children.items():
+        for pid, (state, model, region) in children.items():
             if model:
                 self._stub_models[pid] = model
-        zombies = {pid for pid, (state, _) in children.items() if state == "Z" and pid in self._stub_models}
+                self._regions.add(region)
+        zombies = {pid for pid, (state, _, _) in children.items() if state == "Z" and pid in self._stub_models}
         self._zombie_seen = {pid: self._zombie_seen.get(pid, 0) + 1 for pid in zombies}
         self._stub_models = {pid: m for pid, m in self._stub_models.items() if pid in children}
-        live = {model for state, model in children.values() if model and state != "Z"}
+        live = {model for state, model, _ in children.values() if model and state != "Z"}
         suspects = {pid for pid, seen in self._zombie_seen.items()
                     if seen >= 2 and self._stub_models[pid] not in live}
         if suspects:
@@ -149,6 +170,8 @@ class Supervisor:
         except ProcessLookupError:
             pass
         self.server.stop(timeout=5)
+        remove_shm_regions(self._regions)
+        self._regions.clear()
         time.sleep(backoff)
         if models:
             self.server.load_models = models

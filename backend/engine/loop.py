@@ -10,7 +10,9 @@ read what the loop thread made rather than reaching into the engine.
 
 Outputs leave through a third thread, the responder: the stepping thread only queues (sink, output) pairs, so
 building and sending responses (in Triton an IPC per response) overlaps the next forward pass instead of
-delaying it. One responder keeps each request's responses in order; a send that fails aborts the request.
+delaying it. One responder keeps each request's responses in order; a send that fails aborts the request. When it
+falls behind, it merges the outputs of one request that queued up meanwhile into one response (fewer IPCs exactly
+when they are the bottleneck; a streaming client then sees several tokens in one response, as with speculation).
 """
 from __future__ import annotations
 

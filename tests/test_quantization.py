@@ -10,6 +10,7 @@ import collections
 import email
 import json
 import math
+import os
 import re
 
 import pytest
@@ -165,6 +166,34 @@ def test_int8_kv_perplexity_is_within_one_percent_of_float(default_model_path):
     assert abs(base / 1039.4 - 1) < 0.001, base            # the engine's forward is transformers' model
     assert engine_perplexity(default_model_path, "int8") <= base * 1.01
     assert abs(engine_perplexity(default_model_path, "fp8_e4m3") / base - 1) <= 0.02
+
+
+@pytest.fixture(scope="module")
+def small_model_path():
+    """A larger model made here (`default_model --size small`: 4x the default model's layer width, 6 layers,
+    head_dim 32, 150 training steps, ~3 minutes to build on 2 cores)."""
+    from conftest import REPO
+    from trellm_backend.tools.default_model import DEFAULT_TRAIN_STEPS, build
+    return build(os.path.join(REPO, "hf_models", "small"), DEFAULT_TRAIN_STEPS["small"], size="small")
+
+
+def test_quantization_quality_holds_on_a_larger_model(small_model_path):
+    """The issue's bounds on the larger model. Measured 2026-11-25, held-text perplexity 1277.20 in float: INT8
+    weights -0.005%, INT4 g128 +0.26%, INT8 KV -0.005%, FP8 KV +0.02%; greedy over 32 tokens, 7 of 8 prompts
+    identical to float for INT8 weights, INT4 weights and INT8 KV ("with statement" flips at its first token, a
+    near tie), 8 of 8 for FP8 KV. Bounds: +1% (INT8 weights, INT8 KV), +5% (INT4), 2% either way (FP8); at least
+    6 of 8 prompts identical."""
+    base, int8 = quantized_perplexity(small_model_path, quantize_int8)
+    _, int4 = quantized_perplexity(small_model_path, lambda w: quantize_int4(w, 128))
+    assert int8 <= base * 1.01 and int4 <= base * 1.05, (base, int8, int4)
+    kv_base = engine_perplexity(small_model_path, "auto")
+    assert abs(kv_base / base - 1) < 1e-3, (kv_base, base)
+    assert engine_perplexity(small_model_path, "int8") <= kv_base * 1.01
+    assert abs(engine_perplexity(small_model_path, "fp8_e4m3") / kv_base - 1) <= 0.02
+    float_texts = engine_texts(small_model_path, "none", 32)
+    for quantization, kv_dtype in (("int8", "auto"), ("int4", "auto"), ("none", "int8"), ("none", "fp8_e4m3")):
+        agree = agreement(float_texts, engine_texts(small_model_path, quantization, 32, kv_dtype))
+        assert sum(n == 32 for n in agree.values()) >= 6, (quantization, kv_dtype, agree)
 
 
 def test_kv_cache_dtype_sizes_the_pool_and_is_checked_at_load(default_model_path, tmp_path):

@@ -10,6 +10,7 @@ template) that goes through the same loading path as any downloaded checkpoint.
     python -m trellm_backend.tools.default_model hf_models/llama-40m --size 40m   # the benchmark's model, random init
     python -m trellm_backend.tools.default_model hf_models/anchor --size anchor   # the CPU-throughput anchor, random init
     python -m trellm_backend.tools.default_model hf_models/tiny-draft --size tiny-draft   # a draft for tiny-llama
+    python -m trellm_backend.tools.default_model hf_models/small --size small   # 4x wider, for quantization quality
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ MODEL_SIZES = {
     # layers' width and half their count (perf/bench_spec.py).
     "tiny-draft": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=2,
                        num_key_value_heads=1, max_position_embeddings=2048),
+    # Four times the default model's width in its layers (1.5x the depth, head_dim 32), trained the same way: the
+    # larger model the quantization quality tests check beside the default one (tests/test_quantization.py).
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=6, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=2048),
     "40m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=12, num_attention_heads=8,
                 num_key_value_heads=4, max_position_embeddings=4096),
     # The CPU-throughput anchor (perf/RESULTS.md, the "anchor" profile): ~38M parameters, the shape measured
@@ -40,8 +45,8 @@ MODEL_SIZES = {
     "anchor": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=10, num_attention_heads=8,
                    num_key_value_heads=4, max_position_embeddings=4096),
 }
-DEFAULT_TRAIN_STEPS = {"tiny": 300, "tiny-draft": 300, "40m": 0, "anchor": 0}
-VOCAB_SIZES = {"tiny": 4096, "tiny-draft": 4096, "40m": 4096, "anchor": 8192}
+DEFAULT_TRAIN_STEPS = {"tiny": 300, "tiny-draft": 300, "small": 150, "40m": 0, "anchor": 0}
+VOCAB_SIZES = {"tiny": 4096, "tiny-draft": 4096, "small": 4096, "40m": 4096, "anchor": 8192}
 
 
 def corpus_text() -> str:

@@ -72,6 +72,34 @@ class _FakeServer:
         self.proc = subprocess.Popen(["sleep", "60"])
 
 
+class _CutIndex(http.server.BaseHTTPRequestHandler):
+    """A front end that dies while answering: a body shorter than its Content-Length (http.client's IncompleteRead,
+    which is no OSError)."""
+    def do_POST(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
+        self.wfile.write(b'[{"name": "llm"')
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_front_end_dying_mid_answer_does_not_end_the_supervision():
+    """The supervisor looks at the index and probes over HTTP; a crash of the HTTP front end in the middle of an
+    answer raised out of check() and ended the supervisor, so nothing restarted the crashed server."""
+    index = http.server.ThreadingHTTPServer(("localhost", 0), _CutIndex)
+    threading.Thread(target=index.serve_forever, daemon=True).start()
+    server = _FakeServer(f"localhost:{index.server_address[1]}")
+    try:
+        supervisor = Supervisor(server, log=open(os.devnull, "w"), probe_interval=0.01, probe_failures=1)
+        reason = supervisor.check()
+        assert reason and "generate probes" in reason and "IncompleteRead" in reason, reason
+    finally:
+        server.stop(timeout=1)
+        index.shutdown()
+
+
 def test_a_server_that_crashed_comes_back_with_the_models_loaded_before_not_all_of_them():
     """tritonserver 2.51 sometimes aborts on its own when a stub dies; the supervisor can then no longer ask it what
     was loaded and must use what it saw last, or an unloaded model comes back."""
@@ -150,9 +178,12 @@ def stop_launcher(launcher: subprocess.Popen, repo: str) -> None:
             pass
 
 
-def wait_for_generate(grpc: int, since: float, what: str, limit_s: float = 180) -> None:
-    """Until a real generate answers (not only the ready endpoint), failing with `what` after `limit_s`."""
+def wait_for_generate(grpc: int, since: float, what: str, limit_s: float = 180, launcher=None) -> None:
+    """Until a real generate answers (not only the ready endpoint), failing with `what` after `limit_s`, or at once
+    with its error output when the `launcher` process has ended."""
     while True:
+        if launcher is not None and launcher.poll() is not None:
+            pytest.fail(f"{what}: the launcher exited ({launcher.returncode}): {launcher.stderr.read()}")
         try:
             with LLMClient(f"localhost:{grpc}") as c:
                 assert c.generate("Hello", max_tokens=3, min_tokens=3)
@@ -237,7 +268,7 @@ def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_t
         assert sorted(o[0] for o in outcomes.values()) == ["error"] * 3, outcomes
         assert max(o[2] for o in outcomes.values()) - killed < 5, "streams must fail within seconds of the death"
 
-        wait_for_generate(grpc, since=killed, what="the server did not come back")
+        wait_for_generate(grpc, since=killed, what="the server did not come back", launcher=launcher)
         assert [r for r in regions if os.path.exists(f"/dev/shm/{r.lstrip('/')}")] == [], \
             "the killed server's stubs left their shared memory behind"
         health = subprocess.run([sys.executable, "-m", "trellm_backend.tools.healthcheck", f"--url=localhost:{http}"],
@@ -252,7 +283,8 @@ def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_t
         with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
             urllib.request.urlopen(urllib.request.Request(
                 f"http://localhost:{http}/v2/models/ensemble/generate", data=deep, method="POST"), timeout=60)
-        wait_for_generate(grpc, since=time.monotonic(), what="the server did not come back after its crash")
+        wait_for_generate(grpc, since=time.monotonic(), what="the server did not come back after its crash",
+                          launcher=launcher)
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=60) == 0
         assert processes_mentioning(str(repo)) == []

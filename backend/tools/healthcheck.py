@@ -8,6 +8,7 @@ enough: on tritonserver 2.51 it stays 200 after the llm stub has died and every 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import sys
 import urllib.error
@@ -24,7 +25,7 @@ def generate_probe(http_url: str, model: str = "ensemble", timeout: float = 30.0
             answer = json.load(r)
     except urllib.error.HTTPError as e:
         return f"HTTP {e.code}: {e.read(300).decode(errors='replace')}"
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     if "error" in answer or "text_output" not in answer:
         return f"no text_output in {str(answer)[:300]}"

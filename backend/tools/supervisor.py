@@ -14,6 +14,7 @@ every `index_interval` seconds while it serves), at once the first time and afte
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -115,7 +116,7 @@ class Supervisor:
         """The READY models now, remembered for a restart that finds the server gone or unresponsive."""
         try:
             models = ready_models(self.server.http_url)
-        except (urllib.error.URLError, OSError, ValueError):
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
             return self._loaded
         if models:
             self._loaded = models
@@ -141,7 +142,7 @@ class Supervisor:
             # still READY with no live stub has lost it.
             try:
                 ready = set(ready_models(self.server.http_url))
-            except (urllib.error.URLError, OSError, ValueError):
+            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
                 ready = set()
             for pid in sorted(suspects):
                 if self._stub_models[pid] in ready:
@@ -187,7 +188,13 @@ class Supervisor:
     def run(self, should_stop=lambda: False) -> None:
         backoff, healthy_since = 0.0, time.monotonic()
         while not should_stop():
-            reason = self.check()
+            try:
+                reason = self.check()
+            except Exception as e:   # noqa: BLE001 - a failed look must not end the supervision of the server
+                print(f"supervisor: a check failed ({type(e).__name__}: {e}); checking again", file=self.log,
+                      flush=True)
+                time.sleep(self.poll_s)
+                continue
             if reason is None:
                 if time.monotonic() - healthy_since > STABLE_AFTER_S:
                     backoff = 0.0

@@ -10,7 +10,8 @@ the generate probe covers it. On that sign, on the server's own exit (a
 crash), or on a failed generate probe (opt-in: `probe_interval`), it kills the server's process group, which ends
 every open stream with a connection error at once, and starts the server again with the models that were loaded,
 as the index said just before (or, where the server is already gone or too busy to answer, at the last look, taken
-every `index_interval` seconds while it serves), at once the first time and after 1, 2, 4 ... 30 s when restarts follow each other closely.
+every `index_interval` seconds while it serves), at once the first time and after 1, 2, 4 ... 30 s when restarts
+follow each other closely.
 """
 from __future__ import annotations
 

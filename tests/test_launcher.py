@@ -85,6 +85,34 @@ class _CutIndex(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _FailsToStartOnce(_FakeServer):
+    """A server whose first restart dies while starting (2.51 sometimes aborts during start-up): like
+    TritonServer.start, it stops what it began, leaving no process, and raises."""
+    def start(self):
+        if not self.started_with:
+            self.started_with.append(None)
+            self.proc = None
+            raise RuntimeError("tritonserver exited with code -6 while starting")
+        super().start()
+
+
+def test_a_restart_that_fails_to_start_is_tried_again():
+    index = http.server.ThreadingHTTPServer(("localhost", 0), _Index)
+    threading.Thread(target=index.serve_forever, daemon=True).start()
+    server = _FailsToStartOnce(f"localhost:{index.server_address[1]}")
+    try:
+        supervisor = Supervisor(server, log=open(os.devnull, "w"))
+        assert supervisor.check() is None
+        server.proc.kill()
+        supervisor.run(should_stop=lambda: len(supervisor.restarts) >= 1)
+        assert server.started_with == [None, ["ensemble", "llm", "preprocess"]]
+        assert "restart failed: tritonserver exited with code -6" in supervisor.restarts[0]["reason"]
+    finally:
+        if server.proc is not None:
+            server.stop(timeout=1)
+        index.shutdown()
+
+
 def test_a_front_end_dying_mid_answer_does_not_end_the_supervision():
     """The supervisor looks at the index and probes over HTTP; a crash of the HTTP front end in the middle of an
     answer raised out of check() and ended the supervisor, so nothing restarted the crashed server."""

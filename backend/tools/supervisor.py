@@ -163,15 +163,18 @@ class Supervisor:
         """Kill the server's process group at once (open streams end with a connection error instead of hanging)
         and start it again after `backoff` seconds, loading the models that were loaded."""
         down = time.monotonic()
+        proc = self.server.proc          # None after a start that failed (TritonServer.start stops what it began)
+        running = proc is not None and proc.poll() is None
         models = []
         if self.server.model_control_mode == "explicit":
-            models = self._look_at_index() if self.server.proc.poll() is None else self._loaded
+            models = self._look_at_index() if running else self._loaded
         print(f"supervisor: {reason}; restarting tritonserver in {backoff:.0f} s", file=self.log, flush=True)
-        try:
-            os.killpg(self.server.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.server.stop(timeout=5)
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.server.stop(timeout=5)
         remove_shm_regions(self._regions)
         self._regions.clear()
         time.sleep(backoff)

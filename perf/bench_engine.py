@@ -88,11 +88,8 @@ def split_anchor_steps(engine: LLMEngine, model_dir: str):
     """Run the anchor profile's requests and report prefill and decode steps apart."""
     import sys
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from workload import PromptMaker, make_items, profiles
+    from workload import PromptMaker, make_items, profiles, run_at_once
     items = make_items(PromptMaker(model_dir), profiles()["anchor"], 48, 0)
-    for i, it in enumerate(items):
-        engine.add_request(str(i), it.prompt_ids, SamplingParams(max_tokens=it.output_tokens, temperature=0.0,
-                                                                 min_tokens=it.output_tokens, ignore_eos=True))
     execute = engine.runner.execute
     kinds = {"prefill": [0, 0.0, 0], "decode": [0, 0.0, 0]}   # steps, seconds, sequences
 
@@ -104,14 +101,8 @@ def split_anchor_steps(engine: LLMEngine, model_dir: str):
         return r
 
     engine.runner.execute = timed
-    start, generated, first = time.perf_counter(), 0, {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            generated += len(o.new_token_ids)
-            if o.new_token_ids:
-                first.setdefault(o.request_id, time.perf_counter() - start)
-    wall = time.perf_counter() - start
-    ttft = sorted(first.values())
+    run = run_at_once(engine, [(it.prompt_ids, it.output_tokens) for it in items])
+    generated, wall, ttft = run.output_tokens, run.wall_s, sorted(run.first_token_s)
     r = engine.runner
     print(f"anchor: {len(items)} requests, {generated} output tokens in {wall:.1f} s = {generated / wall:.1f} tok/s, "
           f"TTFT mean {sum(ttft) / len(ttft):.2f} s p50 {ttft[len(ttft) // 2]:.2f} s; KV pool {r.num_blocks} blocks "

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 from trellm_backend.tools.launch import openmp_wait_defaults
 
@@ -27,7 +26,7 @@ from trellm_backend.engine.limits import kv_bytes_per_block  # noqa: E402
 from trellm_backend.engine.request import SamplingParams  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workload import PromptMaker, make_items, profiles  # noqa: E402
+from workload import PromptMaker, make_items, profiles, run_at_once  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,19 +49,10 @@ def tensor_bytes(obj, seen: set[int] | None = None) -> int:
     return 0
 
 
-def run_items(engine: LLMEngine, items) -> tuple[float, float, float]:
-    """(output tok/s, mean TTFT s, wall s) of `items` sent at once."""
-    for i, it in enumerate(items):
-        engine.add_request(str(i), it.prompt_ids, SamplingParams(max_tokens=it.output_tokens, temperature=0.0,
-                                                                 min_tokens=it.output_tokens, ignore_eos=True))
-    start, generated, first = time.perf_counter(), 0, {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            generated += len(o.new_token_ids)
-            if o.new_token_ids:
-                first.setdefault(o.request_id, time.perf_counter() - start)
-    wall = time.perf_counter() - start
-    return generated / wall, sum(first.values()) / len(first), wall
+def run_items(engine: LLMEngine, items) -> tuple[float, float]:
+    """(output tok/s, mean TTFT s) of `items` sent at once."""
+    run = run_at_once(engine, [(it.prompt_ids, it.output_tokens) for it in items])
+    return run.output_tokens / run.wall_s, sum(run.first_token_s) / len(run.first_token_s)
 
 
 def main():
@@ -94,7 +84,7 @@ def main():
         for items in workloads.values():
             longest = max(len(it.prompt_ids) + it.output_tokens for it in items)
             seqs = r.num_blocks // -(-longest // r.block_size)
-            tok_s, ttft, _ = run_items(engine, items)
+            tok_s, ttft = run_items(engine, items)
             figures.append(tok_s)
             row += f"{seqs:>15}{tok_s:>8.1f}{ttft:>8.2f}"
         base = base or figures

@@ -42,7 +42,7 @@ from tqdm import tqdm  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpc_load  # noqa: E402
 import report  # noqa: E402
-from workload import PROFILE_NAMES, PromptMaker, make_items, profiles  # noqa: E402
+from workload import PROFILE_NAMES, PromptMaker, make_items, profiles, run_at_once  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL_DIR = os.path.join(REPO, "hf_models", "tiny-llama")
@@ -133,23 +133,10 @@ def run_engine_alone(model_dir: str, requests: list[tuple[list[int], int]], sett
     LLMEngine, EngineConfig, SamplingParams = load_llm_engine()
     engine = LLMEngine(EngineConfig.from_strings({**settings, "model_path": os.path.abspath(model_dir)}))
     engine.generate([requests[0][0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
-    first: dict[str, float] = {}
-    start = time.perf_counter()
-    for i, (ids, n) in enumerate(requests):
-        engine.add_request(str(i), ids, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True))
-    while engine.has_unfinished():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for o in outputs:
-            tokens[o.request_id].extend(o.new_token_ids)
-            first.setdefault(o.request_id, now - start)
-    wall = time.perf_counter() - start
-    produced = sum(len(t) for t in tokens.values())
-    print(f"[baseline] engine_alone: {produced} tokens in {wall:.1f} s", file=sys.stderr, flush=True)
-    return {"name": "engine_alone", "wall_s": wall, "output_tokens": produced,
-            "ttft_mean_ms": 1e3 * sum(first.values()) / len(first),
-            "token_ids": [tokens[str(i)] for i in range(len(requests))]}
+    run = run_at_once(engine, requests)
+    print(f"[baseline] engine_alone: {run.output_tokens} tokens in {run.wall_s:.1f} s", file=sys.stderr, flush=True)
+    return {"name": "engine_alone", "wall_s": run.wall_s, "output_tokens": run.output_tokens,
+            "ttft_mean_ms": 1e3 * sum(run.first_token_s) / len(run.first_token_s), "token_ids": run.tokens}
 
 
 def cpu_list(cpus) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from dataclasses import dataclass, field
 
 
@@ -88,3 +89,34 @@ def make_items(maker: PromptMaker, profile: Profile, n: int, seed: int) -> list[
         text, ids = maker.prompt(rng, want)
         items.append(Item(text, ids, out))
     return items
+
+
+@dataclass
+class EngineRun:
+    """What an in-process engine made of requests sent at once."""
+    tokens: list[list[int]]        # each request's output token ids, in the requests' order
+    first_token_s: list[float]     # each request's time to its first token
+    wall_s: float
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def run_at_once(engine, requests: list[tuple[list[int], int]]) -> EngineRun:
+    """Add every (prompt ids, output tokens) request to an LLMEngine at t=0, greedy and exactly that many output
+    tokens each, and step until all are done (the engine-alone baselines and perf/bench_*.py)."""
+    from trellm_backend.engine.request import SamplingParams
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
+    first: dict[str, float] = {}
+    start = time.perf_counter()
+    for i, (ids, n) in enumerate(requests):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for o in outputs:
+            tokens[o.request_id].extend(o.new_token_ids)
+            first.setdefault(o.request_id, now - start)
+    order = [str(i) for i in range(len(requests))]
+    return EngineRun([tokens[r] for r in order], [first[r] for r in order], time.perf_counter() - start)

@@ -1,4 +1,5 @@
 """The launcher: starts tritonserver, reports readiness, and on SIGTERM leaves no process behind."""
+import contextlib
 import http.server
 import json
 import os
@@ -72,6 +73,20 @@ class _FakeServer:
         self.proc = subprocess.Popen(["sleep", "60"])
 
 
+@contextlib.contextmanager
+def _fake_server_behind(handler, server_cls=_FakeServer):
+    """A fake server (`server_cls`) whose HTTP front end answers with `handler`, stopped afterwards."""
+    front = http.server.ThreadingHTTPServer(("localhost", 0), handler)
+    threading.Thread(target=front.serve_forever, daemon=True).start()
+    server = server_cls(f"localhost:{front.server_address[1]}")
+    try:
+        yield server
+    finally:
+        if server.proc is not None:
+            server.stop(timeout=1)
+        front.shutdown()
+
+
 class _CutIndex(http.server.BaseHTTPRequestHandler):
     """A front end that dies while answering: a body shorter than its Content-Length (http.client's IncompleteRead,
     which is no OSError)."""
@@ -97,44 +112,28 @@ class _FailsToStartOnce(_FakeServer):
 
 
 def test_a_restart_that_fails_to_start_is_tried_again():
-    index = http.server.ThreadingHTTPServer(("localhost", 0), _Index)
-    threading.Thread(target=index.serve_forever, daemon=True).start()
-    server = _FailsToStartOnce(f"localhost:{index.server_address[1]}")
-    try:
+    with _fake_server_behind(_Index, _FailsToStartOnce) as server:
         supervisor = Supervisor(server, log=open(os.devnull, "w"))
         assert supervisor.check() is None
         server.proc.kill()
         supervisor.run(should_stop=lambda: len(supervisor.restarts) >= 1)
         assert server.started_with == [None, ["ensemble", "llm", "preprocess"]]
         assert "restart failed: tritonserver exited with code -6" in supervisor.restarts[0]["reason"]
-    finally:
-        if server.proc is not None:
-            server.stop(timeout=1)
-        index.shutdown()
 
 
 def test_a_front_end_dying_mid_answer_does_not_end_the_supervision():
     """The supervisor looks at the index and probes over HTTP; a crash of the HTTP front end in the middle of an
     answer raised out of check() and ended the supervisor, so nothing restarted the crashed server."""
-    index = http.server.ThreadingHTTPServer(("localhost", 0), _CutIndex)
-    threading.Thread(target=index.serve_forever, daemon=True).start()
-    server = _FakeServer(f"localhost:{index.server_address[1]}")
-    try:
+    with _fake_server_behind(_CutIndex) as server:
         supervisor = Supervisor(server, log=open(os.devnull, "w"), probe_interval=0.01, probe_failures=1)
         reason = supervisor.check()
         assert reason and "generate probes" in reason and "IncompleteRead" in reason, reason
-    finally:
-        server.stop(timeout=1)
-        index.shutdown()
 
 
 def test_a_server_that_crashed_comes_back_with_the_models_loaded_before_not_all_of_them():
     """tritonserver 2.51 sometimes aborts on its own when a stub dies; the supervisor can then no longer ask it what
     was loaded and must use what it saw last, or an unloaded model comes back."""
-    index = http.server.ThreadingHTTPServer(("localhost", 0), _Index)
-    threading.Thread(target=index.serve_forever, daemon=True).start()
-    server = _FakeServer(f"localhost:{index.server_address[1]}")
-    try:
+    with _fake_server_behind(_Index) as server:
         supervisor = Supervisor(server, log=open(os.devnull, "w"))
         assert supervisor.check() is None
         server.proc.kill()
@@ -143,9 +142,6 @@ def test_a_server_that_crashed_comes_back_with_the_models_loaded_before_not_all_
         assert reason and "exited" in reason
         supervisor.restart(reason, backoff=0)
         assert server.started_with == [["ensemble", "llm", "preprocess"]]
-    finally:
-        server.stop(timeout=1)
-        index.shutdown()
 
 
 def test_a_server_whose_stubs_are_killed_at_stop_leaves_no_shared_memory(default_model_path, tmp_path):

@@ -1,9 +1,11 @@
 """The launcher: starts tritonserver, reports readiness, and on SIGTERM leaves no process behind."""
 import contextlib
+import functools
 import http.server
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import pytest
 from conftest import REPO, free_ports
 from repository_helpers import processes_mentioning
 from trellm_backend.tools.launch import TritonServer, openmp_wait_defaults
-from trellm_backend.tools.supervisor import Supervisor, stub_shm_regions
+from trellm_backend.tools.supervisor import Supervisor, server_children, stub_shm_regions
 from trellm_client.client import LLMClient
 
 pytestmark = pytest.mark.server
@@ -144,6 +146,45 @@ def test_a_server_that_crashed_comes_back_with_the_models_loaded_before_not_all_
         assert server.started_with == [["ensemble", "llm", "preprocess"]]
 
 
+class _IndexAndConfigs(_Index):
+    """The index above, and each model's configuration: the ensemble has no backend, the others are Python's."""
+    def do_GET(self):
+        name = self.path.split("/")[3]          # /v2/models/<name>/config
+        body = json.dumps({"name": name, "backend": "" if name == "ensemble" else "python"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class _ServerWhoseStubDiedUnseen(_FakeServer):
+    """A server with one child, a Python-backend stub that exited at once and was never reaped (a zombie named like
+    the stub, its command line gone): one that died before the supervisor's first look."""
+    def __init__(self, http_url, stub_program):
+        super().__init__(http_url)
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = subprocess.Popen([sys.executable, "-c", "import os, sys, time; "
+                                      "os.posix_spawn(sys.argv[1], [sys.argv[1]], {}); time.sleep(60)", stub_program])
+
+
+def test_a_stub_that_died_before_the_supervisor_first_looked_is_noticed(tmp_path):
+    """The supervisor knew a dead stub's model only from having seen the stub alive, so a stub that died while the
+    server started (or just after a restart) went unnoticed and its model's requests hung."""
+    stub = tmp_path / "triton_python_backend_stub"
+    stub.symlink_to(shutil.which("true"))
+    with _fake_server_behind(_IndexAndConfigs, functools.partial(_ServerWhoseStubDiedUnseen,
+                                                                 stub_program=str(stub))) as server:
+        deadline = time.monotonic() + 30
+        while not any(c.state == "Z" for c in server_children(server.proc.pid).values()):
+            assert time.monotonic() < deadline, "the stand-in stub never became a zombie"
+            time.sleep(0.05)
+        supervisor = Supervisor(server, log=open(os.devnull, "w"))
+        reasons = [supervisor.check(), supervisor.check()]     # a zombie counts when seen twice
+        assert reasons[0] is None and reasons[1] is not None
+        assert "the Python-backend stub of model 'llm'" in reasons[1], reasons
+
+
 def test_a_server_whose_stubs_are_killed_at_stop_leaves_no_shared_memory(default_model_path, tmp_path):
     """A stub removes its /dev/shm region only when its model unloads; one killed (a stop past the exit timeout, or
     at once as here) left its region for good, 1-64 MiB each."""
@@ -202,12 +243,13 @@ def stop_launcher(launcher: subprocess.Popen, repo: str) -> None:
             pass
 
 
-def wait_for_generate(grpc: int, since: float, what: str, limit_s: float = 180, launcher=None) -> None:
+def wait_for_generate(grpc: int, since: float, what: str, limit_s: float = 180, launcher=None,
+                      launcher_err: str | None = None) -> None:
     """Until a real generate answers (not only the ready endpoint), failing with `what` after `limit_s`, or at once
-    with its error output when the `launcher` process has ended."""
+    with its error output (the file `launcher_err`) when the `launcher` process has ended."""
     while True:
         if launcher is not None and launcher.poll() is not None:
-            pytest.fail(f"{what}: the launcher exited ({launcher.returncode}): {launcher.stderr.read()}")
+            pytest.fail(f"{what}: the launcher exited ({launcher.returncode}): {_read(launcher_err)}")
         try:
             with LLMClient(f"localhost:{grpc}") as c:
                 assert c.generate("Hello", max_tokens=3, min_tokens=3)
@@ -215,6 +257,26 @@ def wait_for_generate(grpc: int, since: float, what: str, limit_s: float = 180, 
         except ConnectionError:
             assert time.monotonic() - since < limit_s, what
             time.sleep(0.5)
+
+
+def _read(path: str | None) -> str:
+    if path is None:
+        return ""
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def wait_for_supervisor_ready(launcher_err: str, limit_s: float = 120) -> None:
+    """Until the supervisor's last line says the server is ready again. A client can be served a moment before the
+    supervisor's own readiness poll sees it; a crash caused in that moment is then reported as "restart failed", so
+    the test waits for the supervisor before causing the next one."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        lines = [line for line in _read(launcher_err).splitlines() if line.startswith("supervisor:")]
+        if lines and "ready again after" in lines[-1]:
+            return
+        assert time.monotonic() < deadline, f"the supervisor did not report the server ready: {lines}"
+        time.sleep(0.5)
 
 
 def _post(url: str) -> int:
@@ -239,11 +301,13 @@ def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_t
     subprocess.run(["cp", "-r", os.path.join(REPO, "model_repository"), str(repo)], check=True)
     os.symlink(os.path.join(REPO, "hf_models"), tmp_path / "hf_models")
     http, grpc, metrics = free_ports(3)
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "trellm_backend.tools.launch", f"--model-repository={repo}", f"--http-port={http}",
-         f"--grpc-port={grpc}", f"--metrics-port={metrics}", f"--log-file={tmp_path / 'server.log'}",
-         "--model-control-mode=explicit", "--load-model=*", "--probe-interval=5"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err_path = str(tmp_path / "launcher.err")    # a file, read at any time: the supervisor's lines
+    with open(err_path, "w") as err_file:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "trellm_backend.tools.launch", f"--model-repository={repo}", f"--http-port={http}",
+             f"--grpc-port={grpc}", f"--metrics-port={metrics}", f"--log-file={tmp_path / 'server.log'}",
+             "--model-control-mode=explicit", "--load-model=*", "--probe-interval=5"],
+            stdout=subprocess.DEVNULL, stderr=err_file)
     try:
         deadline = time.monotonic() + 300
         while not _ready(http):
@@ -292,7 +356,9 @@ def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_t
         assert sorted(o[0] for o in outcomes.values()) == ["error"] * 3, outcomes
         assert max(o[2] for o in outcomes.values()) - killed < 5, "streams must fail within seconds of the death"
 
-        wait_for_generate(grpc, since=killed, what="the server did not come back", launcher=launcher)
+        wait_for_generate(grpc, since=killed, what="the server did not come back", launcher=launcher,
+                          launcher_err=err_path)
+        wait_for_supervisor_ready(err_path)
         assert [r for r in regions if os.path.exists(f"/dev/shm/{r.lstrip('/')}")] == [], \
             "the killed server's stubs left their shared memory behind"
         health = subprocess.run([sys.executable, "-m", "trellm_backend.tools.healthcheck", f"--url=localhost:{http}"],
@@ -308,11 +374,12 @@ def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_t
             urllib.request.urlopen(urllib.request.Request(
                 f"http://localhost:{http}/v2/models/ensemble/generate", data=deep, method="POST"), timeout=60)
         wait_for_generate(grpc, since=time.monotonic(), what="the server did not come back after its crash",
-                          launcher=launcher)
+                          launcher=launcher, launcher_err=err_path)
+        wait_for_supervisor_ready(err_path)
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=60) == 0
         assert processes_mentioning(str(repo)) == []
-        err = launcher.stderr.read()
+        err = _read(err_path)
         # The reason: the dead stub, or tritonserver's own abort, which 2.51 sometimes does first on a stub's death.
         assert ("supervisor: the Python-backend stub of model 'llm'" in err
                 or "supervisor: tritonserver exited with code -6" in err) and "ready again after" in err, err

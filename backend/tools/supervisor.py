@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from trellm_backend.tools.healthcheck import generate_probe
 
@@ -45,9 +46,18 @@ def _read(path: str, mode: str = "r"):
         return None
 
 
-def server_children(server_pid: int) -> dict[int, tuple[str, str, str]]:
-    """{pid: (state, model name or "", shared-memory region or "")} of the server's child processes; a live stub's
-    command line names both (`<stub> <repository>/<model>/<version>/model.py <region> ...`), a zombie's is empty."""
+class Child(NamedTuple):
+    """A child process of the server. A live stub's command line names its model and shared-memory region
+    (`<stub> <repository>/<model>/<version>/model.py <region> ...`); a zombie's is empty, but its name still says
+    it was a stub."""
+    state: str            # /proc state: "Z" for a zombie
+    is_stub: bool
+    model: str = ""
+    region: str = ""
+
+
+def server_children(server_pid: int) -> dict[int, Child]:
+    """The server's child processes by pid."""
     children = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -56,21 +66,22 @@ def server_children(server_pid: int) -> dict[int, tuple[str, str, str]]:
         if not stat:
             continue
         # "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis.
+        comm = stat[stat.find("(") + 1:stat.rfind(")")]
         state, ppid = stat[stat.rfind(")") + 2:].split()[:2]
         if int(ppid) != server_pid:
             continue
         argv = (_read(f"/proc/{entry}/cmdline", "rb") or b"").split(b"\0")
-        model = region = ""
         if argv and argv[0].endswith(STUB_NAME.encode()) and len(argv) > 2:
             model = os.path.basename(os.path.dirname(os.path.dirname(argv[1].decode(errors="replace"))))
-            region = argv[2].decode(errors="replace")
-        children[int(entry)] = (state, model, region)
+            children[int(entry)] = Child(state, True, model, argv[2].decode(errors="replace"))
+        else:   # the kernel keeps 15 characters of a process's name
+            children[int(entry)] = Child(state, comm == STUB_NAME[:15])
     return children
 
 
 def stub_shm_regions(server_pid: int) -> set[str]:
     """The shared-memory regions of the server's live stubs."""
-    return {region for _, _, region in server_children(server_pid).values() if region}
+    return {c.region for c in server_children(server_pid).values() if c.region}
 
 
 def remove_shm_regions(regions: set[str]) -> None:
@@ -92,6 +103,21 @@ def ready_models(http_url: str, timeout: float = 5.0) -> list[str]:
         return sorted({m["name"] for m in json.load(r) if m.get("state") == "READY"})
 
 
+def python_model_without_stub(http_url: str, models: set[str], backends: dict[str, str]) -> str:
+    """The first of `models` (READY, no live stub) that the Python backend serves, or "": a stub that died unseen
+    belonged to it. An ensemble has no stub of its own. `backends` remembers each model's backend."""
+    for name in sorted(models):
+        if name not in backends:
+            try:
+                with urllib.request.urlopen(f"http://{http_url}/v2/models/{name}/config", timeout=5) as r:
+                    backends[name] = json.load(r).get("backend", "")
+            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
+                continue
+        if backends[name] == "python":
+            return name
+    return ""
+
+
 @dataclass
 class Supervisor:
     """Watches one launch.TritonServer (started) and restarts it when it can no longer serve.
@@ -107,6 +133,7 @@ class Supervisor:
     restarts: list[dict] = field(default_factory=list)   # {"reason", "down_s"} per restart, for the caller
     _stub_models: dict[int, str] = field(default_factory=dict)
     _zombie_seen: dict[int, int] = field(default_factory=dict)
+    _backends: dict[str, str] = field(default_factory=dict)   # model -> backend, asked of the server when needed
     _failed_probes: int = 0
     _next_probe: float = 0.0
     _regions: set[str] = field(default_factory=set)      # shared memory of every stub seen, for after a kill
@@ -128,16 +155,18 @@ class Supervisor:
         if proc.poll() is not None:
             return f"tritonserver exited with code {proc.returncode}"
         children = server_children(proc.pid)
-        for pid, (state, model, region) in children.items():
-            if model:
-                self._stub_models[pid] = model
-                self._regions.add(region)
-        zombies = {pid for pid, (state, _, _) in children.items() if state == "Z" and pid in self._stub_models}
+        for pid, child in children.items():
+            if child.model:
+                self._stub_models[pid] = child.model
+                self._regions.add(child.region)
+        # A stub that died before the first look here (while the server started, or just after) was never seen
+        # alive: its model is unknown ("").
+        zombies = {pid for pid, c in children.items() if c.state == "Z" and (pid in self._stub_models or c.is_stub)}
         self._zombie_seen = {pid: self._zombie_seen.get(pid, 0) + 1 for pid in zombies}
         self._stub_models = {pid: m for pid, m in self._stub_models.items() if pid in children}
-        live = {model for state, model, _ in children.values() if model and state != "Z"}
+        live = {c.model for c in children.values() if c.model and c.state != "Z"}
         suspects = {pid for pid, seen in self._zombie_seen.items()
-                    if seen >= 2 and self._stub_models[pid] not in live}
+                    if seen >= 2 and self._stub_models.get(pid, "") not in live}
         if suspects:
             # An unload also leaves its stub unreaped for a while, and a reload starts a new one: only a model that is
             # still READY with no live stub has lost it.
@@ -146,8 +175,10 @@ class Supervisor:
             except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
                 ready = set()
             for pid in sorted(suspects):
-                if self._stub_models[pid] in ready:
-                    return f"the Python-backend stub of model '{self._stub_models[pid]}' (pid {pid}) died"
+                model = self._stub_models.get(pid) or python_model_without_stub(self.server.http_url, ready - live,
+                                                                            self._backends)
+                if model in ready:
+                    return f"the Python-backend stub of model '{model}' (pid {pid}) died"
         if self.server.model_control_mode == "explicit" and time.monotonic() >= self._next_index:
             self._next_index = time.monotonic() + self.index_interval
             self._look_at_index()
@@ -183,6 +214,7 @@ class Supervisor:
         self.server.start()
         self._stub_models.clear()
         self._zombie_seen.clear()
+        self._backends.clear()
         self._failed_probes = 0
         self._next_index = 0.0
         self.restarts.append({"reason": reason, "down_s": round(time.monotonic() - down, 1)})

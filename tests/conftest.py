@@ -22,6 +22,8 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("server") is None and item.get_closest_marker("kernels") is None:
             item.add_marker(pytest.mark.unit)
 
+pytest_plugins = ["rerun_on_upstream_abort", "pytester"]   # the first: tritonserver 2.51's own aborts
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(REPO, "hf_models", "tiny-llama")
 
@@ -56,3 +58,13 @@ def triton_server(default_model_path, tmp_path_factory):
     yield server
     server.stop()
     assert server.proc is None
+
+
+@pytest.fixture(autouse=True)
+def _revive_a_crashed_session_server(request):
+    """One crash of the shared server (rerun_on_upstream_abort.py) fails the test it happened in, not every later one."""
+    if "triton_server" in request.fixturenames:
+        server = request.getfixturevalue("triton_server")
+        if server.proc is None or server.proc.poll() is not None:
+            server.stop()
+            server.start()

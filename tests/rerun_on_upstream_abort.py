@@ -1,0 +1,62 @@
+"""A `server` test that fails while a tritonserver log written during it shows tritonserver 2.51's own abort is run
+once more; the session's summary lists each such rerun, and a second failure stands.
+
+2.51 sometimes aborts with `terminate called after throwing an instance of 'boost::interprocess::lock_exception'`
+from the Python backend's execute, at a model's first request or while models unload (upstream:
+triton-inference-server/server#8882, tensorrtllm_backend#521). It was seen in about one full run in three here, in a
+different test each time; it comes from inside the server, and 18 fresh servers' first requests in a loop here
+did not bring it back on demand.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+from _pytest.runner import runtestprotocol
+
+UPSTREAM_ABORT = b"boost::interprocess::lock_exception"
+_reruns: list[str] = []
+
+
+def _server_logs(config) -> dict[str, int]:
+    """Size of every tritonserver log under this session's temporary folder."""
+    base = str(config._tmp_path_factory.getbasetemp())
+    return {path: os.path.getsize(path) for path in glob.glob(os.path.join(base, "**", "*.log"), recursive=True)}
+
+
+def _upstream_abort_since(config, sizes: dict[str, int]) -> str | None:
+    for path, size in _server_logs(config).items():
+        with open(path, "rb") as f:
+            f.seek(sizes.get(path, 0))
+            if UPSTREAM_ABORT in f.read():
+                return path
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    if item.get_closest_marker("server") is None:
+        return None
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    sizes = _server_logs(item.config)
+    reports = runtestprotocol(item, nextitem=nextitem, log=False)
+    log = any(r.failed for r in reports) and _upstream_abort_since(item.config, sizes)
+    if log:
+        first = next(r for r in reports if r.failed)
+        crash = getattr(first.longrepr, "reprcrash", None)
+        message = crash.message if crash is not None else first.longreprtext.strip().splitlines()[-1]
+        _reruns.append(f"{item.nodeid}: {message.splitlines()[0][:200]} (abort in {log})")
+        item._initrequest()
+        reports = runtestprotocol(item, nextitem=nextitem, log=False)
+    for report in reports:
+        item.ihook.pytest_runtest_logreport(report=report)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _reruns:
+        terminalreporter.section("run again after tritonserver 2.51's own abort")
+        for line in _reruns:
+            terminalreporter.line(line)

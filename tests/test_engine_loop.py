@@ -68,6 +68,36 @@ def test_cancelled_sink_is_aborted_and_frees_blocks(loop):
     wait_until(lambda: loop.engine.kv_blocks_used() == 0, timeout=5)
 
 
+class CountingSink(Sink):
+    def __init__(self):
+        super().__init__()
+        self.asks = 0
+
+    def is_cancelled(self):
+        self.asks += 1
+        return self.cancelled
+
+
+def test_cancellation_asks_stay_bounded_however_many_requests_wait(default_model_path):
+    """Each is_cancelled() is an IPC round trip through tritonserver; asking each of 100 requests every 50 ms would
+    be 2,000 a second. The watcher spreads its sweep instead, and still sees a cancel."""
+    engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20, max_num_seqs=2,
+                                    max_queue_size=200))
+    loop = EngineLoop(engine)
+    try:
+        sinks = [CountingSink() for _ in range(100)]
+        loop.submit([engine.make_request(f"r{i}", [1, 50, 60, 70], LONG) for i in range(100)], sinks)
+        wait_until(lambda: all(s.asks for s in sinks))
+        before = sum(s.asks for s in sinks)
+        time.sleep(2.0)
+        asks = sum(s.asks for s in sinks) - before
+        assert asks <= 2.0 * 200 + len(sinks), asks      # 200 a second, and one sweep of slack
+        sinks[-1].cancelled = True
+        assert sinks[-1].done.wait(5) and sinks[-1].outputs[-1].finish_reason == "abort"
+    finally:
+        loop.stop()
+
+
 def test_abort_by_client_id_and_bounded_queue(loop):
     running = submit(loop, "r", client_id="job-1")
     wait_until(lambda: len(running.outputs) >= 1)

@@ -92,8 +92,12 @@ class Fail:
 
 class EngineLoop:
     # How often the watcher asks every running request whether its client cancelled. In Triton each ask is an IPC
-    # round trip through tritonserver; every 5 ms with 48 streams took 7% of served tokens/s on 2 cores.
+    # round trip through tritonserver; every 5 ms with 48 streams took 7% of served tokens/s on 2 cores. At most
+    # MAX_CANCEL_ASKS_PER_S asks a second in all: with many streams a sweep spreads out (48: every 0.24 s) instead
+    # of costing ~1,000 IPCs a second, three times the responses the tokens themselves need on the anchor workload
+    # (perf/RESULTS.md, served throughput 2-13% higher in three sittings).
     CANCEL_POLL_S = 0.05
+    MAX_CANCEL_ASKS_PER_S = 200
 
     def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None):
         """`on_finished` is called on the loop thread with every finished output: it must only queue it."""
@@ -224,7 +228,8 @@ class EngineLoop:
     def _watch_cancellations(self) -> None:
         while not self._stopping:
             start = time.perf_counter()
-            for rid, sink in list(self._sinks.items()):
+            sinks = list(self._sinks.items())
+            for rid, sink in sinks:
                 try:
                     cancelled = sink.is_cancelled()
                 except Exception:   # a sender that is already closed
@@ -232,7 +237,7 @@ class EngineLoop:
                 if cancelled:
                     self.abort(rid)
             # Idle at least as long as a sweep took, so polling never takes more than half of a core.
-            time.sleep(max(self.CANCEL_POLL_S, time.perf_counter() - start))
+            time.sleep(max(self.CANCEL_POLL_S, len(sinks) / self.MAX_CANCEL_ASKS_PER_S, time.perf_counter() - start))
 
     def _drain(self, block: bool) -> None:
         while True:

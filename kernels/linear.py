@@ -8,7 +8,7 @@ slower for large prefill chunks (perf/RESULTS.md, "Linear layers"). bf16 `linear
 Weight-only INT8 (`quantization="int8"`): each output row of W is scaled by its largest magnitude / 127 and rounded
 to int8 at load, so a decode step reads a quarter of the fp32 bytes. The reference dequantizes and multiplies; CUDA
 runs the Triton kernel (triton_linear.py); a CPU the C++ operator (cpu/int8_linear.cpp) on fp32 activations, with the
-rows packed in blocks of 8 at load. (torch's own `_weight_int8pack_mm` was slower than fp32 oneDNN: 0.45-0.64x for
+weights packed in blocks of 32 outputs at load. (torch's own `_weight_int8pack_mm` was slower than fp32 oneDNN: 0.45-0.64x for
 one token; its bf16 form crashed on rows not a multiple of its vector.)
 
 Weight-only INT4 (`quantization="int4"`, or "int4-g64"/"int4-g32" for smaller groups; GPTQ and AWQ checkpoints):
@@ -41,14 +41,14 @@ class Weight:
     double the memory of every linear layer), as int8 rows with one scale each, or as group-wise INT4."""
     dense: torch.Tensor | None
     prepared: torch.Tensor | None = None   # oneDNN's layout on a CPU
-    qweight: torch.Tensor | None = None    # int8 [out, in], or packed [out/8, in/16, 8, 16] for the CPU operator
+    qweight: torch.Tensor | None = None    # int8 [out, in], or packed [out/32, in, 32] for the CPU operator
     scales: torch.Tensor | None = None     # [out], in the activations' dtype: W ~= qweight * scales[:, None]
     int4: Int4Weight | None = None
 
     def int8_rows(self) -> torch.Tensor:
         """qweight as [out, in] rows (a copy when it is held packed)."""
         q = self.qweight
-        return q if q.dim() == 2 else q.permute(0, 2, 1, 3).reshape(q.shape[0] * 8, q.shape[1] * 16)
+        return q if q.dim() == 2 else q.permute(0, 2, 1).reshape(q.shape[0] * q.shape[2], q.shape[1])
 
     def tensor(self) -> torch.Tensor:
         """The weight as a dense [out, in] tensor (a copy when only the prepared or quantized form is held)."""
@@ -65,8 +65,8 @@ def quantize_int8(w: torch.Tensor) -> Weight:
     scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w.float() / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
     out_f, in_f = q.shape
-    if w.device.type == "cpu" and w.dtype == torch.float32 and out_f % 8 == 0 and in_f % 16 == 0:
-        q = q.view(out_f // 8, 8, in_f // 16, 16).permute(0, 2, 1, 3).contiguous()   # the CPU operator's blocks
+    if w.device.type == "cpu" and w.dtype == torch.float32 and out_f % 32 == 0:
+        q = q.view(out_f // 32, 32, in_f).permute(0, 2, 1).contiguous()   # the CPU operator's blocks
     return Weight(None, qweight=q, scales=scales.to(w.dtype).contiguous())
 
 
@@ -113,19 +113,16 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return linear_reference(x, w, bias)
 
 
-# The C++ INT8 operator reads the weights once and wins while a step is bound by that read (3x at one token); with
-# more tokens it is bound by its FMAs, and past this many tokens dequantizing for one GEMM is faster (2816 x 512,
-# 2026-11-25: 48 tokens 1.9 vs 2.0 ms, 512 tokens 18.6 vs 10.7 ms; fp32 oneDNN 0.9 and 7.2 ms).
-INT8_OP_MAX_TOKENS = 64
-
-
+# The C++ INT8 operator at every token count: per layer against fp32 oneDNN (2816 x 512, 16 weights cycled, 2
+# threads, 2026-11-25) 5.0x at 1 token, 1.2x at 26, 1.1x at 48, 0.9x at 512-2048; dequantizing for one GEMM was
+# 2.3-5x slower than the operator at every count.
 def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if use_triton(x):
         from trellm_kernels.triton_linear import int8_linear_triton
         return int8_linear_triton(x, w.int8_rows(), w.scales, bias)
     ops = cpu_ops.for_tensor(x)
     x2 = x.reshape(-1, x.shape[-1])
-    if ops is not None and w.qweight.dim() == 4 and x.dtype == torch.float32 and x2.shape[0] <= INT8_OP_MAX_TOKENS:
+    if ops is not None and w.qweight.dim() == 3 and x.dtype == torch.float32:
         x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], w.scales.shape[0], dtype=x.dtype)
         ops.int8_linear(y, x2, w.qweight, w.scales)

@@ -33,7 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil);
   m.def("rotary", &rotary_cpu, "in place rotate-half rotary embedding of q and k", no_gil);
   m.def("silu_and_mul", &silu_and_mul_cpu, "out = silu(gate) * up", no_gil);
-  m.def("int8_linear", &int8_linear_cpu, "y = x (q * scales)^T with q int8 packed [N/8, K/16, 8, 16]", no_gil);
+  m.def("int8_linear", &int8_linear_cpu, "y = x (q * scales)^T with q int8 packed [N/32, K, 32]", no_gil);
   m.def("write_kv", &write_kv_cpu, "store k and v at their slots of the paged caches", no_gil);
   m.def("gather_dequantize", &gather_dequantize_cpu,
         "out[i] = the INT8 / FP8 cache block blocks[i], each value times its token-and-head scale", no_gil);

@@ -1,12 +1,14 @@
 // Weight-only INT8 linear on a CPU: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k], x and y float32.
 //
-// Why: a decode step reads every weight once, so int8 rows (a quarter of fp32's bytes) make it up to 4x cheaper,
-// but only if the weights are read once per call and widened in registers. torch's _weight_int8pack_mm ran at
-// 0.45-0.64x of fp32 oneDNN for one token (2.4 GB/s); this reads at 20-29 GB/s there (perf/RESULTS.md).
-// Layout: packed at load (kernels/linear.py) into blocks of 8 rows, [N/8][K/16][8][16] int8, so each block is one
-// contiguous stream while its 8 rows x MT tokens of sums stay in registers. Each (token, row) sum keeps 16 lanes in
-// a fixed order over k and is folded once at the end: a row's result does not depend on how many tokens share the
-// call, so a request's tokens do not change with the batch it runs in.
+// Why: a decode step reads every weight once, so int8 weights (a quarter of fp32's bytes) make that read up to 4x
+// cheaper, but only if they are read once per call and widened in registers. torch's _weight_int8pack_mm ran at
+// 0.45-0.64x of fp32 oneDNN for one token (perf/RESULTS.md).
+// Layout: packed at load (kernels/linear.py) into blocks of 32 outputs, [N/32][K][32] int8: for each k, the 32
+// weights of the block's outputs are one 32-byte load, widened once into two 16-lane vectors and multiplied by each
+// token's x[m, k] broadcast (an outer product, as a GEMM micro-kernel does): 24 FMAs for 12 tokens per 6 widening
+// instructions, where the first version of this operator (16 k-lanes per output, folded at the end) spent about as
+// many instructions widening as multiplying and ran at half of oneDNN's fp32 rate from 16 tokens up. Each y[m, n]
+// is summed over k in order in one lane whatever the tile, so a request's tokens do not change with the batch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,59 +21,80 @@
 
 namespace {
 
-using trellm::v16;
-typedef int8_t v16i8 __attribute__((vector_size(16)));
+constexpr int64_t BLOCK = 32;       // outputs per packed block
+constexpr int64_t MT_MAX = 12;      // tokens per tile: 24 accumulators + 2 weight vectors in 32 registers
+constexpr int64_t M_CHUNK = 96;     // tokens whose x rows stay in L2 while the thread's blocks pass over them
 
-inline float fold(v16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
-
-// Rows R0 .. R0+R-1 of the 8-row block `blk` (first row n0) for MT tokens of x.
 #if defined(__AVX512F__)
-template <int MT, int R, int R0>
-inline void block_rows(const float* x, int64_t K, const int8_t* blk, const float* scales, float* y, int64_t N,
-                       int64_t n0) {
-  __m512 acc[R][MT];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t kc = 0; kc < K / 16; ++kc) {
-    const int8_t* p = blk + kc * 128 + R0 * 16;
-    _mm_prefetch(reinterpret_cast<const char*>(blk + kc * 128 + 1024), _MM_HINT_T0);
-    __m512 xv[MT];
-    for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_ps(x + m * K + kc * 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + r * 16))));
-      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(w, xv[m], acc[r][m]);
+template <int MT>
+inline void tile(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N) {
+  __m512 acc0[MT], acc1[MT];
+  for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + k * BLOCK));
+    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+      acc0[m] = _mm512_fmadd_ps(w0, xb, acc0[m]);
+      acc1[m] = _mm512_fmadd_ps(w1, xb, acc1[m]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) y[m * N + n0 + R0 + r] = _mm512_reduce_add_ps(acc[r][m]) * scales[n0 + R0 + r];
+  const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+  for (int m = 0; m < MT; ++m) {
+    _mm512_storeu_ps(y + m * N, _mm512_mul_ps(acc0[m], s0));
+    _mm512_storeu_ps(y + m * N + 16, _mm512_mul_ps(acc1[m], s1));
+  }
 }
 #else   // portable: GCC/Clang vector types (slower; AVX-512 hosts take the branch above)
-template <int MT, int R, int R0>
-inline void block_rows(const float* x, int64_t K, const int8_t* blk, const float* scales, float* y, int64_t N,
-                       int64_t n0) {
-  v16 acc[R][MT];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = v16{};
-  for (int64_t kc = 0; kc < K / 16; ++kc) {
-    const int8_t* p = blk + kc * 128 + R0 * 16;
-    v16 xv[MT];
-    for (int m = 0; m < MT; ++m) xv[m] = trellm::load16(x + m * K + kc * 16);
-    for (int r = 0; r < R; ++r) {
-      v16i8 q;
-      std::memcpy(&q, p + r * 16, sizeof(q));
-      const v16 w = __builtin_convertvector(__builtin_convertvector(q, trellm::vi16), v16);
-      for (int m = 0; m < MT; ++m) acc[r][m] += w * xv[m];
+typedef int8_t v16i8 __attribute__((vector_size(16)));
+
+template <int MT>
+inline void tile(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N) {
+  using trellm::v16;
+  v16 acc0[MT], acc1[MT];
+  for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = v16{};
+  for (int64_t k = 0; k < K; ++k) {
+    v16i8 q0, q1;
+    std::memcpy(&q0, blk + k * BLOCK, sizeof(q0));
+    std::memcpy(&q1, blk + k * BLOCK + 16, sizeof(q1));
+    const v16 w0 = __builtin_convertvector(__builtin_convertvector(q0, trellm::vi16), v16);
+    const v16 w1 = __builtin_convertvector(__builtin_convertvector(q1, trellm::vi16), v16);
+    for (int m = 0; m < MT; ++m) {
+      const float xb = x[m * K + k];
+      acc0[m] += w0 * xb;
+      acc1[m] += w1 * xb;
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) y[m * N + n0 + R0 + r] = fold(acc[r][m]) * scales[n0 + R0 + r];
+  const v16 s0 = trellm::load16(s), s1 = trellm::load16(s + 16);
+  for (int m = 0; m < MT; ++m) {
+    const v16 r0 = acc0[m] * s0, r1 = acc1[m] * s1;
+    std::memcpy(y + m * N, &r0, sizeof(r0));
+    std::memcpy(y + m * N + 16, &r1, sizeof(r1));
+  }
 }
 #endif
+
+// y rows [m0, m1) of block b: tiles of 12 tokens, then one tile of what is left.
+inline void block_tokens(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N,
+                         int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + MT_MAX <= m1; m += MT_MAX) tile<MT_MAX>(x + m * K, K, blk, s, y + m * N, N);
+  switch (m1 - m) {
+    case 0: break;
+    case 1: tile<1>(x + m * K, K, blk, s, y + m * N, N); break;
+    case 2: tile<2>(x + m * K, K, blk, s, y + m * N, N); break;
+    case 3: tile<3>(x + m * K, K, blk, s, y + m * N, N); break;
+    case 4: tile<4>(x + m * K, K, blk, s, y + m * N, N); break;
+    case 5: tile<5>(x + m * K, K, blk, s, y + m * N, N); break;
+    case 6: tile<6>(x + m * K, K, blk, s, y + m * N, N); break;
+    case 7: tile<7>(x + m * K, K, blk, s, y + m * N, N); break;
+    case 8: tile<8>(x + m * K, K, blk, s, y + m * N, N); break;
+    case 9: tile<9>(x + m * K, K, blk, s, y + m * N, N); break;
+    case 10: tile<10>(x + m * K, K, blk, s, y + m * N, N); break;
+    default: tile<11>(x + m * K, K, blk, s, y + m * N, N); break;
+  }
+}
 
 }  // namespace
 
@@ -80,25 +103,19 @@ void int8_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, tor
               scales.scalar_type() == torch::kFloat32 && packed.scalar_type() == torch::kInt8,
               "int8_linear: float32 x, y and scales, int8 packed weight");
   TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && packed.is_contiguous() && scales.is_contiguous());
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * 8;
-  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 16 == K && packed.size(2) == 8 && packed.size(3) == 16,
-              "int8_linear: the weight must be packed [N/8, K/16, 8, 16]");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * BLOCK;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == BLOCK,
+              "int8_linear: the weight must be packed [N/32, K, 32]");
   TORCH_CHECK(y.size(0) == M && y.size(1) == N && scales.numel() == N);
   const float* xp = x.data_ptr<float>();
   const int8_t* w = packed.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int8_t* blk = w + b * 8 * K;
-      const int64_t n0 = b * 8;
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) {
-        block_rows<4, 4, 0>(xp + m * K, K, blk, sp, yp + m * N, N, n0);
-        block_rows<4, 4, 4>(xp + m * K, K, blk, sp, yp + m * N, N, n0);
-      }
-      for (; m + 2 <= M; m += 2) block_rows<2, 8, 0>(xp + m * K, K, blk, sp, yp + m * N, N, n0);
-      for (; m < M; ++m) block_rows<1, 8, 0>(xp + m * K, K, blk, sp, yp + m * N, N, n0);
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
+      const int64_t m1 = std::min(M, m0 + M_CHUNK);
+      for (int64_t b = b0; b < b1; ++b)
+        block_tokens(xp, K, w + b * K * BLOCK, sp + b * BLOCK, yp + b * BLOCK, N, m0, m1);
     }
   });
 }

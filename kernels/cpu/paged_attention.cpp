@@ -280,7 +280,7 @@ void run_all(const std::vector<WorkItem>& items, const scalar_t* q, const kv_t* 
              const at::Half* vs, scalar_t* out, const int32_t* cu, const int32_t* seq_lens, const int32_t* tables,
              int64_t max_blocks, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale) {
   // Items are sorted longest first and taken from a shared counter: the threads of torch's own pool balance
-  // sequences of very different lengths without a second OpenMP runtime in the process.
+  // sequences of very different lengths (cpu_ops.py builds with OpenMP for torch's own libgomp).
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);

@@ -8,8 +8,8 @@ slower for large prefill chunks (perf/RESULTS.md, "Linear layers"). bf16 `linear
 Weight-only INT8 (`quantization="int8"`): each output row of W is scaled by its largest magnitude / 127 and rounded
 to int8 at load, so a decode step reads a quarter of the fp32 bytes. The reference dequantizes and multiplies; CUDA
 runs the Triton kernel (triton_linear.py); a CPU the C++ operator (cpu/int8_linear.cpp) on fp32 activations, with the
-weights packed in blocks of 32 outputs at load. (torch's own `_weight_int8pack_mm` was slower than fp32 oneDNN: 0.45-0.64x for
-one token; its bf16 form crashed on rows not a multiple of its vector.)
+weights packed in blocks of 32 outputs at load. (torch's own `_weight_int8pack_mm` was slower than fp32 oneDNN:
+0.45-0.64x for one token; its bf16 form crashed on rows not a multiple of its vector.)
 
 Weight-only INT4 (`quantization="int4"`, or "int4-g64"/"int4-g32" for smaller groups; GPTQ and AWQ checkpoints):
 group-wise with zero points (int4.py says why and how it is laid out). CUDA runs the Triton kernel
@@ -41,7 +41,7 @@ class Weight:
     double the memory of every linear layer), as int8 rows with one scale each, or as group-wise INT4."""
     dense: torch.Tensor | None
     prepared: torch.Tensor | None = None   # oneDNN's layout on a CPU
-    qweight: torch.Tensor | None = None    # int8 [out, in], or packed [out/32, in, 32] for the CPU operator
+    qweight: torch.Tensor | None = None    # int8 [out, in], or packed [out/B, in, B] (B = INT8_CPU_BLOCK) on a CPU
     scales: torch.Tensor | None = None     # [out], in the activations' dtype: W ~= qweight * scales[:, None]
     int4: Int4Weight | None = None
 
@@ -59,14 +59,17 @@ class Weight:
         return self.dense if self.dense is not None else self.prepared.to_dense()
 
 
+INT8_CPU_BLOCK = 32   # outputs per packed block of the CPU operator (BLOCK in cpu/int8_linear.cpp)
+
+
 def quantize_int8(w: torch.Tensor) -> Weight:
     """Symmetric per-output-row INT8: scale = max |w| of the row / 127 (rows of zeros get scale 1)."""
     amax = w.detach().float().abs().amax(dim=1)
     scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w.float() / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
     out_f, in_f = q.shape
-    if w.device.type == "cpu" and w.dtype == torch.float32 and out_f % 32 == 0:
-        q = q.view(out_f // 32, 32, in_f).permute(0, 2, 1).contiguous()   # the CPU operator's blocks
+    if w.device.type == "cpu" and w.dtype == torch.float32 and out_f % INT8_CPU_BLOCK == 0:
+        q = q.view(out_f // INT8_CPU_BLOCK, INT8_CPU_BLOCK, in_f).permute(0, 2, 1).contiguous()   # its blocks
     return Weight(None, qweight=q, scales=scales.to(w.dtype).contiguous())
 
 

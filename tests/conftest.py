@@ -62,7 +62,8 @@ def triton_server(default_model_path, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _revive_a_crashed_session_server(request):
-    """One crash of the shared server (rerun_on_upstream_abort.py) fails the test it happened in, not every later one."""
+    """One crash of the shared server (rerun_on_upstream_abort.py) fails the test it happened in, not every later
+    one."""
     if "triton_server" in request.fixturenames:
         server = request.getfixturevalue("triton_server")
         if server.proc is None or server.proc.poll() is not None:

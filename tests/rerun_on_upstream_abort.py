@@ -30,7 +30,7 @@ def _server_logs(config) -> dict[str, int]:
 
 
 def _upstream_abort_since(config, sizes: dict[str, int]) -> str | None:
-    for path, size in _server_logs(config).items():
+    for path in _server_logs(config):
         with open(path, "rb") as f:
             f.seek(sizes.get(path, 0))
             if UPSTREAM_ABORT in f.read():

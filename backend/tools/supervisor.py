@@ -159,9 +159,9 @@ class Supervisor:
             if child.model:
                 self._stub_models[pid] = child.model
                 self._regions.add(child.region)
-        # A stub that died before the first look here (while the server started, or just after) was never seen
-        # alive: its model is unknown ("").
-        zombies = {pid for pid, c in children.items() if c.state == "Z" and (pid in self._stub_models or c.is_stub)}
+        # A zombie keeps the stub's name; one that died before the first look here (while the server started, or
+        # just after) was never seen alive, so its model is unknown ("").
+        zombies = {pid for pid, c in children.items() if c.state == "Z" and c.is_stub}
         self._zombie_seen = {pid: self._zombie_seen.get(pid, 0) + 1 for pid in zombies}
         self._stub_models = {pid: m for pid, m in self._stub_models.items() if pid in children}
         live = {c.model for c in children.values() if c.model and c.state != "Z"}

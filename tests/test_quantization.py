@@ -160,10 +160,15 @@ def engine_perplexity(model_path: str, kv_cache_dtype: str, chunk: int = 256) ->
 
 
 def test_int8_kv_perplexity_is_within_one_percent_of_float(default_model_path):
-    """Measured 2026-11-25: float32 KV 1039.45 (transformers: 1039.4), INT8 KV 1039.59 (+0.014%), FP8 e4m3 KV
-    1038.27 (-0.11%). Bounds: the issue's +1% for INT8; FP8 within 2% either way."""
+    """Measured 2026-11-25 (Zen 4): float32 KV 1039.45 (transformers: 1039.4), INT8 KV 1039.59 (+0.014%), FP8 e4m3
+    KV 1038.27 (-0.11%). Bounds: the issue's +1% for INT8; FP8 within 2% either way. The float figure is checked
+    against transformers on the same weights, not a constant: the default model is trained on the machine that
+    builds it, and a CPU without AVX-512 (Zen 3) trains slightly different weights (1035.7 there)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    held_text_perplexity.tokenizer = AutoTokenizer.from_pretrained(default_model_path)
+    reference = held_text_perplexity(AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32))
     base = engine_perplexity(default_model_path, "auto")
-    assert abs(base / 1039.4 - 1) < 0.001, base            # the engine's forward is transformers' model
+    assert abs(base / reference - 1) < 0.001, (base, reference)     # the engine's forward is transformers' model
     assert engine_perplexity(default_model_path, "int8") <= base * 1.01
     assert abs(engine_perplexity(default_model_path, "fp8_e4m3") / base - 1) <= 0.02
 

@@ -57,6 +57,21 @@ def test_stream_plan_holds_steps_without_text_and_sends_no_empty_chunk():
     assert last.text == "" and last.finished and last.finish_reason == "length"
 
 
+def test_stream_interval_sends_the_first_text_at_once_then_every_n_tokens_and_the_end():
+    plan = ResponsePlan(stream=True, stream_interval=3)
+    assert plan.on_output(out("", [9])) is None                          # no text yet
+    assert plan.on_output(out("a", [10])).token_ids == [9, 10]           # the first text: at once (TTFT)
+    assert plan.on_output(out("b", [11])) is None
+    assert plan.on_output(out("c", [12])) is None
+    p = plan.on_output(out("de", [13, 14]))                              # 4 >= 3 tokens gathered
+    assert p.text == "bcde" and p.token_ids == [11, 12, 13, 14] and not p.finished
+    assert plan.on_output(out("f", [15])) is None
+    last = plan.on_output(out("g", [16], finished=True))                 # the end never waits
+    assert last.text == "fg" and last.token_ids == [15, 16] and last.finished
+    every = ResponsePlan(stream=True)
+    assert [every.on_output(out(c, [i])).text for i, c in enumerate("xyz")] == ["x", "y", "z"]
+
+
 def test_non_stream_plan_sends_once_with_prompt_when_echoed():
     plan = ResponsePlan(stream=False, echo_text="Lists")
     assert plan.on_output(out(" are", [10])) is None

@@ -43,6 +43,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True    # reuse the KV blocks of prompt prefixes seen before
     enable_metrics: bool = True           # the Triton model reports vLLM-named metrics (backend/triton/metrics.py)
     max_queue_size: int = 512             # waiting requests beyond this are refused with UNAVAILABLE (backpressure)
+    stream_interval: int = 1              # a streamed response every this many tokens after the first (vLLM's name)
     speculative_method: str = "none"      # none, ngram (prompt lookup) or draft (a smaller model): engine/proposers.py
     num_speculative_tokens: int = 4       # most tokens proposed per sequence and step
     prompt_lookup_max: int = 4            # ngram: longest suffix matched against the earlier tokens
@@ -55,6 +56,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval={self.stream_interval} must be >= 1 (1: a response every token)")
         check_speculation(self)
 
     @classmethod

@@ -98,15 +98,20 @@ class ResponsePayload:
 class ResponsePlan:
     """Decides what each response of one sequence carries.
 
-    Streaming: new text goes out as soon as there is some; a step that produced no text yet (a held character or
-    a possible stop string) is held and merged into the next response, so no non-final response is empty.
+    Streaming: the first text goes out as soon as there is some; after it, a response once `stream_interval` new
+    tokens have gathered (vLLM's stream_interval: 1 sends every token; more sends fewer, larger responses, which
+    costs the server, the network and the client less per token), and the final one whenever the sequence ends. A
+    step that produced no text yet (a held character or a possible stop string) is held and merged into the next
+    response, so no non-final response is empty.
     Not streaming: one response at the end, the prompt's text first when it is echoed (TRT-LLM's
     exclude_input_in_output=false)."""
 
-    def __init__(self, stream: bool, echo_text: str = ""):
+    def __init__(self, stream: bool, echo_text: str = "", stream_interval: int = 1):
         self.stream = stream
+        self.stream_interval = stream_interval
         self.prefix = "" if stream else echo_text
         self.text, self.token_ids, self.logprobs, self.top = [], [], [], []
+        self.sent_text = False    # a response with text has gone out: the interval applies from now on
 
     def on_output(self, out: RequestOutput) -> ResponsePayload | None:
         self.text.append(out.text)
@@ -114,8 +119,10 @@ class ResponsePlan:
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
             self.top.extend(out.top_logprobs or [])
-        if not out.finished and (not self.stream or not any(self.text)):
+        if not out.finished and (not self.stream or not any(self.text)
+                                 or (self.sent_text and len(self.token_ids) < self.stream_interval)):
             return None
+        self.sent_text = True
         p = ResponsePayload(self.prefix + "".join(self.text), self.token_ids, self.logprobs, self.top,
                             out.finished, out.finish_reason, out.cumulative_logprob, out.num_prompt_tokens,
                             out.num_output_tokens, out.times, out.num_cached_tokens)

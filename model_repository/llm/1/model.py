@@ -80,7 +80,9 @@ class TritonPythonModel:
             if spec.echo_prompt and not spec.stream:
                 echo = self.tokenizer.decode(spec.prompt_ids, skip_special_tokens=True)
             group = ResponseGroup(pb_utils, sender, len(reqs), self.engine.config.block_size)
-            sinks = [SequenceSink(group, i, ResponsePlan(spec.stream, echo), spec.outputs) for i in range(len(reqs))]
+            interval = self.engine.config.stream_interval
+            sinks = [SequenceSink(group, i, ResponsePlan(spec.stream, echo, interval), spec.outputs)
+                     for i in range(len(reqs))]
             try:
                 self.loop.submit(reqs, sinks, client_id=request.request_id())
             except QueueFull as e:

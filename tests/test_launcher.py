@@ -128,8 +128,31 @@ def test_a_front_end_dying_mid_answer_does_not_end_the_supervision():
     answer raised out of check() and ended the supervisor, so nothing restarted the crashed server."""
     with _fake_server_behind(_CutIndex) as server:
         supervisor = Supervisor(server, log=open(os.devnull, "w"), probe_interval=0.01, probe_failures=1)
-        reason = supervisor.check()
+        deadline = time.monotonic() + 10
+        while (reason := supervisor.check()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert reason and "generate probes" in reason and "IncompleteRead" in reason, reason
+
+
+class _SlowGenerate(_Index):
+    """A front end whose generate answers only after the probe's timeout (a probe sent just before a stub died)."""
+    def do_POST(self):
+        if self.path.endswith("/generate"):
+            time.sleep(7)
+        super().do_POST()
+
+
+def test_a_hanging_probe_does_not_hold_up_noticing_a_crash():
+    """The streams of a dead stub failed 7 s after its death in a full run: the look at the children waited for a
+    generate probe sent just before, which hung until its 5 s timeout."""
+    with _fake_server_behind(_SlowGenerate) as server:
+        supervisor = Supervisor(server, log=open(os.devnull, "w"), probe_interval=0.01)
+        started = time.monotonic()
+        assert supervisor.check() is None                  # sends a probe that hangs
+        server.proc.kill()
+        server.proc.wait()
+        assert supervisor.check() == "tritonserver exited with code -9"
+        assert time.monotonic() - started < 2
 
 
 def test_a_server_that_crashed_comes_back_with_the_models_loaded_before_not_all_of_them():

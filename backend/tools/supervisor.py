@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -136,6 +137,7 @@ class Supervisor:
     _backends: dict[str, str] = field(default_factory=dict)   # model -> backend, asked of the server when needed
     _failed_probes: int = 0
     _next_probe: float = 0.0
+    _probe: tuple[threading.Thread, list] | None = None    # the probe in flight and the list its answer goes into
     _regions: set[str] = field(default_factory=set)      # shared memory of every stub seen, for after a kill
     _loaded: list[str] = field(default_factory=list)   # READY models at the last look; [] before the first
     _next_index: float = 0.0
@@ -182,12 +184,28 @@ class Supervisor:
         if self.server.model_control_mode == "explicit" and time.monotonic() >= self._next_index:
             self._next_index = time.monotonic() + self.index_interval
             self._look_at_index()
-        if self.probe_interval > 0 and time.monotonic() >= self._next_probe:
-            self._next_probe = time.monotonic() + self.probe_interval
-            problem = generate_probe(self.server.http_url, self.probe_model, timeout=max(self.probe_interval, 5.0))
+        if self.probe_interval > 0:
+            return self._probe_result()
+        return None
+
+    def _probe_result(self) -> str | None:
+        """Count the probe that has answered, start the next when it is due. A probe runs in its own thread: one
+        sent just before a stub died hangs until its timeout, and must not hold up the look at the children (the
+        streams of a dead stub then hung for seconds more)."""
+        if self._probe is not None and not self._probe[0].is_alive():
+            [problem] = self._probe[1]
+            self._probe = None
             self._failed_probes = self._failed_probes + 1 if problem else 0
             if self._failed_probes >= self.probe_failures:
                 return f"{self._failed_probes} generate probes of '{self.probe_model}' failed; last: {problem}"
+        if self._probe is None and time.monotonic() >= self._next_probe:
+            self._next_probe = time.monotonic() + self.probe_interval
+            answer: list = []
+            url, model, timeout = self.server.http_url, self.probe_model, max(self.probe_interval, 5.0)
+            thread = threading.Thread(target=lambda: answer.append(generate_probe(url, model, timeout=timeout)),
+                                      name="supervisor-probe", daemon=True)
+            thread.start()
+            self._probe = (thread, answer)
         return None
 
     def restart(self, reason: str, backoff: float) -> None:
@@ -216,6 +234,7 @@ class Supervisor:
         self._zombie_seen.clear()
         self._backends.clear()
         self._failed_probes = 0
+        self._probe = None     # a probe of the old server may still be in flight: its answer is not counted
         self._next_index = 0.0
         self.restarts.append({"reason": reason, "down_s": round(time.monotonic() - down, 1)})
         print(f"supervisor: tritonserver is ready again after {self.restarts[-1]['down_s']} s", file=self.log,

@@ -9,6 +9,7 @@ the engine logs why and keeps the PyTorch path, which is also the tests' oracle.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -79,6 +80,27 @@ def remove_stale_lock(path: str) -> None:
             pass
 
 
+@contextlib.contextmanager
+def pinned_ninja():
+    """torch builds with the first `ninja` on PATH. Ninja 1.12 changed how its log in the build folder hashes a
+    command, so two versions (the pip package beside this project's Python, and a system one such as Debian's
+    1.11) each took the other's log for changed commands and rebuilt everything: the server's stubs (the venv
+    first on PATH) and a process started as `.venv/bin/python` (the system ninja first) took turns, ~100 s of
+    compiling per turn on 2 cores. The pinned `ninja` package's binary is put first while building."""
+    try:
+        import ninja
+        bin_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        yield
+        return
+    before = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join((bin_dir, before))
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
+
+
 def load(verbose: bool = False):
     """The compiled module, building it first if this machine has none; None (and the reason in `error()`) when
     it cannot be built. Set TRELLM_CPU_OPS=0 to turn the operators off."""
@@ -93,8 +115,9 @@ def load(verbose: bool = False):
         path = build_dir()
         os.makedirs(path, exist_ok=True)
         remove_stale_lock(path)
-        _module = load_extension(name="trellm_cpu_ops", sources=SOURCES, extra_cflags=CFLAGS,
-                                 extra_ldflags=LDFLAGS, build_directory=path, verbose=verbose)
+        with pinned_ninja():
+            _module = load_extension(name="trellm_cpu_ops", sources=SOURCES, extra_cflags=CFLAGS,
+                                     extra_ldflags=LDFLAGS, build_directory=path, verbose=verbose)
     except Exception as e:  # no compiler, no ninja, a read-only cache: all mean "use the PyTorch path"
         _error = (f"the C++ CPU operators could not be built ({type(e).__name__}: {str(e).strip()[:300]}); "
                   "the slower PyTorch attention runs instead. They need g++ and the `ninja` package "

@@ -605,6 +605,21 @@ def test_cpu_operators_split_their_work_over_torchs_openmp_threads():
     assert len(runtimes) == 1, runtimes
 
 
+def test_cpu_ops_build_with_the_pinned_ninja_whatever_is_first_on_path(tmp_path):
+    """Two ninja versions rebuilt the operators after each other (their logs hash commands differently): the
+    server's stubs ran the venv's and `.venv/bin/python` the system's. A ninja first on PATH that fails must not be
+    the one run."""
+    assert cpu_ops.load() is not None, cpu_ops.error()     # built (or found built) in this process
+    fake = tmp_path / "ninja"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\nexit 1\n")
+    fake.chmod(0o755)
+    code = "from trellm_kernels import cpu_ops; assert cpu_ops.load() is not None, cpu_ops.error()"
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not (tmp_path / "calls").exists()
+
+
 def test_cpu_ops_can_be_turned_off(monkeypatch):
     """TRELLM_CPU_OPS=0 (or a failed build) leaves the PyTorch path, and says why."""
     monkeypatch.setattr(cpu_ops, "_module", None)

@@ -116,8 +116,9 @@ def load(verbose: bool = False):
         os.makedirs(path, exist_ok=True)
         remove_stale_lock(path)
         with pinned_ninja():
-            _module = load_extension(name="trellm_cpu_ops", sources=SOURCES, extra_cflags=CFLAGS,
-                                     extra_ldflags=LDFLAGS, build_directory=path, verbose=verbose)
+            # Copies: torch appends its own libraries to extra_ldflags, which changed build_dir()'s hash after.
+            _module = load_extension(name="trellm_cpu_ops", sources=SOURCES, extra_cflags=list(CFLAGS),
+                                     extra_ldflags=list(LDFLAGS), build_directory=path, verbose=verbose)
     except Exception as e:  # no compiler, no ninja, a read-only cache: all mean "use the PyTorch path"
         _error = (f"the C++ CPU operators could not be built ({type(e).__name__}: {str(e).strip()[:300]}); "
                   "the slower PyTorch attention runs instead. They need g++ and the `ninja` package "

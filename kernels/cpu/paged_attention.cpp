@@ -59,22 +59,28 @@ inline void slot_scores_16(const float* qs, int64_t rows, int64_t heads, int64_t
       const int64_t h = (r % heads) / G;
       const kv_t* kh = kj + h * D;
       const float* qr = qs + r * D;
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-      if constexpr (std::is_same_v<kv_t, float>) {   // as in accumulate_values: v16 sums went through the stack
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) {
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kh + d), a0);
-          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d + 8), _mm256_loadu_ps(kh + d + 8), a1);
-        }
-        float* lanes = reinterpret_cast<float*>(part + r * 16 + jj);
-        _mm256_storeu_ps(lanes, a0);
-        _mm256_storeu_ps(lanes + 8, a1);
-        continue;
+#if defined(TRELLM_AVX2)
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        __m256 q0, q1, k0, k1;
+        trellm::load8x2(qr + d, q0, q1);
+        trellm::load8x2(kh + d, k0, k1);
+        a0 = _mm256_fmadd_ps(q0, k0, a0);
+        a1 = _mm256_fmadd_ps(q1, k1, a1);
       }
-#endif
+      if (ksc) {
+        const __m256 sc = _mm256_set1_ps(ksc[h * BS + jj]);
+        a0 = _mm256_mul_ps(a0, sc);
+        a1 = _mm256_mul_ps(a1, sc);
+      }
+      float* lanes = reinterpret_cast<float*>(part + r * 16 + jj);
+      _mm256_storeu_ps(lanes, a0);
+      _mm256_storeu_ps(lanes + 8, a1);
+#else
       v16 a = {};
       for (int64_t d = 0; d < D; d += 16) a += load16(qr + d) * load16(kh + d);
       part[r * 16 + jj] = ksc ? a * ksc[h * BS + jj] : a;
+#endif
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -84,24 +90,24 @@ inline void slot_scores_16(const float* qs, int64_t rows, int64_t heads, int64_t
 }
 
 // acc[0:16 NV] += sum_j p[j] * v_j[0:16 NV] with the running sum in NV registers; v_j = v + j * stride.
-// Without AVX-512, GCC lowers `scalar * v16` by storing the scalar 16 times and moves the running sums through
-// the stack and general registers (on a Zen 3 this loop was most of decode attention), so a float cache takes
-// AVX2 registers directly there.
+// With AVX2 only, two 8-float registers per 16 lanes (vec_math.h says why).
 template <int NV, typename kv_t>
 inline void accumulate_values(float* acc, const float* p, int64_t n, const kv_t* v, int64_t stride) {
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<kv_t, float>) {
-    __m256 a[2 * NV];
-    for (int i = 0; i < 2 * NV; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 pj = _mm256_set1_ps(p[j]);
-      const float* vj = v + j * stride;
-      for (int i = 0; i < 2 * NV; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), a[i]);
+#if defined(TRELLM_AVX2)
+  __m256 a[2 * NV];
+  for (int i = 0; i < 2 * NV; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const kv_t* vj = v + j * stride;
+    for (int i = 0; i < NV; ++i) {
+      __m256 lo, hi;
+      trellm::load8x2(vj + 16 * i, lo, hi);
+      a[2 * i] = _mm256_fmadd_ps(pj, lo, a[2 * i]);
+      a[2 * i + 1] = _mm256_fmadd_ps(pj, hi, a[2 * i + 1]);
     }
-    for (int i = 0; i < 2 * NV; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
-    return;
   }
-#endif
+  for (int i = 0; i < 2 * NV; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
+#else
   v16 a[NV];
   for (int i = 0; i < NV; ++i) a[i] = load16(acc + 16 * i);
   for (int64_t j = 0; j < n; ++j) {
@@ -110,6 +116,7 @@ inline void accumulate_values(float* acc, const float* p, int64_t n, const kv_t*
     for (int i = 0; i < NV; ++i) a[i] += pj * load16(vj + 16 * i);
   }
   for (int i = 0; i < NV; ++i) trellm::store16(acc + 16 * i, a[i]);
+#endif
 }
 
 constexpr int64_t kTileRows = 32;      // query positions per work item; each brings its G heads

@@ -112,7 +112,43 @@ inline v16 load16(const fp8_e4m3* p) {
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-#if !defined(__AVX512F__) && defined(__AVX2__)
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 without AVX-512 (Zen 3, Zen 2, many Intel servers): GCC lowers the 16-lane type above badly there (scalar
+// times vector stores the scalar 16 times; running sums go through the stack and general registers), so the hot
+// loops use two 8-float registers, loaded from the cache's type by these. Decode attention on a Zen 3 went from
+// 5.0 to 1.4 ms a layer (perf/RESULTS.md).
+#define TRELLM_AVX2 1
+inline void load8x2(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+
+inline void load8x2(const int8_t* p, __m256& lo, __m256& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+
+inline void load8x2(const fp8_e4m3* p, __m256& lo, __m256& hi) {
+  // As load16's AVX-512 form: e4m3 moved into float16 bits (the value / 2^8), converted, x 2^8.
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  const __m256 k = _mm256_set1_ps(256.f);
+  lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k);
+  hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k);
+}
+
+template <typename T>   // bfloat16, float16: converted one by one (a float cache of these is rare on a CPU)
+inline void load8x2(const T* p, __m256& lo, __m256& hi) {
+  alignas(32) float f[16];
+  for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(p[i]);
+  lo = _mm256_load_ps(f);
+  hi = _mm256_load_ps(f + 8);
+}
+#endif
+
+#if defined(TRELLM_AVX2)
 // The lane sums of 8 vectors of 8 floats, as one: two rounds of horizontal adds, then the 128-bit halves put
 // together (hadd works within each half).
 inline __m256 sum_lanes_8x8(const __m256* a) {
@@ -123,11 +159,10 @@ inline __m256 sum_lanes_8x8(const __m256* a) {
 #endif
 
 // out[j] = the sum of the 16 lanes of p[j], for 16 vectors at once: a tree of pairwise shuffles and adds (15
-// steps for 16 sums) instead of a horizontal reduction per vector. Without AVX-512 GCC splits each 16-lane
-// shuffle through the stack (on a Zen 3 most of decode attention's time went there), so AVX2 first folds each
-// vector's halves and sums 8 at a time with horizontal adds.
+// steps for 16 sums) instead of a horizontal reduction per vector. With AVX2 only, each vector's halves are
+// folded first and 8 are summed at a time with horizontal adds (GCC splits the 16-lane shuffles through the stack).
 inline v16 sum_lanes_16(const v16* p) {
-#if !defined(__AVX512F__) && defined(__AVX2__)
+#if defined(TRELLM_AVX2)
   __m256 f[16];
   for (int j = 0; j < 16; ++j) {
     __m256 h[2];

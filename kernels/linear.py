@@ -20,6 +20,7 @@ take (outputs not a multiple of 16).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -116,15 +117,23 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return linear_reference(x, w, bias)
 
 
-# The C++ INT8 operator at every token count: per layer against fp32 oneDNN (2816 x 512, 16 weights cycled, 2
-# threads, 2026-11-25) 5.0x at 1 token, 1.2x at 26, 1.1x at 48, 0.9x at 512-2048; dequantizing for one GEMM was
-# 2.3-5x slower than the operator at every count.
+# The C++ INT8 operator at every token count with AVX-512: per layer against fp32 oneDNN (2816 x 512, 16 weights
+# cycled, 2 threads, Zen 4, 2026-11-25) 5.0x at 1 token, 1.2x at 26, 1.1x at 48, 0.9x at 512-2048; dequantizing for
+# one GEMM was 2.3-5x slower than the operator at every count. With AVX2 only (16 registers: 3 tokens' sums at a
+# time) the operator runs at about half of fp32 from 16 tokens up, and from 128 tokens dequantizing for one fp32
+# GEMM is faster (Zen 3, 2816 x 512, ms: 3.6 against 4.5 at 128 tokens, 14 against 18 at 512, 35 against 70 at
+# 2048, fp32 36), so prefill chunks take that path there.
+DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512 = 128
+
+
 def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if use_triton(x):
         from trellm_kernels.triton_linear import int8_linear_triton
         return int8_linear_triton(x, w.int8_rows(), w.scales, bias)
     ops = cpu_ops.for_tensor(x)
     x2 = x.reshape(-1, x.shape[-1])
+    if ops is not None and x2.shape[0] >= DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512 and not cpu_has_avx512():
+        return linear_reference(x, w, bias)
     if ops is not None and w.qweight.dim() == 3 and x.dtype == torch.float32:
         x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], w.scales.shape[0], dtype=x.dtype)
@@ -132,6 +141,11 @@ def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
     return linear_reference(x, w, bias)
+
+
+@functools.cache
+def cpu_has_avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,7 +20,6 @@ take (outputs not a multiple of 16).
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -132,7 +131,7 @@ def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
         return int8_linear_triton(x, w.int8_rows(), w.scales, bias)
     ops = cpu_ops.for_tensor(x)
     x2 = x.reshape(-1, x.shape[-1])
-    if ops is not None and x2.shape[0] >= DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512 and not cpu_has_avx512():
+    if ops is not None and not ops.avx512 and x2.shape[0] >= DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512:
         return linear_reference(x, w, bias)
     if ops is not None and w.qweight.dim() == 3 and x.dtype == torch.float32:
         x2 = x2.contiguous()
@@ -141,11 +140,6 @@ def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
     return linear_reference(x, w, bias)
-
-
-@functools.cache
-def cpu_has_avx512() -> bool:
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -37,6 +37,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv_cpu, "store k and v at their slots of the paged caches", no_gil);
   m.def("gather_dequantize", &gather_dequantize_cpu,
         "out[i] = the INT8 / FP8 cache block blocks[i], each value times its token-and-head scale", no_gil);
+  // Which tiles the build took (-march=native): the INT8 linear dispatch (kernels/linear.py) reads it.
+#if defined(__AVX512F__)
+  m.attr("avx512") = true;
+#else
+  m.attr("avx512") = false;
+#endif
   m.def("write_kv_quantized", &write_kv_quantized_cpu,
         "quantize k and v per token and head into an INT8 or FP8 cache (int8 views) and its float16 scales", no_gil);
 }

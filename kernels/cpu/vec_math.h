@@ -87,6 +87,17 @@ inline v16 load16(const T* p) {
   return r;
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+// 16 FP8 e4m3 values as float16 bits of the value / 2^8: e4m3's exponent and mantissa moved into a float16's
+// (bias 15 instead of 7, subnormals included, which the hardware conversion handles), the sign into the float16's.
+// The caller converts them and multiplies by 2^8.
+inline __m256i e4m3_half_bits(const fp8_e4m3* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+}
+#endif
+
 // 16 KV-cache bytes as floats. GCC leaves the generic loop above scalar for 1-byte types (as it did for the INT8
 // linear operator), so AVX-512 widens them here: INT8 sign-extends and converts; FP8 e4m3 goes through float16.
 #if defined(__AVX512F__)
@@ -98,12 +109,7 @@ inline v16 load16(const int8_t* p) {
 }
 
 inline v16 load16(const fp8_e4m3* p) {
-  // e4m3's exponent and mantissa moved into a float16's (bias 15 instead of 7: the value / 2^8, subnormals
-  // included, which the hardware conversion handles), the sign into the float16's, then x 2^8.
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-  const __m512 r = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+  const __m512 r = _mm512_mul_ps(_mm512_cvtph_ps(e4m3_half_bits(p)), _mm512_set1_ps(256.f));
   v16 out;
   std::memcpy(&out, &r, sizeof(out));
   return out;
@@ -130,10 +136,7 @@ inline void load8x2(const int8_t* p, __m256& lo, __m256& hi) {
 }
 
 inline void load8x2(const fp8_e4m3* p, __m256& lo, __m256& hi) {
-  // As load16's AVX-512 form: e4m3 moved into float16 bits (the value / 2^8), converted, x 2^8.
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  const __m256i h = e4m3_half_bits(p);
   const __m256 k = _mm256_set1_ps(256.f);
   lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k);
   hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k);

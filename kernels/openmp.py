@@ -1,0 +1,50 @@
+"""Which thread owns the workers of the OpenMP runtime that torch's CPU operators (and ours, kernels/cpu/) share.
+(How long idle workers spin is set before torch loads: tools/launch.py's openmp_wait_defaults.)
+
+libgomp keeps one pool of workers per thread that starts parallel regions. It counts every worker of every pool,
+and once that count exceeds the cores it cuts each worker's spinning to 100 rounds, so a worker sleeps between any
+two operators and every parallel region pays a futex wake-up. The engine loads its model on one thread (the
+Triton stub's main thread, which then makes a pool) and steps on another (engine/loop.py, a second pool): on 2
+cores that is 3 threads counted against 2 cores, and every operator of every step ran throttled. A decode-sized
+linear layer took 1.6x as long on the stepping thread as on the loading thread, and the anchor workload ran 14%
+slower through the engine loop than stepped on the main thread (perf/RESULTS.md). `release_thread_pool()` on the
+loading thread, once its work is done, ends its pool, so the stepping thread's is the only one.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+log = logging.getLogger("trellm")
+
+OMP_PAUSE_HARD = 2   # omp_pause_resource_kind: free the calling thread's pool as well
+
+
+def _loaded_libgomp() -> ctypes.CDLL | None:
+    """The libgomp this process has loaded (torch's), or None (another OpenMP runtime, or not on Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)   # already loaded: this returns the same handle
+        except OSError:
+            continue
+    return None
+
+
+def release_thread_pool() -> bool:
+    """End the calling thread's OpenMP workers (the next parallel region on it would start new ones). Call it on a
+    thread that has finished its torch work, before another thread takes over the computing. Returns whether a
+    pool was released; False where the runtime is not libgomp or is older than OpenMP 5.0's pause."""
+    lib = _loaded_libgomp()
+    pause = getattr(lib, "omp_pause_resource_all", None) if lib is not None else None
+    if pause is None:
+        return False
+    pause.argtypes = [ctypes.c_int]
+    if pause(OMP_PAUSE_HARD) != 0:
+        log.debug("omp_pause_resource_all failed; the thread's OpenMP pool stays")
+        return False
+    return True

@@ -1,0 +1,70 @@
+"""The stepping thread must own the process's only OpenMP pool (kernels/openmp.py): with a second pool left on the
+thread that loaded the model, libgomp throttles every worker's spinning and each parallel region of a step sleeps
+and wakes a worker. Each case runs in a fresh interpreter, so its OpenMP state is its own."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from trellm_backend.engine.loop import EngineLoop
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.engine import LLMEngine
+
+# A thread (the stepping thread's place) runs 300 parallel regions back to back; the process's context switches
+# meanwhile count how often a worker slept between them. All cores are used, so the loading thread's pool plus the
+# stepping thread's exceed the cores on any machine.
+SCRIPT = textwrap.dedent("""
+    import os, resource, sys, threading
+    import torch
+    from trellm_kernels.openmp import release_thread_pool
+    torch.set_num_threads(os.cpu_count())
+    x = torch.randn(1 << 18)
+    for _ in range(20):
+        x.mul(1.0001)                      # the loading thread's own parallel work: its pool now exists
+    released = release_thread_pool() if sys.argv[1] == "release" else False
+    switches = []
+    def step():
+        for _ in range(20):
+            x.mul(1.0001)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+        for _ in range(300):
+            x.mul(1.0001)
+        switches.append(resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before)
+    t = threading.Thread(target=step)
+    t.start()
+    t.join()
+    print(released, switches[0])
+""")
+
+
+def run_case(mode: str) -> tuple[bool, int]:
+    env = {**os.environ, "GOMP_SPINCOUNT": "10000"}    # the launcher's default (tools/launch.py)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    released, switches = out.stdout.split()
+    return released == "True", int(switches)
+
+
+@pytest.mark.skipif(os.cpu_count() < 2, reason="one core: no worker threads at all")
+def test_released_pool_lets_the_stepping_thread_spin():
+    kept_released, kept = run_case("keep")
+    released, after = run_case("release")
+    assert not kept_released and released, "libgomp's omp_pause_resource_all was not found"
+    # Throttled: a worker sleeps between nearly every two regions. Released: workers spin across them.
+    assert kept > 150, f"the premise failed: only {kept} context switches in 300 regions with two pools"
+    assert after < 60, f"{after} context switches in 300 regions after the loading thread's pool was released"
+
+
+def test_loop_helpers_yield_the_cores_to_the_stepping_thread(default_model_path):
+    engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20))
+    loop = EngineLoop(engine)
+    try:
+        policy = os.sched_getscheduler
+        assert policy(loop._responder.native_id) == os.SCHED_IDLE
+        assert policy(loop._watcher.native_id) == os.SCHED_IDLE
+        assert policy(loop._thread.native_id) == os.SCHED_OTHER, "the stepping thread must keep its class"
+        assert policy(0) == os.SCHED_OTHER, "the thread that made the loop must keep its class"
+    finally:
+        loop.stop()

@@ -44,6 +44,8 @@ class EngineConfig:
     enable_metrics: bool = True           # the Triton model reports vLLM-named metrics (backend/triton/metrics.py)
     max_queue_size: int = 512             # waiting requests beyond this are refused with UNAVAILABLE (backpressure)
     stream_interval: int = 1              # a streamed response every this many tokens after the first (vLLM's name)
+    cpu_serving_threads: str = "idle"     # CPU engine: idle puts the loop's helpers and tritonserver's threads in
+                                          # SCHED_IDLE (engine/cores.py); normal leaves every thread's class alone
     speculative_method: str = "none"      # none, ngram (prompt lookup) or draft (a smaller model): engine/proposers.py
     num_speculative_tokens: int = 4       # most tokens proposed per sequence and step
     prompt_lookup_max: int = 4            # ngram: longest suffix matched against the earlier tokens
@@ -58,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval={self.stream_interval} must be >= 1 (1: a response every token)")
+        if self.cpu_serving_threads not in ("idle", "normal"):
+            raise ValueError(f"cpu_serving_threads={self.cpu_serving_threads!r} is not one of idle, normal")
         check_speculation(self)
 
     @classmethod

@@ -8,15 +8,9 @@ QueueFull (backpressure) instead of piling up. After each step the loop publishe
 and hands each finished output to an optional `on_finished` callback (a metrics reporter's queue), so observers
 read what the loop thread made rather than reaching into the engine.
 
-The thread that builds the engine hands its OpenMP workers back before the loop starts, so the stepping thread owns
-the process's only pool (kernels/openmp.py says why a second pool slows every step).
-
-On a CPU engine the loop's helper threads (the responder and the cancellation watcher) run in Linux's SCHED_IDLE
-class: they take a core only when the stepping thread and its OpenMP workers leave it, never in the middle of a
-parallel region, where a preempted worker stalls the whole step at the next barrier. When the cores are busy the
-responder then falls behind and merges (below), so it sends fewer, larger responses exactly when serving would
-cost compute; when the cores have room it sends every token at once. Served `llm` on the anchor workload,
-2 cores: 1.12-1.18x out tok/s (perf/RESULTS.md).
+On a CPU the loop follows engine/cores.py: the thread that built the engine hands its OpenMP workers back before
+the loop starts, so the stepping thread owns the process's only pool, and (with `cpu_serving_threads` idle, the
+default) the responder and the watcher run in SCHED_IDLE, taking a core only when the compute leaves one.
 
 Outputs leave through a third thread, the responder: the stepping thread only queues (sink, output) pairs, so
 building and sending responses (in Triton an IPC per response) overlaps the next forward pass instead of
@@ -37,7 +31,7 @@ from typing import Callable, Protocol
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.request import Request, RequestOutput
 from trellm_backend.engine.stats import SchedulerStats
-from trellm_kernels.openmp import release_thread_pool
+from trellm_backend.engine.cores import release_thread_pool, yield_threads
 
 log = logging.getLogger("trellm")
 
@@ -102,18 +96,6 @@ class Fail:
     message: str
 
 
-def yield_to_compute(thread: threading.Thread) -> bool:
-    """Put a started thread in SCHED_IDLE (Linux; lowering a thread's class needs no privilege). Returns whether
-    it took."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return False
-    try:
-        os.sched_setscheduler(thread.native_id, os.SCHED_IDLE, os.sched_param(0))
-    except OSError:
-        return False
-    return True
-
-
 class EngineLoop:
     # How often the watcher asks every running request whether its client cancelled. In Triton each ask is an IPC
     # round trip through tritonserver; every 5 ms with 48 streams took 7% of served tokens/s on 2 cores. At most
@@ -139,17 +121,15 @@ class EngineLoop:
         self._stopping = False
         self._closed: str | None = None     # why new requests are refused (shut_down)
         self._outbox: queue.SimpleQueue[Send | Fail | None] = queue.SimpleQueue()
-        # The engine was built on this thread, whose OpenMP workers would keep the stepping thread's throttled.
-        release_thread_pool()
+        release_thread_pool()   # the engine was built on this thread: its OpenMP pool would throttle the stepping one
         self._responder = threading.Thread(target=self._respond, name="trellm-responses", daemon=True)
         self._responder.start()
         self._thread = threading.Thread(target=self._run, name="trellm-engine", daemon=True)
         self._thread.start()
         self._watcher = threading.Thread(target=self._watch_cancellations, name="trellm-cancel", daemon=True)
         self._watcher.start()
-        if engine.runner.device.type == "cpu":   # the helpers and the compute share the cores (module docstring)
-            for helper in (self._responder, self._watcher):
-                yield_to_compute(helper)
+        if engine.runner.device.type == "cpu" and engine.config.cpu_serving_threads == "idle":
+            yield_threads([self._responder, self._watcher])
 
     def num_waiting(self) -> int:
         """Requests not yet running: submitted but not drained, plus the scheduler's waiting queue."""

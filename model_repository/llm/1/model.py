@@ -3,10 +3,12 @@ runs in a background thread and answers through each request's response sender (
 import itertools
 import json
 import logging
+import os
 import threading
 
 import triton_python_backend_utils as pb_utils
 
+from trellm_backend.engine.cores import yield_process
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.loop import DuplicateClientId, EngineLoop, QueueFull
 from trellm_backend.triton.checks import serving_config
@@ -41,6 +43,9 @@ class TritonPythonModel:
             except Exception as e:  # e.g. a server started with --allow-metrics=false: serve without them
                 logging.getLogger("trellm").warning("metrics disabled: %s", e)
         self.loop = EngineLoop(self.engine, on_finished=self.metrics.record if self.metrics else None)
+        if self.engine.runner.device.type == "cpu" and config.cpu_serving_threads == "idle":
+            # tritonserver's threads wake per streamed token: on a CPU they wait for the compute's gaps (cores.py).
+            yield_process(os.getppid())
         if self.metrics is not None:
             self.metrics.start(self.loop.stats)
         self.keys = itertools.count(1)

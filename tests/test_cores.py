@@ -1,10 +1,11 @@
-"""The stepping thread must own the process's only OpenMP pool (kernels/openmp.py): with a second pool left on the
+"""The stepping thread must own the process's only OpenMP pool (engine/cores.py): with a second pool left on the
 thread that loaded the model, libgomp throttles every worker's spinning and each parallel region of a step sleeps
 and wakes a worker. Each case runs in a fresh interpreter, so its OpenMP state is its own."""
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -18,7 +19,7 @@ from trellm_backend.engine.engine import LLMEngine
 SCRIPT = textwrap.dedent("""
     import os, resource, sys, threading
     import torch
-    from trellm_kernels.openmp import release_thread_pool
+    from trellm_backend.engine.cores import release_thread_pool
     torch.set_num_threads(os.cpu_count())
     x = torch.randn(1 << 18)
     for _ in range(20):
@@ -57,14 +58,38 @@ def test_released_pool_lets_the_stepping_thread_spin():
     assert after < 60, f"{after} context switches in 300 regions after the loading thread's pool was released"
 
 
-def test_loop_helpers_yield_the_cores_to_the_stepping_thread(default_model_path):
-    engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20))
+@pytest.mark.parametrize("setting", ["idle", "normal"])
+def test_loop_helpers_yield_the_cores_to_the_stepping_thread(default_model_path, setting):
+    engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20,
+                                    cpu_serving_threads=setting))
     loop = EngineLoop(engine)
     try:
         policy = os.sched_getscheduler
-        assert policy(loop._responder.native_id) == os.SCHED_IDLE
-        assert policy(loop._watcher.native_id) == os.SCHED_IDLE
+        helpers = os.SCHED_IDLE if setting == "idle" else os.SCHED_OTHER
+        assert policy(loop._responder.native_id) == helpers
+        assert policy(loop._watcher.native_id) == helpers
         assert policy(loop._thread.native_id) == os.SCHED_OTHER, "the stepping thread must keep its class"
         assert policy(0) == os.SCHED_OTHER, "the thread that made the loop must keep its class"
     finally:
         loop.stop()
+
+
+def test_unknown_setting_is_named():
+    with pytest.raises(ValueError, match="cpu_serving_threads='low' is not one of idle, normal"):
+        EngineConfig(model_path="unused", cpu_serving_threads="low")
+
+
+def test_yield_process_lowers_every_thread_of_a_process():
+    from trellm_backend.engine.cores import yield_process
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                              "[threading.Thread(target=time.sleep, args=(30,), daemon=True).start() for _ in range(3)]\n"
+                              "time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(os.listdir(f"/proc/{child.pid}/task")) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert yield_process(child.pid) == 4
+        assert {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{child.pid}/task")} == {os.SCHED_IDLE}
+    finally:
+        child.kill()
+        child.wait()

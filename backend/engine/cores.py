@@ -1,5 +1,10 @@
-"""Which thread owns the workers of the OpenMP runtime that torch's CPU operators (and ours, kernels/cpu/) share.
-(How long idle workers spin is set before torch loads: tools/launch.py's openmp_wait_defaults.)
+"""How a CPU engine's compute and the threads that serve it share the cores.
+
+Two rules, each measured on the anchor workload served on 2 cores (perf/RESULTS.md):
+
+1. The stepping thread owns the process's only OpenMP pool (the runtime torch's CPU operators and ours,
+   kernels/cpu/, share; how long its idle workers spin is set before torch loads: tools/launch.py's
+   openmp_wait_defaults).
 
 libgomp keeps one pool of workers per thread that starts parallel regions. It counts every worker of every pool,
 and once that count exceeds the cores it cuts each worker's spinning to 100 rounds, so a worker sleeps between any
@@ -14,6 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import threading
 
 log = logging.getLogger("trellm")
 
@@ -48,3 +55,31 @@ def release_thread_pool() -> bool:
         log.debug("omp_pause_resource_all failed; the thread's OpenMP pool stays")
         return False
     return True
+
+
+def yield_to_compute(native_id: int) -> bool:
+    """Put one thread (a native thread id, as in /proc/PID/task) in SCHED_IDLE. Returns whether it took: False off
+    Linux, or for a thread that is gone or not ours to change."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    try:
+        os.sched_setscheduler(native_id, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:
+        return False
+    return True
+
+
+def yield_threads(threads: list[threading.Thread]) -> None:
+    """Started helper threads of this process to SCHED_IDLE."""
+    for t in threads:
+        yield_to_compute(t.native_id)
+
+
+def yield_process(pid: int) -> int:
+    """Every thread of process `pid` (tritonserver: the stub's parent) to SCHED_IDLE; the threads it starts later
+    inherit the class. Returns how many threads took it."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    return sum(yield_to_compute(int(t)) for t in tids)

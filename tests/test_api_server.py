@@ -152,10 +152,10 @@ def test_http_generate_answers_triton_decides_before_the_models(triton_server):
     for value in ("abc", 1.5):
         status, body = _post(triton_server, path, {"text_input": PROMPT, "max_tokens": value})
         assert status == 500 and body["error"].startswith("Unable to parse 'data'"), body
-    # More than one response: the 200 went out with the first one, the error comes in the body.
-    for extra in ({"stream": True}, {"num_return_sequences": 2}):
-        status, body = _post(triton_server, path, {"text_input": PROMPT, "max_tokens": 2, **extra})
-        assert status == 200 and "generate expects model to produce exactly 1 response" in body["error"], body
+    # More than one response: the 200 went out with the first one, the error comes in the body. Two sequences are
+    # always two responses; a stream's tokens may be merged into one when the responder fell behind (loop.py).
+    status, body = _post(triton_server, path, {"text_input": PROMPT, "max_tokens": 2, "num_return_sequences": 2})
+    assert status == 200 and "generate expects model to produce exactly 1 response" in body["error"], body
     # The same requests on generate_stream are served.
     events = http_generate(triton_server.http_url, PROMPT, stream=True, max_tokens=2, num_return_sequences=2)
     assert sorted(e["sequence_index"] for e in events if e["finish_reason"]) == [0, 1]

@@ -245,7 +245,9 @@ def test_perf_analyzer_exports_exact_values_for_switched_on_outputs(triton_serve
         outs = r["response_outputs"]
         assert [o["num_output_tokens"] for o in outs] == sorted(o["num_output_tokens"] for o in outs)
         assert outs[-1]["num_output_tokens"] == 8 and all(1 <= o["num_output_tokens"] <= 8 for o in outs)
-        assert all(o["cum_log_probs"] <= 0 and o["output_log_probs"] <= 0 for o in outs)
+        # One value per token of the response (a busy CPU server may merge tokens into one response).
+        logprobs = [v for o in outs for v in np.ravel(o["output_log_probs"])]
+        assert len(logprobs) == 8 and max(logprobs) <= 0 and all(o["cum_log_probs"] <= 0 for o in outs), outs
         assert all(o["kv_cache_alloc_total_blocks"] >= 1 and o["first_token_time_ns"] >= o["arrival_time_ns"] > 0
                    for o in outs)
 

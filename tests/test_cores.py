@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from trellm_backend.engine.loop import EngineLoop
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.request import SamplingParams
 
 # A thread (the stepping thread's place) runs 300 parallel regions back to back; the process's context switches
 # meanwhile count how often a worker slept between them. All cores are used, so the loading thread's pool plus the
@@ -93,3 +95,37 @@ def test_yield_process_lowers_every_thread_of_a_process():
     finally:
         child.kill()
         child.wait()
+
+
+class SlowSink:
+    """A sink whose send blocks like an IPC round trip through tritonserver (2 ms), recording each output."""
+
+    def __init__(self):
+        self.outputs, self.done = [], threading.Event()
+
+    def send(self, output):
+        time.sleep(0.002)
+        self.outputs.append(output)
+        if output.finished:
+            self.done.set()
+
+    def fail(self, message):
+        self.done.set()
+
+    def is_cancelled(self):
+        return False
+
+
+def test_a_lone_stream_gets_every_token_in_its_own_response(default_model_path):
+    """With idle-class helpers a step's responses wait for the compute's gaps and merge; a stream alone (at most
+    LATENCY_STREAMS) must still see each token as it is made, so the stepping thread waits for its delivery."""
+    engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20))
+    loop = EngineLoop(engine)
+    try:
+        sink = SlowSink()
+        params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0, ignore_eos=True)
+        loop.submit([engine.make_request("lone", [1, 2, 3, 4], params)], [sink])
+        assert sink.done.wait(60)
+        assert [len(o.new_token_ids) for o in sink.outputs] == [1] * 24
+    finally:
+        loop.stop()

@@ -104,6 +104,13 @@ class EngineLoop:
     # (perf/RESULTS.md, served throughput 2-13% higher in three sittings).
     CANCEL_POLL_S = 0.05
     MAX_CANCEL_ASKS_PER_S = 200
+    # With idle-class helpers (cores.py) a step's responses wait for a gap in the compute, so a lone stream would
+    # get its tokens a few at a time (gaps of up to 58 ms at a 9 ms inter-token latency, anchor model). After a
+    # step with outputs for at most LATENCY_STREAMS streams, the stepping thread waits (at most DELIVERY_WAIT_S)
+    # until the responder has sent them: every token goes out as it is made, for a pause of a few round trips
+    # per step. Larger batches never wait; their responses merge instead.
+    LATENCY_STREAMS = 4
+    DELIVERY_WAIT_S = 0.005
 
     def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None):
         """`on_finished` is called on the loop thread with every finished output: it must only queue it."""
@@ -121,6 +128,8 @@ class EngineLoop:
         self._stopping = False
         self._closed: str | None = None     # why new requests are refused (shut_down)
         self._outbox: queue.SimpleQueue[Send | Fail | None] = queue.SimpleQueue()
+        self._outbox_sent = threading.Event()    # set by the responder whenever it has emptied the outbox
+        self._idle_helpers = engine.runner.device.type == "cpu" and engine.config.cpu_serving_threads == "idle"
         release_thread_pool()   # the engine was built on this thread: its OpenMP pool would throttle the stepping one
         self._responder = threading.Thread(target=self._respond, name="trellm-responses", daemon=True)
         self._responder.start()
@@ -128,7 +137,7 @@ class EngineLoop:
         self._thread.start()
         self._watcher = threading.Thread(target=self._watch_cancellations, name="trellm-cancel", daemon=True)
         self._watcher.start()
-        if engine.runner.device.type == "cpu" and engine.config.cpu_serving_threads == "idle":
+        if self._idle_helpers:
             yield_threads([self._responder, self._watcher])
 
     def num_waiting(self) -> int:
@@ -220,6 +229,8 @@ class EngineLoop:
                 if msg is None:
                     return
                 self._deliver(msg)
+            if self._outbox.empty():
+                self._outbox_sent.set()
 
     def _deliver(self, msg: Send | Fail) -> None:
         try:
@@ -307,6 +318,9 @@ class EngineLoop:
             return
         outputs = self.engine.step()
         self._stats = self.engine.stats()
+        wait = self._idle_helpers and 0 < len(outputs) <= self.LATENCY_STREAMS
+        if wait:
+            self._outbox_sent.clear()
         for out in outputs:
             if out.finished:
                 self._finished(out)
@@ -316,6 +330,8 @@ class EngineLoop:
             if out.finished:
                 self._forget(out.request_id)
             self._outbox.put(Send(sink, out))
+        if wait:
+            self._outbox_sent.wait(self.DELIVERY_WAIT_S)
 
     def _fail_all(self, message: str) -> None:
         """End every request in flight with an error, freeing its blocks as far as the engine still can."""

@@ -1,19 +1,27 @@
-"""How a CPU engine's compute and the threads that serve it share the cores.
+"""How a CPU engine's compute and the threads that serve it share the cores: two rules, each measured on the
+anchor workload served on 2 cores (perf/RESULTS.md).
 
-Two rules, each measured on the anchor workload served on 2 cores (perf/RESULTS.md):
+1. The stepping thread owns the process's only OpenMP pool (the runtime that torch's CPU operators and ours,
+   kernels/cpu/, share; how long its idle workers spin is set before torch loads, tools/launch.py's
+   openmp_wait_defaults). libgomp keeps one pool of workers per thread that starts parallel regions, counts the
+   workers of every pool, and once they outnumber the cores cuts each worker's spinning to 100 rounds: a worker
+   then sleeps between any two operators and every parallel region pays a futex wake-up. The Triton stub loads
+   the model on its main thread (a pool) and steps on another (engine/loop.py, a second pool), so on 2 cores every
+   operator of every step ran throttled: a decode-sized linear layer took 1.2-1.6x as long on the stepping thread,
+   and the anchor workload ran 14% slower through the engine loop than stepped on the main thread.
+   `release_thread_pool()` on the loading thread, once its work is done, ends its pool.
 
-1. The stepping thread owns the process's only OpenMP pool (the runtime torch's CPU operators and ours,
-   kernels/cpu/, share; how long its idle workers spin is set before torch loads: tools/launch.py's
-   openmp_wait_defaults).
-
-libgomp keeps one pool of workers per thread that starts parallel regions. It counts every worker of every pool,
-and once that count exceeds the cores it cuts each worker's spinning to 100 rounds, so a worker sleeps between any
-two operators and every parallel region pays a futex wake-up. The engine loads its model on one thread (the
-Triton stub's main thread, which then makes a pool) and steps on another (engine/loop.py, a second pool): on 2
-cores that is 3 threads counted against 2 cores, and every operator of every step ran throttled. A decode-sized
-linear layer took 1.6x as long on the stepping thread as on the loading thread, and the anchor workload ran 14%
-slower through the engine loop than stepped on the main thread (perf/RESULTS.md). `release_thread_pool()` on the
-loading thread, once its work is done, ends its pool, so the stepping thread's is the only one.
+2. Every other busy thread, the engine loop's responder and cancellation watcher and tritonserver's own threads,
+   runs in Linux's SCHED_IDLE class (`cpu_serving_threads`, default idle). Those threads wake thousands of times a
+   second while tokens stream; in the normal class each wake-up could preempt the stepping thread or its OpenMP
+   worker, and a preempted worker holds the step at the next barrier. In SCHED_IDLE they take a core only when
+   the compute leaves it, between operators and between steps; when the cores stay busy the responder falls
+   behind and merges the tokens queued meanwhile into one response (engine/loop.py), so serving costs less
+   exactly when the compute needs the cores. Served `llm` went from 550 to 605-620 out tok/s with the loop's
+   helpers idle, and to 636-664 (`ensemble` too) with tritonserver's threads idle as well. Under full load a
+   stream's tokens then come a few at a time; with at most 4 streams the stepping thread waits for each step's
+   responses to go out (engine/loop.py), so an interactive stream still gets every token as it is made. Lowering
+   a thread's class needs no privilege, and threads started later inherit it from the thread that starts them.
 """
 from __future__ import annotations
 

@@ -96,6 +96,12 @@ class Fail:
     message: str
 
 
+@dataclass(frozen=True)
+class Sent:
+    """Set `event` once everything queued before this has been delivered."""
+    event: threading.Event
+
+
 class EngineLoop:
     # How often the watcher asks every running request whether its client cancelled. In Triton each ask is an IPC
     # round trip through tritonserver; every 5 ms with 48 streams took 7% of served tokens/s on 2 cores. At most
@@ -105,10 +111,11 @@ class EngineLoop:
     CANCEL_POLL_S = 0.05
     MAX_CANCEL_ASKS_PER_S = 200
     # With idle-class helpers (cores.py) a step's responses wait for a gap in the compute, so a lone stream would
-    # get its tokens a few at a time (gaps of up to 58 ms at a 9 ms inter-token latency, anchor model). After a
-    # step with outputs for at most LATENCY_STREAMS streams, the stepping thread waits (at most DELIVERY_WAIT_S)
-    # until the responder has sent them: every token goes out as it is made, for a pause of a few round trips
-    # per step. Larger batches never wait; their responses merge instead.
+    # get its tokens a few at a time (gaps of up to 58 ms at a 9 ms inter-token latency, anchor model), and a
+    # first token made in a long prefill step could wait for the next gap. The stepping thread therefore queues
+    # the step's urgent outputs first (all of them when at most LATENCY_STREAMS streams got one, else the first
+    # tokens of their requests) and waits, at most DELIVERY_WAIT_S, until the responder has sent those: a pause
+    # of a few round trips in the steps where latency is at stake. The rest merge when the responder is behind.
     LATENCY_STREAMS = 4
     DELIVERY_WAIT_S = 0.005
 
@@ -127,8 +134,7 @@ class EngineLoop:
         self._clients_lock = threading.Lock()
         self._stopping = False
         self._closed: str | None = None     # why new requests are refused (shut_down)
-        self._outbox: queue.SimpleQueue[Send | Fail | None] = queue.SimpleQueue()
-        self._outbox_sent = threading.Event()    # set by the responder whenever it has emptied the outbox
+        self._outbox: queue.SimpleQueue[Send | Fail | Sent | None] = queue.SimpleQueue()
         self._idle_helpers = engine.runner.device.type == "cpu" and engine.config.cpu_serving_threads == "idle"
         release_thread_pool()   # the engine was built on this thread: its OpenMP pool would throttle the stepping one
         self._responder = threading.Thread(target=self._respond, name="trellm-responses", daemon=True)
@@ -199,7 +205,7 @@ class EngineLoop:
         self._responder.join(timeout=10)
         self._watcher.join(timeout=5)
 
-    def _take_outbox(self) -> list[Send | Fail | None]:
+    def _take_outbox(self) -> list[Send | Fail | Sent | None]:
         """Everything queued for the responder, waiting for at least one message. Consecutive outputs of one
         request become one (RequestOutput.then): a responder that fell behind the steps then sends one response per
         request instead of one per step, so serving costs less exactly when it is the bottleneck."""
@@ -209,7 +215,7 @@ class EngineLoop:
                 msgs.append(self._outbox.get_nowait())
             except queue.Empty:
                 break
-        merged: list[Send | Fail | None] = []
+        merged: list[Send | Fail | Sent | None] = []
         open_send: dict[int, int] = {}      # id(sink) -> index in `merged` of its latest Send, while mergeable
         for msg in msgs:
             if isinstance(msg, Send):
@@ -228,9 +234,10 @@ class EngineLoop:
             for msg in self._take_outbox():
                 if msg is None:
                     return
-                self._deliver(msg)
-            if self._outbox.empty():
-                self._outbox_sent.set()
+                if isinstance(msg, Sent):
+                    msg.event.set()
+                else:
+                    self._deliver(msg)
 
     def _deliver(self, msg: Send | Fail) -> None:
         try:
@@ -318,9 +325,7 @@ class EngineLoop:
             return
         outputs = self.engine.step()
         self._stats = self.engine.stats()
-        wait = self._idle_helpers and 0 < len(outputs) <= self.LATENCY_STREAMS
-        if wait:
-            self._outbox_sent.clear()
+        sends = []
         for out in outputs:
             if out.finished:
                 self._finished(out)
@@ -329,9 +334,17 @@ class EngineLoop:
                 continue
             if out.finished:
                 self._forget(out.request_id)
-            self._outbox.put(Send(sink, out))
-        if wait:
-            self._outbox_sent.wait(self.DELIVERY_WAIT_S)
+            sends.append(Send(sink, out))
+        urgent, rest = (sends, []) if self._idle_helpers else ([], sends)
+        if len(sends) > self.LATENCY_STREAMS:   # many streams: only first tokens are urgent
+            first = [m.output.num_output_tokens == len(m.output.new_token_ids) for m in sends]
+            urgent = [m for m, f in zip(urgent, first) if f]
+            rest = [m for m, f in zip(sends, first) if not (f and self._idle_helpers)]
+        sent = Sent(threading.Event()) if urgent else None
+        for msg in urgent + ([sent] if sent else []) + rest:
+            self._outbox.put(msg)
+        if sent is not None:
+            sent.event.wait(self.DELIVERY_WAIT_S)
 
     def _fail_all(self, message: str) -> None:
         """End every request in flight with an error, freeing its blocks as far as the engine still can."""

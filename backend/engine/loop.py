@@ -21,7 +21,6 @@ when they are the bottleneck; a streaming client then sees several tokens in one
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -335,11 +334,12 @@ class EngineLoop:
             if out.finished:
                 self._forget(out.request_id)
             sends.append(Send(sink, out))
-        urgent, rest = (sends, []) if self._idle_helpers else ([], sends)
-        if len(sends) > self.LATENCY_STREAMS:   # many streams: only first tokens are urgent
-            first = [m.output.num_output_tokens == len(m.output.new_token_ids) for m in sends]
-            urgent = [m for m, f in zip(urgent, first) if f]
-            rest = [m for m, f in zip(sends, first) if not (f and self._idle_helpers)]
+        urgent, rest = [], sends
+        if self._idle_helpers:   # what a client waits on: every output of a few streams, else first tokens
+            few = len(sends) <= self.LATENCY_STREAMS
+            flags = [few or m.output.num_output_tokens == len(m.output.new_token_ids) for m in sends]
+            urgent = [m for m, f in zip(sends, flags) if f]
+            rest = [m for m, f in zip(sends, flags) if not f]
         sent = Sent(threading.Event()) if urgent else None
         for msg in urgent + ([sent] if sent else []) + rest:
             self._outbox.put(msg)

@@ -1,6 +1,7 @@
-"""The stepping thread must own the process's only OpenMP pool (engine/cores.py): with a second pool left on the
-thread that loaded the model, libgomp throttles every worker's spinning and each parallel region of a step sleeps
-and wakes a worker. Each case runs in a fresh interpreter, so its OpenMP state is its own."""
+"""engine/cores.py's two rules and the engine loop's latency guard. The stepping thread must own the process's only
+OpenMP pool: with a second pool left on the thread that loaded the model, libgomp throttles every worker's spinning
+and each parallel region of a step sleeps and wakes a worker (those cases run in a fresh interpreter, so its OpenMP
+state is its own). The serving threads go to SCHED_IDLE, and a lone stream still gets one response per token."""
 import os
 import subprocess
 import sys

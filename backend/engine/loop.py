@@ -134,7 +134,8 @@ class EngineLoop:
         self._stopping = False
         self._closed: str | None = None     # why new requests are refused (shut_down)
         self._outbox: queue.SimpleQueue[Send | Fail | Sent | None] = queue.SimpleQueue()
-        self._idle_helpers = engine.runner.device.type == "cpu" and engine.config.cpu_serving_threads == "idle"
+        # Whether the serving side yields the cores to the compute (cores.py); the Triton adapter follows it.
+        self.idle_helpers = engine.runner.device.type == "cpu" and engine.config.cpu_serving_threads == "idle"
         release_thread_pool()   # the engine was built on this thread: its OpenMP pool would throttle the stepping one
         self._responder = threading.Thread(target=self._respond, name="trellm-responses", daemon=True)
         self._responder.start()
@@ -142,7 +143,7 @@ class EngineLoop:
         self._thread.start()
         self._watcher = threading.Thread(target=self._watch_cancellations, name="trellm-cancel", daemon=True)
         self._watcher.start()
-        if self._idle_helpers:
+        if self.idle_helpers:
             yield_threads([self._responder, self._watcher])
 
     def num_waiting(self) -> int:
@@ -335,7 +336,7 @@ class EngineLoop:
                 self._forget(out.request_id)
             sends.append(Send(sink, out))
         urgent, rest = [], sends
-        if self._idle_helpers:   # what a client waits on: every output of a few streams, else first tokens
+        if self.idle_helpers:   # what a client waits on: every output of a few streams, else first tokens
             few = len(sends) <= self.LATENCY_STREAMS
             flags = [few or m.output.num_output_tokens == len(m.output.new_token_ids) for m in sends]
             urgent = [m for m, f in zip(sends, flags) if f]

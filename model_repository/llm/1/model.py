@@ -43,7 +43,7 @@ class TritonPythonModel:
             except Exception as e:  # e.g. a server started with --allow-metrics=false: serve without them
                 logging.getLogger("trellm").warning("metrics disabled: %s", e)
         self.loop = EngineLoop(self.engine, on_finished=self.metrics.record if self.metrics else None)
-        if self.engine.runner.device.type == "cpu" and config.cpu_serving_threads == "idle":
+        if self.loop.idle_helpers:
             # tritonserver's threads wake per streamed token: on a CPU they wait for the compute's gaps (cores.py).
             yield_process(os.getppid())
         if self.metrics is not None:

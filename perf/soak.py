@@ -1076,8 +1076,9 @@ class Soak:
             t.start()
         time.sleep(2.0)                       # the streams are running (and the workers busy) when the stub dies
         stubs = processes_mentioning(os.path.join(self.server.repo, self.llm, "1", "model.py"))
-        if len(stubs) != 1:
-            k["error"] = f"expected one {self.llm} stub, found {stubs}"
+        if len(stubs) != 1:   # e.g. the stub died by itself and the supervisor is restarting the server
+            supervisor = [line for line in self.server.stderr().splitlines() if line.startswith("supervisor:")]
+            k["error"] = f"expected one {self.llm} stub, found {stubs}; supervisor so far: {supervisor}"
             return
         self.down.set()
         os.kill(stubs[0], signal.SIGKILL)
@@ -1207,10 +1208,11 @@ def summarize(soak: Soak, args, startup: dict, launcher: Launcher, left_processe
         log = ""
     from trellm_backend.tools.launch import log_errors
     errors = log_errors(launcher.log)
-    # tritonserver's own crashes (a signal other than the SIGTERM that stops it, an uncaught C++ exception)
+    # tritonserver's own crashes (a signal other than the SIGTERM that stops it, an uncaught C++ exception), and a
+    # stub's (Python's fault handler, which the models enable, names the signal; the thread stacks follow it)
     crashes = [line.strip() for line in log.splitlines()
                if (re.match(r"Signal \((\d+)\) received", line) and not line.startswith("Signal (15)"))
-               or line.startswith("terminate called") or "  what():" in line]
+               or line.startswith(("terminate called", "Fatal Python error")) or "  what():" in line]
     for line in crashes:
         unexpected.append(f"server log: {line}")
     error_classes = Counter(error_class(re.sub(r"^E\d{4} [\d:.]+ +\d+ \S+\] ", "", line)) for line in errors)

@@ -1,6 +1,7 @@
 """Triton adapter over the engine: `execute` validates each request and hands it to the engine loop, which
 runs in a background thread and answers through each request's response sender (backend/triton/responses.py)."""
 import itertools
+import faulthandler
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ class TritonPythonModel:
         return auto_complete_llm_inputs(auto_complete_model_config)
 
     def initialize(self, args):
+        faulthandler.enable()   # a crash in native code writes every thread's Python stack to the server log
         logging.basicConfig(level=logging.INFO, format="[trellm] %(message)s")
         params = model_parameters(json.loads(args["model_config"]))
         # Checks the folder, the KV budget and memory first; a failure names the file and value (Triton's load error).

@@ -1,5 +1,6 @@
 """Triton adapter: text_input (or chat messages) -> input_ids with the model folder's tokenizer
 (backend/triton/tokenization.py). Also reports request parameters that name no input (a typo in an HTTP generate body)."""
+import faulthandler
 import json
 
 import numpy as np
@@ -13,6 +14,7 @@ from trellm_backend.triton.checks import require_tokenizer_files
 
 class TritonPythonModel:
     def initialize(self, args):
+        faulthandler.enable()   # a crash in native code writes every thread's Python stack to the server log
         params = model_parameters(json.loads(args["model_config"]))
         path = resolve_model_path(params["model_path"], args["model_repository"])
         require_tokenizer_files(path)   # names the folder, where AutoTokenizer's own error would not

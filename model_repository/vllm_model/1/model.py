@@ -5,6 +5,7 @@ requests run concurrently in the engine, and no thread is started per request. T
 `max_concurrent_requests` workers, and a request beyond that many in flight is refused at once with UNAVAILABLE
 rather than queued without bound behind them."""
 import concurrent.futures
+import faulthandler
 import json
 import threading
 import uuid
@@ -27,6 +28,7 @@ DEFAULT_MAX_CONCURRENT_REQUESTS = 256
 
 class TritonPythonModel:
     def initialize(self, args):
+        faulthandler.enable()   # a crash in native code writes every thread's Python stack to the server log
         params = model_parameters(json.loads(args["model_config"]))
         self.llm_model = params["llm_model"]
         path = resolve_model_path(params["model_path"], args["model_repository"])

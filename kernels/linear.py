@@ -2,8 +2,11 @@
 
 On a CPU, torch's fp32 `linear` calls MKL's sgemm, which is slow at the small token counts of decode steps;
 oneDNN's matmul (`mkldnn._linear_pointwise`, what torch.compile's CPU freezing path emits) is faster there and no
-slower for large prefill chunks (perf/RESULTS.md, "Linear layers"). bf16 `linear` already runs oneDNN. On CUDA,
-`linear` is cuBLAS and the weight is used as it is. TRELLM_CPU_LINEAR=torch keeps torch's own path on a CPU.
+slower for large prefill chunks (perf/RESULTS.md, "Linear layers"). Faster still at decode sizes, where the
+weights stream from memory every step, is the C++ operator (cpu/fp32_linear.cpp: 1.2-2x oneDNN up to 48 tokens,
+level above), on AVX-512 builds for weights whose outputs are a multiple of its 32-output blocks; other fp32 weights
+take oneDNN. bf16 `linear` already runs oneDNN. On CUDA, `linear` is cuBLAS and the weight is used as it is.
+TRELLM_CPU_LINEAR chooses on a CPU: `cpp` (the default, as just said), `onednn`, or `torch` (torch's own path).
 
 Weight-only INT8 (`quantization="int8"`): each output row of W is scaled by its largest magnitude / 127 and rounded
 to int8 at load, so a decode step reads a quarter of the fp32 bytes. The reference dequantizes and multiplies; CUDA
@@ -41,14 +44,14 @@ class Weight:
     double the memory of every linear layer), as int8 rows with one scale each, or as group-wise INT4."""
     dense: torch.Tensor | None
     prepared: torch.Tensor | None = None   # oneDNN's layout on a CPU
-    qweight: torch.Tensor | None = None    # int8 [out, in], or packed [out/B, in, B] (B = INT8_CPU_BLOCK) on a CPU
+    packed: torch.Tensor | None = None     # fp32 [out/B, in, B] (B = CPU_BLOCK) for cpu/fp32_linear.cpp
+    qweight: torch.Tensor | None = None    # int8 [out, in], or packed [out/B, in, B] (B = CPU_BLOCK) on a CPU
     scales: torch.Tensor | None = None     # [out], in the activations' dtype: W ~= qweight * scales[:, None]
     int4: Int4Weight | None = None
 
     def int8_rows(self) -> torch.Tensor:
         """qweight as [out, in] rows (a copy when it is held packed)."""
-        q = self.qweight
-        return q if q.dim() == 2 else q.permute(0, 2, 1).reshape(q.shape[0] * q.shape[2], q.shape[1])
+        return self.qweight if self.qweight.dim() == 2 else unpack_blocks(self.qweight)
 
     def tensor(self) -> torch.Tensor:
         """The weight as a dense [out, in] tensor (a copy when only the prepared or quantized form is held)."""
@@ -56,10 +59,23 @@ class Weight:
             return self.int4.tensor()
         if self.qweight is not None:
             return (self.int8_rows().to(torch.float32) * self.scales.to(torch.float32)[:, None]).to(self.scales.dtype)
+        if self.packed is not None:
+            return unpack_blocks(self.packed)
         return self.dense if self.dense is not None else self.prepared.to_dense()
 
 
-INT8_CPU_BLOCK = 32   # outputs per packed block of the CPU operator (BLOCK in cpu/int8_linear.cpp)
+CPU_BLOCK = 32   # outputs per packed block of the C++ linear operators (BLOCK in cpu/int8_linear.cpp, fp32_linear.cpp)
+
+
+def pack_blocks(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out/B, in, B]: for each input, a block's B weights side by side (the C++ operators' layout)."""
+    out_f, in_f = w.shape
+    return w.view(out_f // CPU_BLOCK, CPU_BLOCK, in_f).permute(0, 2, 1).contiguous()
+
+
+def unpack_blocks(q: torch.Tensor) -> torch.Tensor:
+    """pack_blocks undone (a copy)."""
+    return q.permute(0, 2, 1).reshape(q.shape[0] * q.shape[2], q.shape[1])
 
 
 def quantize_int8(w: torch.Tensor) -> Weight:
@@ -67,16 +83,18 @@ def quantize_int8(w: torch.Tensor) -> Weight:
     amax = w.detach().float().abs().amax(dim=1)
     scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w.float() / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-    out_f, in_f = q.shape
-    if w.device.type == "cpu" and w.dtype == torch.float32 and out_f % INT8_CPU_BLOCK == 0:
-        q = q.view(out_f // INT8_CPU_BLOCK, INT8_CPU_BLOCK, in_f).permute(0, 2, 1).contiguous()   # its blocks
+    if w.device.type == "cpu" and w.dtype == torch.float32 and q.shape[0] % CPU_BLOCK == 0:
+        q = pack_blocks(q)
     return Weight(None, qweight=q, scales=scales.to(w.dtype).contiguous())
 
 
+CPU_LINEAR_MODES = ("cpp", "onednn", "torch")
+
+
 def cpu_linear_mode() -> str:
-    mode = os.environ.get("TRELLM_CPU_LINEAR", "onednn")
-    if mode not in ("onednn", "torch"):
-        raise ValueError(f"TRELLM_CPU_LINEAR={mode!r} is not one of onednn, torch")
+    mode = os.environ.get("TRELLM_CPU_LINEAR", "cpp")
+    if mode not in CPU_LINEAR_MODES:
+        raise ValueError(f"TRELLM_CPU_LINEAR={mode!r} is not one of {', '.join(CPU_LINEAR_MODES)}")
     return mode
 
 
@@ -88,9 +106,13 @@ def prepare_weight(w: torch.Tensor, quantization: str = "none", typical_tokens: 
         return quantize_int8(w)
     if quantization in INT4_GROUPS:
         return prepare_int4(quantize_int4(w, INT4_GROUPS[quantization]))
-    if w.device.type == "cpu" and w.dtype == torch.float32 and cpu_linear_mode() == "onednn" \
-            and torch.backends.mkldnn.is_available():
-        return Weight(None, torch.ops.mkldnn._reorder_linear_weight(w, typical_tokens))
+    if w.device.type == "cpu" and w.dtype == torch.float32:
+        mode = cpu_linear_mode()
+        ops = cpu_ops.for_tensor(w) if mode == "cpp" else None
+        if ops is not None and ops.avx512 and w.shape[0] % CPU_BLOCK == 0:
+            return Weight(None, packed=pack_blocks(w))
+        if mode != "torch" and torch.backends.mkldnn.is_available():
+            return Weight(None, torch.ops.mkldnn._reorder_linear_weight(w, typical_tokens))
     return Weight(w)
 
 
@@ -111,9 +133,19 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return int4_linear(x, w.int4, bias)
     if w.qweight is not None:
         return int8_linear(x, w, bias)
+    if w.packed is not None:
+        return fp32_linear(x, w.packed, bias)
     if w.prepared is not None:
         return torch.ops.mkldnn._linear_pointwise(x, w.prepared, bias, "none", [], "")
     return linear_reference(x, w, bias)
+
+
+def fp32_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The C++ operator (cpu/fp32_linear.cpp) on a weight held packed [out/B, in, B]."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.empty(x2.shape[0], packed.shape[0] * packed.shape[2], dtype=x.dtype)
+    cpu_ops.for_tensor(x).fp32_linear(y, x2, packed, bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 # The C++ INT8 operator at every token count with AVX-512: per layer against fp32 oneDNN (2816 x 512, 16 weights

@@ -41,20 +41,20 @@ def main() -> None:
     cpu_ops.load()
     torch.manual_seed(0)
     dense = [torch.randn(args.out, args.in_f) for _ in range(args.weights)]
-    onednn = [linear.prepare_weight(w) for w in dense]
+    fp32 = [linear.prepare_weight(w) for w in dense]          # the engine's fp32 path (TRELLM_CPU_LINEAR)
     int8 = [linear.prepare_weight(w, "int8") for w in dense]
     canonical: list[Int4Weight] = [quantize_int4(w, args.group) for w in dense]
     int4pack = [linear.Weight(None, int4=to_cpu_int4pack(w)) for w in canonical]
     nibbles = [linear.Weight(None, int4=w) for w in canonical]       # the dequantize-then-GEMM path
     n = args.weights
     print(f"{args.out} x {args.in_f}, group {args.group}, {torch.get_num_threads()} threads, us per call")
-    print("| tokens | fp32 oneDNN | INT8 C++ operator / dequantize+GEMM | INT4 torch int4pack (bf16 activations) "
+    print(f"| tokens | fp32 ({linear.cpu_linear_mode()}) | INT8 C++ operator / dequantize+GEMM | INT4 torch int4pack (bf16 activations) "
           "| INT4 dequantize + fp32 GEMM |")
     print("|---|---|---|---|---|")
     for m in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(m, args.in_f)
         calls = max(5, 2000 // m)
-        row = [per_call_us(lambda i: linear.linear(x, onednn[i % n]), calls),
+        row = [per_call_us(lambda i: linear.linear(x, fp32[i % n]), calls),
                per_call_us(lambda i: linear.linear(x, int8[i % n]), calls),
                per_call_us(lambda i: linear.linear(x, int4pack[i % n]), calls),
                per_call_us(lambda i: linear.linear(x, nibbles[i % n]), max(3, calls // 8))]

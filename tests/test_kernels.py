@@ -633,21 +633,33 @@ def test_cpu_ops_can_be_turned_off(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ linear layers
 
-@pytest.mark.parametrize("mode", ["onednn", "torch"])
+@pytest.mark.parametrize("mode", ["cpp", "onednn", "torch"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_linear_prepared_weight(monkeypatch, mode, dtype):
-    """A weight prepared once (oneDNN's layout for fp32 on a CPU) serves every token count, with and without a
-    bias, and agrees with torch's linear."""
+@pytest.mark.parametrize("out_f", [300, 320])
+def test_linear_prepared_weight(monkeypatch, mode, dtype, out_f):
+    """A weight prepared once (for fp32 on a CPU: the C++ operator's blocks on an AVX-512 build when the outputs
+    fill them, else oneDNN's layout) serves every token count, with and without a bias, and agrees with torch's
+    linear."""
     monkeypatch.setenv("TRELLM_CPU_LINEAR", mode)
     g = torch.Generator().manual_seed(0)
-    w, b = randn(g, 300, 96, dtype=dtype), randn(g, 300, dtype=dtype)
+    w, b = randn(g, out_f, 96, dtype=dtype), randn(g, out_f, dtype=dtype)
     prepared = linear.prepare_weight(w)
-    assert (prepared.prepared is not None) == (mode == "onednn" and dtype == F32)
-    assert (prepared.dense is None) == (prepared.prepared is not None)     # never both: one copy of the weight
-    for tokens in (1, 7, 64, 513):
+    ops = cpu_ops.load()
+    packed = mode == "cpp" and dtype == F32 and out_f % linear.CPU_BLOCK == 0 and ops is not None and ops.avx512
+    assert (prepared.packed is not None) == packed
+    assert (prepared.prepared is not None) == (mode != "torch" and dtype == F32 and not packed)
+    held = [t for t in (prepared.dense, prepared.prepared, prepared.packed) if t is not None]
+    assert len(held) == 1, "one copy of the weight"
+    assert torch.equal(prepared.tensor(), w)
+    for tokens in (1, 7, 13, 26, 64, 513):
         x = randn(g, tokens, 96, dtype=dtype)
         close(linear.linear(x, prepared, b), torch.nn.functional.linear(x, w, b))
         close(linear.linear(x, prepared), linear.linear_reference(x, prepared))
+    if packed:   # a token's result does not depend on what shares the call (each sum runs over k in order)
+        x = randn(g, 40, 96, dtype=dtype)
+        together = linear.linear(x, prepared, b)
+        for i in (0, 11, 12, 39):
+            assert torch.equal(linear.linear(x[i:i + 1], prepared, b), together[i:i + 1])
 
 
 def test_linear_mode_is_checked(monkeypatch):
@@ -787,7 +799,7 @@ def test_int8_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype,
     g = torch.Generator().manual_seed(1)
     w, b = randn(g, out_f, in_f, dtype=dtype), randn(g, out_f, dtype=dtype)
     q = linear.prepare_weight(w, "int8")
-    assert q.qweight.dtype == torch.int8 and q.dense is None and q.prepared is None   # one copy: int8
+    assert q.qweight.dtype == torch.int8 and q.dense is None and q.prepared is None and q.packed is None  # int8 only
     # Per-row INT8 keeps each weight within half a step of its row's scale (plus, in fp16/bf16, the rounding of
     # the dequantized value to the dtype).
     rounding = 0 if dtype == F32 else w.float().abs().max().item() * 2 ** -7

@@ -15,6 +15,7 @@ void fused_add_rms_norm_cpu(torch::Tensor out, torch::Tensor res_out, torch::Ten
 void rotary_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos_sin);
 void silu_and_mul_cpu(torch::Tensor out, torch::Tensor x);
 void int8_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, torch::Tensor scales);
+void fp32_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor slot_mapping);
 void gather_dequantize_cpu(torch::Tensor out, torch::Tensor cache, torch::Tensor scales, torch::Tensor blocks,
@@ -34,10 +35,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary_cpu, "in place rotate-half rotary embedding of q and k", no_gil);
   m.def("silu_and_mul", &silu_and_mul_cpu, "out = silu(gate) * up", no_gil);
   m.def("int8_linear", &int8_linear_cpu, "y = x (q * scales)^T with q int8 packed [N/32, K, 32]", no_gil);
+  m.def("fp32_linear", &fp32_linear_cpu, "y = x w^T (+ bias) with w float32 packed [N/32, K, 32] (AVX-512 builds)",
+        py::arg("y"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), no_gil);
   m.def("write_kv", &write_kv_cpu, "store k and v at their slots of the paged caches", no_gil);
   m.def("gather_dequantize", &gather_dequantize_cpu,
         "out[i] = the INT8 / FP8 cache block blocks[i], each value times its token-and-head scale", no_gil);
-  // Which tiles the build took (-march=native): the INT8 linear dispatch (kernels/linear.py) reads it.
+  // Which tiles the build took (-march=native): the linear dispatch (kernels/linear.py) reads it.
 #if defined(__AVX512F__)
   m.attr("avx512") = true;
 #else

@@ -7,7 +7,9 @@ Prints one line per run; use ratios from one run when comparing settings on a sh
 --profile-step instead waits until every request is decoding, then prints how long a decode step takes, the share
 of paged attention in it, and a torch.profiler table of one step: where a step's time goes.
 --anchor instead runs the benchmark's anchor requests (perf/workload.py, 48 at t=0, exact output lengths) and
-splits the time between prefill steps and decode steps.
+splits the time between prefill steps and decode steps; with --by-op also between the forward's operations
+(linear layers, paged attention, norms, ...), timed around each call, the C++ operators included (torch.profiler
+does not see those).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def main():
                     "engine's, auto)")
     ap.add_argument("--profile-step", action="store_true", help="profile one decode step of the whole batch")
     ap.add_argument("--anchor", action="store_true", help="the anchor profile's requests, time by step kind")
+    ap.add_argument("--by-op", action="store_true", help="with --anchor: seconds per forward operation and step kind")
     args = ap.parse_args()
 
     extra = {k: v for k, v in (("kv_cache_bytes", args.kv_cache_bytes), ("block_size", args.block_size),
@@ -55,7 +58,7 @@ def main():
     params = SamplingParams(max_tokens=args.gen_len, temperature=0.0, ignore_eos=True)
     engine.generate([torch.randint(10, vocab, (16,), generator=g).tolist()], params)   # warm-up
     if args.anchor:
-        return split_anchor_steps(engine, args.model)
+        return split_anchor_steps(engine, args.model, args.by_op)
 
     for i in range(args.requests):
         engine.add_request(str(i), torch.randint(10, vocab, (args.prompt_len,), generator=g).tolist(), params)
@@ -84,21 +87,42 @@ def main():
           f"model_share={model_time / wall:.1%} overhead_per_step_ms={(wall - model_time) / steps * 1e3:.2f}")
 
 
-def split_anchor_steps(engine: LLMEngine, model_dir: str):
-    """Run the anchor profile's requests and report prefill and decode steps apart."""
+FORWARD_OPS = ("linear", "paged_attention", "write_kv", "apply_rotary", "fused_add_rms_norm", "rms_norm",
+               "silu_and_mul")
+
+
+def split_anchor_steps(engine: LLMEngine, model_dir: str, by_op: bool = False):
+    """Run the anchor profile's requests and report prefill and decode steps apart (and, `by_op`, the forward's
+    operations: each of FORWARD_OPS, as the model module calls it, timed around the call)."""
     import sys
+    from collections import defaultdict
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from workload import PromptMaker, make_items, profiles, run_at_once
     items = make_items(PromptMaker(model_dir), profiles()["anchor"], 48, 0)
     execute = engine.runner.execute
     kinds = {"prefill": [0, 0.0, 0], "decode": [0, 0.0, 0]}   # steps, seconds, sequences
+    op_seconds: dict[tuple[str, str], float] = defaultdict(float)
+    kind = ["decode"]
 
     def timed(plan):
+        kind[0] = "prefill" if sum(c.num_new_tokens for c in plan.chunks) > len(plan.chunks) else "decode"
         t = time.perf_counter()
         r = execute(plan)
-        k = kinds["prefill" if sum(c.num_new_tokens for c in plan.chunks) > len(plan.chunks) else "decode"]
+        k = kinds[kind[0]]
         k[0], k[1], k[2] = k[0] + 1, k[1] + time.perf_counter() - t, k[2] + len(plan.chunks)
         return r
+
+    def timed_op(name, fn):
+        def call(*a, **kw):
+            t = time.perf_counter()
+            r = fn(*a, **kw)
+            op_seconds[(kind[0], name)] += time.perf_counter() - t
+            return r
+        return call
+
+    if by_op:
+        for name in FORWARD_OPS:
+            setattr(llama, name, timed_op(name, getattr(llama, name)))
 
     engine.runner.execute = timed
     run = run_at_once(engine, [(it.prompt_ids, it.output_tokens) for it in items])
@@ -110,6 +134,10 @@ def split_anchor_steps(engine: LLMEngine, model_dir: str):
     for name, (steps, seconds, seqs) in kinds.items():
         print(f"  {name}: {steps} steps, {seconds:.1f} s, {seconds / max(steps, 1) * 1e3:.0f} ms a step, "
               f"{seqs / max(steps, 1):.1f} sequences a step")
+        if by_op:
+            ops = {op: op_seconds[(name, op)] for op in FORWARD_OPS}
+            rest = seconds - sum(ops.values())
+            print("    " + ", ".join(f"{op} {sec:.2f}" for op, sec in ops.items()) + f", the rest {rest:.2f} s")
 
 
 def profile_decode_step(engine: LLMEngine, num_requests: int, timed_steps: int = 5):

@@ -48,8 +48,8 @@ def main() -> None:
     nibbles = [linear.Weight(None, int4=w) for w in canonical]       # the dequantize-then-GEMM path
     n = args.weights
     print(f"{args.out} x {args.in_f}, group {args.group}, {torch.get_num_threads()} threads, us per call")
-    print(f"| tokens | fp32 ({linear.cpu_linear_mode()}) | INT8 C++ operator / dequantize+GEMM | INT4 torch int4pack (bf16 activations) "
-          "| INT4 dequantize + fp32 GEMM |")
+    print(f"| tokens | fp32 ({linear.cpu_linear_mode()}) | INT8 C++ operator / dequantize+GEMM "
+          "| INT4 torch int4pack (bf16 activations) | INT4 dequantize + fp32 GEMM |")
     print("|---|---|---|---|---|")
     for m in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(m, args.in_f)

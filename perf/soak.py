@@ -294,6 +294,10 @@ class Launcher:
         with open(self.stderr_path, errors="replace") as f:
             return f.read()
 
+    def supervisor_lines(self) -> list[str]:
+        """What the launcher's supervisor said so far (each restart and its reason)."""
+        return [line for line in self.stderr().splitlines() if line.startswith("supervisor:")]
+
     def stop(self) -> list[int]:
         """SIGTERM the launcher (it stops the server and its stubs); returns the pids still mentioning the
         repository afterwards (killed)."""
@@ -1077,8 +1081,8 @@ class Soak:
         time.sleep(2.0)                       # the streams are running (and the workers busy) when the stub dies
         stubs = processes_mentioning(os.path.join(self.server.repo, self.llm, "1", "model.py"))
         if len(stubs) != 1:   # e.g. the stub died by itself and the supervisor is restarting the server
-            supervisor = [line for line in self.server.stderr().splitlines() if line.startswith("supervisor:")]
-            k["error"] = f"expected one {self.llm} stub, found {stubs}; supervisor so far: {supervisor}"
+            k["error"] = (f"expected one {self.llm} stub, found {stubs}; "
+                          f"supervisor so far: {self.server.supervisor_lines()}")
             return
         self.down.set()
         os.kill(stubs[0], signal.SIGKILL)
@@ -1216,7 +1220,7 @@ def summarize(soak: Soak, args, startup: dict, launcher: Launcher, left_processe
     for line in crashes:
         unexpected.append(f"server log: {line}")
     error_classes = Counter(error_class(re.sub(r"^E\d{4} [\d:.]+ +\d+ \S+\] ", "", line)) for line in errors)
-    supervisor = [line for line in launcher.stderr().splitlines() if line.startswith("supervisor:")]
+    supervisor = launcher.supervisor_lines()
 
     kv = {name: idle.get("trellm:kv_cache_used_blocks") for name, idle in soak.idle.items()}
     failures = []

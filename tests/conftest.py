@@ -61,6 +61,17 @@ def triton_server(default_model_path, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _kv_pools_sized_as_on_a_cpu(monkeypatch):
+    """On a GPU host (perf/gpu_check.sh) the tests' engines take `kv_cache_bytes` as on a CPU, instead of 90% of the
+    card: the tests size their pools for tiny models, and 70 GB of 4 KB blocks is millions of blocks of Python
+    bookkeeping per engine. The GPU's own sizing rule is measured by perf/gpu_bench.py's engines."""
+    if torch.cuda.is_available():
+        from trellm_backend.engine import limits, runner
+        monkeypatch.setattr(runner, "kv_budget", lambda cfg, device, per_block, weights_to_load=0:
+                            limits.kv_budget(cfg, torch.device("cpu"), per_block))
+
+
+@pytest.fixture(autouse=True)
 def _revive_a_crashed_session_server(request):
     """One crash of the shared server (rerun_on_upstream_abort.py) fails the test it happened in, not every later
     one."""

@@ -24,6 +24,10 @@ VARIANTS = {
                                              rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                                high_freq_factor=4.0,
                                                                original_max_position_embeddings=64))),
+    # Llama 2/3 proportions: head_dim 128 (the common size, and the Triton kernels' widest tile), GQA ratio 4
+    "llama-gqa4-hd128": ("LlamaConfig", dict(hidden_size=512, intermediate_size=256, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=1,
+                                             max_position_embeddings=512)),
     # Mistral: GQA ratio 2, linear rope scaling
     "mistral-linear-rope": ("MistralConfig", dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                                   num_attention_heads=4, num_key_value_heads=2,

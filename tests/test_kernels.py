@@ -10,6 +10,10 @@ their raw 16-bit integer storage, so every kernel converts bf16 to fp32 before a
 feeds tl.dot fp32 copies of bf16 tiles when interpreted (on a GPU the bf16 tensor-core dot runs, which these tests
 cannot reach); (2) fp32 -> bf16 casts truncate instead of rounding to nearest-even as GPUs (and PyTorch) do, so
 bf16 results are compared with a tolerance even where fp32/fp16 results must match bit for bit.
+
+On a GPU (perf/gpu_check.sh) the same tests run compiled: TRELLM_KERNEL_TEST_DEVICE=cuda sends each Triton entry
+point's arguments to the GPU and its results back (`on_device`), so the inputs and the PyTorch references stay the
+CPU tensors written here. The interpreter's caveats above then do not apply; the tolerances still do.
 """
 import os
 import subprocess
@@ -21,9 +25,65 @@ import torch
 from trellm_kernels import activation, attention, cpu_ops, kv_cache, linear, rmsnorm, rotary
 from trellm_kernels import triton_activation, triton_attention, triton_kv_cache, triton_rmsnorm, triton_rotary
 
+from trellm_kernels import triton_linear
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Where the Triton kernels run: unset, on the tests' own CPU tensors (interpreted); "cuda", compiled on the GPU.
+KERNEL_DEVICE = os.environ.get("TRELLM_KERNEL_TEST_DEVICE")
 pytestmark = [pytest.mark.kernels,
-              pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 from process start (GPU host)")]
+              pytest.mark.skipif(not INTERPRETED and KERNEL_DEVICE != "cuda",
+                                 reason="needs TRITON_INTERPRET=1 from process start, or TRELLM_KERNEL_TEST_DEVICE=cuda")]
+
+# The GPU check turns the C++ CPU operators off (TRELLM_CPU_OPS=0: the GPU image is not set up to build them) and
+# leaves out the tests of them (-k "not test_cpu_"); the kernel tests that also check an operator check the kernel.
+CPU_OPS_OFF = os.environ.get("TRELLM_CPU_OPS") == "0"
+
+ENTRY_POINTS = [(triton_attention, "paged_attention_triton"), (triton_kv_cache, "write_kv_triton"),
+                (triton_rmsnorm, "rms_norm_triton"), (triton_rmsnorm, "fused_add_rms_norm_triton"),
+                (triton_rotary, "rotary_triton"), (triton_activation, "silu_and_mul_triton"),
+                (triton_linear, "int8_linear_triton"), (triton_linear, "int4_linear_triton")]
+
+
+def on_device(fn, device: str):
+    """`fn` run on `device` for callers that hold CPU tensors. Each CPU storage the arguments view is copied there
+    once, and each argument becomes the same view (offset, shape, strides) of the copy, so strided views and views
+    sharing one buffer reach the kernel as they are. After the call every storage is copied back (in-place writes
+    land in the caller's tensors), and a result that views a copied storage comes back as that view of the
+    original; any other result is copied to the CPU."""
+    def call(*args, **kwargs):
+        copies = {}                      # CPU storage address -> (CPU bytes, device bytes)
+
+        def send(t):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                return t
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in copies:
+                host = torch.empty(0, dtype=torch.uint8).set_(storage)
+                copies[storage.data_ptr()] = (host, host.to(device, copy=True))
+            return torch.empty(0, dtype=t.dtype, device=device).set_(
+                copies[storage.data_ptr()][1].untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+        def receive(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            for host, dev in copies.values():
+                if t.untyped_storage().data_ptr() == dev.untyped_storage().data_ptr():
+                    return torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), t.storage_offset(), t.shape,
+                                                               t.stride())
+            return t.cpu()
+
+        result = fn(*[send(a) for a in args], **{k: send(v) for k, v in kwargs.items()})
+        for host, dev in copies.values():
+            host.copy_(dev.cpu())
+        return tuple(receive(r) for r in result) if isinstance(result, tuple) else receive(result)
+    return call
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on_the_test_device(monkeypatch):
+    if KERNEL_DEVICE:
+        for module, name in ENTRY_POINTS:
+            monkeypatch.setattr(module, name, on_device(getattr(module, name), KERNEL_DEVICE))
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 TOL = {F32: dict(atol=1e-4, rtol=1e-4), F16: dict(atol=1e-2, rtol=1e-2), BF16: dict(atol=2e-2, rtol=2e-2)}
@@ -223,7 +283,7 @@ def test_quantized_write_kv_kernels_match_the_reference_bit_for_bit(cache_dtype,
     ref = [t.clone() for t in (kc, vc, ks, vs)]
     kv_cache.write_kv_reference(k, v, *ref[:2], slots, *ref[2:])
     writers = [lambda *a: triton_kv_cache.write_kv_triton(*a)]
-    if dtype in (F32, BF16):
+    if dtype in (F32, BF16) and not CPU_OPS_OFF:
         ops = cpu_ops.load()
         assert ops is not None, cpu_ops.error()
         writers.append(lambda k, v, kc, vc, slots, ks, vs: ops.write_kv_quantized(
@@ -265,7 +325,9 @@ def test_fp8_encoding_in_the_kernel_is_torchs_cast_bit_for_bit():
                  mask=i < n)
 
     y = torch.empty(x.shape[0], dtype=torch.uint8)
-    encode[(triton.cdiv(x.shape[0], 8192),)](x, y, x.shape[0], B=8192)
+    encode_on = on_device(lambda x, y: encode[(triton.cdiv(x.shape[0], 8192),)](x, y, x.shape[0], B=8192),
+                          KERNEL_DEVICE or "cpu")
+    encode_on(x, y)
     assert torch.equal(y, x.to(torch.float8_e4m3fn).view(torch.uint8))
 
 
@@ -805,7 +867,6 @@ def test_int8_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype,
     rounding = 0 if dtype == F32 else w.float().abs().max().item() * 2 ** -7
     assert (q.tensor().float() - w.float()).abs().max() <= q.scales.float().max() / 2 + rounding + 1e-6
     x = randn(g, tokens, in_f, dtype=dtype)
-    from trellm_kernels import triton_linear
 
     def near(actual, expected):
         # fp16/bf16: the reference rounds each dequantized weight to the dtype, the kernels keep q and the scale
@@ -819,7 +880,7 @@ def test_int8_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype,
         expected = torch.nn.functional.linear(x.float(), w32, None if bias is None else bias.float())
         near(triton_linear.int8_linear_triton(x, q.int8_rows(), q.scales, bias), expected)
         near(linear.linear(x, q, bias), expected)      # the C++ operator for packed fp32, else the reference
-    if dtype == F32 and out_f % 32 == 0:
+    if dtype == F32 and out_f % 32 == 0 and not CPU_OPS_OFF:
         assert q.qweight.dim() == 3, "fp32 CPU weights are packed for the C++ operator"
         together = linear.linear(x, q)
         for i in range(tokens):      # a token's result does not depend on what shares the call
@@ -840,7 +901,7 @@ INT4_SHAPES = [(1, 96, 80), (7, 100, 130), (5, 64, 344), (33, 48, 256), (2, 256,
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("tokens, out_f, in_f", INT4_SHAPES)
 def test_int4_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype, group, tokens, out_f, in_f):
-    from trellm_kernels import int4, triton_linear
+    from trellm_kernels import int4
     g = torch.Generator().manual_seed(2)
     w, b = randn(g, out_f, in_f, dtype=dtype), randn(g, out_f, dtype=dtype)
     q = int4.quantize_int4(w, group)

@@ -145,8 +145,17 @@ def profile_step(engine, dev, out_dir, step_s) -> dict:
         engine.step()
     avg = prof.key_averages()
     sort = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    # The host's side of the same kind of step, by Python function: what the GPU waits on when its busy share is low.
+    import cProfile
+    import io
+    import pstats
+    host = cProfile.Profile()
+    host.runcall(engine.step)
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(25)
     with open(os.path.join(out_dir, "profile_decode.txt"), "w") as f:
         f.write(avg.table(sort_by=sort, row_limit=25))
+        f.write("\n\nOne more step under cProfile (host time by Python function, by own time):\n" + text.getvalue())
     if dev.type != "cuda":
         return {}
     gpu_us = sum(e.self_device_time_total for e in avg if e.device_type == torch.autograd.DeviceType.CUDA)

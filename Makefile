@@ -5,6 +5,7 @@ MODEL_DIR  ?= hf_models/tiny-llama
 HTTP_PORT  ?= 8000
 GRPC_PORT  ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
 PROMPT     ?= The Python language reference says that a function
 
 .PHONY: setup model serve test clean
@@ -17,7 +18,7 @@ model: setup
 
 serve: model
 	$(PY) -m trellm_backend.tools.launch --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT) --demo-prompt "$(PROMPT)"
+		--metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT) --demo-prompt "$(PROMPT)"
 
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -29,12 +29,14 @@ INPUT_TYPES = {
     "max_tokens": np.int32, "min_tokens": np.int32, "min_length": np.int32, "temperature": np.float32,
     "top_k": np.int32, "top_p": np.float32, "min_p": np.float32, "repetition_penalty": np.float32,
     "presence_penalty": np.float32, "frequency_penalty": np.float32, "seed": np.uint64, "random_seed": np.uint64,
-    "end_id": np.int32, "pad_id": np.int32, "stop_words": np.object_, "bad_words": np.object_,
+    "end_id": np.int32, "pad_id": np.int32, "stop_token_ids": np.int32, "ignore_eos": np.bool_,
+    "stop_words": np.object_, "bad_words": np.object_, "logprobs": np.int32,
     "num_return_sequences": np.int32, "return_log_probs": np.bool_, "beam_width": np.int32,
     "length_penalty": np.float32, "stream": np.bool_, "exclude_input_in_output": np.bool_,
     "return_num_input_tokens": np.bool_, "return_num_output_tokens": np.bool_, "return_perf_metrics": np.bool_,
 }
 LIST_INPUTS = {"stop_words", "bad_words"}
+INT_LIST_INPUTS = {"stop_token_ids"}
 TRITON_DTYPES = {np.int32: "INT32", np.float32: "FP32", np.uint64: "UINT64", np.bool_: "BOOL", np.object_: "BYTES"}
 
 
@@ -53,6 +55,8 @@ class Chunk:
     cum_log_probs: float = 0.0
     output_log_probs: list[float] | None = None
     final: bool = False              # the request's last response
+    token_ids: list[int] | None = None        # this response's new tokens
+    top_logprobs: list | None = None          # per token [rank, [[id, logprob], ...]] (logprobs >= 0 asked)
 
 
 def build_inputs(grpc_module, prompt: str | None, params: dict, messages: list[dict] | None = None) -> list:
@@ -77,6 +81,8 @@ def build_inputs(grpc_module, prompt: str | None, params: dict, messages: list[d
         if name in LIST_INPUTS:
             words = [value] if isinstance(value, str) else list(value)
             add(name, np.array([[w.encode("utf-8") for w in words]], dtype=np.object_), dtype)
+        elif name in INT_LIST_INPUTS:
+            add(name, np.array([list(value)], dtype=dtype), dtype)
         else:
             add(name, np.array([[value]], dtype=dtype), dtype)
     return inputs
@@ -93,6 +99,8 @@ def chunk_from_result(result) -> Chunk:
     text = result.as_numpy("text_output")
     reason = scalar("finish_reason", b"")
     lps = result.as_numpy("output_log_probs")
+    ids = result.as_numpy("token_ids")
+    top = scalar("top_logprobs", b"")
     response = result.get_response()
     final = response.parameters.get("triton_final_response")
     return Chunk(text=_text(text) if text is not None else "", sequence_index=scalar("sequence_index", 0),
@@ -100,7 +108,9 @@ def chunk_from_result(result) -> Chunk:
                  num_input_tokens=scalar("num_input_tokens", 0), num_output_tokens=scalar("num_output_tokens", 0),
                  cum_log_probs=scalar("cum_log_probs", 0.0),
                  output_log_probs=None if lps is None else lps.reshape(-1).tolist(),
-                 final=bool(final and final.bool_param))
+                 final=bool(final and final.bool_param),
+                 token_ids=None if ids is None else ids.reshape(-1).tolist(),
+                 top_logprobs=json.loads(top) if top else None)
 
 
 class LLMClient:

@@ -215,7 +215,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="also restart after 3 failed one-token generate probes, one every S seconds (default 0: "
                          "off; a dead stub and a server exit are noticed without it)")
     ap.add_argument("--probe-model", default="ensemble", help="the model the generate probe asks (default ensemble)")
+    ap.add_argument("--openai-port", type=int, default=0, metavar="PORT",
+                    help="also start the OpenAI-compatible front door (python -m trellm_openai) on this port "
+                         "(default 0: not started; `make serve` starts it on 9000)")
+    ap.add_argument("--openai-keys-file", default=None, metavar="FILE",
+                    help="the front door's API keys and limits (openai_api/keys.py); without one it is open")
+    ap.add_argument("--http-loopback", action="store_true",
+                    help="tritonserver's HTTP port on 127.0.0.1 only (clients outside use the front door or gRPC)")
     args, extra = ap.parse_known_args(argv)
+    if args.http_loopback:
+        extra = [*extra, "--http-address=127.0.0.1"]
 
     log_path = None if args.verbose else (
         args.log_file or os.path.join(tempfile.gettempdir(), f"trellm-tritonserver-{args.http_port}.log"))
@@ -234,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    front_door = None
     if log_path:
         print(f"starting tritonserver on {server.model_repository} (log: {log_path})", flush=True)
     try:
@@ -244,9 +254,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}" + "".join(f"\n  {line}" for line in errors), file=sys.stderr, flush=True)
             return 1
         log_line = f"\n  log     {log_path}" if log_path else ""
+        openai_line = ""
+        if args.openai_port:
+            front_door = start_front_door(server, args.openai_port, args.openai_keys_file)
+            openai_line = f"\n  OpenAI  http://localhost:{args.openai_port}/v1  (POST /v1/chat/completions)"
         print(f"\ntritonserver is ready\n  HTTP    http://localhost:{args.http_port}  (POST /v2/models/ensemble/generate"
               f"_stream)\n  gRPC    localhost:{args.grpc_port}\n  metrics http://localhost:{args.metrics_port}/metrics"
-              f"{log_line}\nStop with Ctrl-C.\n", flush=True)
+              f"{openai_line}{log_line}\nStop with Ctrl-C.\n", flush=True)
         if args.demo_prompt:
             from trellm_client.client import LLMClient
             print(f"> {args.demo_prompt}", flush=True)
@@ -269,7 +283,26 @@ def main(argv: list[str] | None = None) -> int:
         print("\nstopping tritonserver ...", file=sys.stderr, flush=True)
         return 0
     finally:
+        if front_door is not None:
+            front_door.terminate()
+            try:
+                front_door.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                front_door.kill()
         server.stop()
+
+
+def start_front_door(server: "TritonServer", port: int, keys_file: str | None) -> subprocess.Popen:
+    """The OpenAI front door as a child process, talking to `server` over gRPC; returns once it listens."""
+    cmd = [sys.executable, "-m", "trellm_openai", "--triton-url", server.grpc_url, "--port", str(port),
+           "--model-repository", server.model_repository]
+    if keys_file:
+        cmd += ["--keys-file", keys_file]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()   # its "OpenAI-compatible API on ..." line, or nothing if it failed to start
+    if proc.poll() is not None or "OpenAI-compatible API" not in line:
+        raise RuntimeError(f"the OpenAI front door did not start (exit {proc.wait()}): {line.strip()}")
+    return proc
 
 
 if __name__ == "__main__":

@@ -86,9 +86,9 @@ FIELDS: list[Field] = [
           doc="an extra stop token id (every EOS id of generation_config.json stops anyway)"),
     Field("pad_id", "int", None, Bounds(0, I32_MAX), tensors=("pad_id",),
           doc="accepted for compatibility; outputs are never padded"),
-    _sampling("stop_token_ids", "int_list", in_ensemble=False, json=("stop_token_ids",),
+    _sampling("stop_token_ids", "int_list", json=("stop_token_ids",),
               doc="token ids that end the answer (kept in the output tokens)"),
-    _sampling("ignore_eos", "bool", in_ensemble=False, json=("ignore_eos",),
+    _sampling("ignore_eos", "bool", json=("ignore_eos",),
               doc="keep generating past EOS tokens"),
     _sampling("stop", "str_list", tensors=("stop_words",), json=("stop",),
               doc="stop strings, matched on the text across tokens; cut from the output (finish_reason stop)"),
@@ -98,7 +98,7 @@ FIELDS: list[Field] = [
               doc="parallel samples; responses carry sequence_index"),
     _sampling("speculative_decoding", "bool", in_ensemble=False, json=("speculative_decoding",),
               doc="false: no speculative guesses for this request (the model's speculative_method; same output)"),
-    _sampling("logprobs", "int", in_ensemble=False, json=("logprobs",),
+    _sampling("logprobs", "int", json=("logprobs",),
               doc="logprob of each sampled token plus this many top alternatives"),
     Field("return_log_probs", "bool", False, None, tensors=("return_log_probs",),
           doc="fill cum_log_probs and output_log_probs"),
@@ -240,16 +240,28 @@ def values_from_sampling_json(text: str) -> dict[str, object]:
     if unknown:
         raise ValueError(f"sampling_parameters has unknown field(s) {', '.join(unknown)}; "
                          f"known: {', '.join(sorted(BY_JSON))}")
+    return values_from_json(obj, "sampling_parameters.")
+
+
+def values_from_json(obj: dict, shown_prefix: str = "") -> dict[str, object]:
+    """{field name: value} from JSON keys of the vLLM contract (`BY_JSON`; other keys are the caller's), each
+    coerced by its field's type and checked against its range; None means not given. Raises ValueError naming
+    `shown_prefix` + the key."""
     values = {}
     for key, raw in obj.items():
-        if raw is None:
+        f = BY_JSON.get(key)
+        if f is None or raw is None:
             continue
-        f = BY_JSON[key]
-        shown = f"sampling_parameters.{key}"
+        shown = shown_prefix + key
         v = _coerce(f, shown, raw)
         f.check(v, shown)
         values[f.name] = v
     return values
+
+
+def ensemble_inputs_from_values(values: dict[str, object]) -> dict[str, object]:
+    """{ensemble input name: value} for field values (the client's `build_inputs` turns them into tensors)."""
+    return {BY_NAME[name].tensor_names[0]: v for name, v in values.items()}
 
 
 def tensors_from_values(values: dict[str, object]) -> dict[str, np.ndarray]:

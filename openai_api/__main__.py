@@ -1,0 +1,5 @@
+import sys
+
+from trellm_openai.server import main
+
+sys.exit(main())

@@ -1,0 +1,376 @@
+"""The OpenAI-compatible front door: an aiohttp server that answers /v1/completions and /v1/chat/completions by
+streaming the repository's `ensemble` over tritonserver's gRPC port, as any client would (client/client.py's
+AsyncLLMClient). It holds no engine: it checks keys and limits, turns the body into ensemble inputs
+(protocol.py), and the ensemble's responses into OpenAI's objects or server-sent events.
+
+A client that goes away mid-answer cancels its handler (aiohttp's handler_cancellation); the stream's close then
+sends the engine step a stop request, so the request's KV blocks are freed at once (which Triton 2.51's ensemble
+scheduler never does on a plain cancel).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections import Counter
+
+from aiohttp import web
+
+from trellm_openai import protocol
+from trellm_openai.keys import KeyStore, Limiter
+from trellm_openai.protocol import APIError, Generation
+from trellm_client.client import AsyncLLMClient, ServerUnavailable, ensemble_steps
+
+log = logging.getLogger("trellm.openai")
+MAX_BODY_BYTES = 4 << 20           # a prompt of about a million tokens of English is still far below this
+MAX_JSON_DEPTH = 64                # OpenAI bodies nest a handful of levels (messages -> content parts)
+
+
+def _depth_ok(text: str) -> bool:
+    """Whether the JSON text nests at most MAX_JSON_DEPTH levels (checked before parsing: json recurses per level)."""
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return False
+        elif ch in "]}":
+            depth -= 1
+    return True
+
+
+class Metrics:
+    """The front door's own counters, per key name, in Prometheus' text format (the engine's stay on Triton's)."""
+
+    def __init__(self):
+        self.requests = Counter()        # (key, endpoint, status)
+        self.tokens = Counter()          # (key, kind)
+        self.rate_limited = Counter()    # key
+
+    def text(self) -> str:
+        lines = ["# HELP trellm_openai_requests_total Requests answered, by key, endpoint and HTTP status.",
+                 "# TYPE trellm_openai_requests_total counter"]
+        lines += [f'trellm_openai_requests_total{{key="{k}",endpoint="{e}",status="{s}"}} {v}'
+                  for (k, e, s), v in sorted(self.requests.items())]
+        lines += ["# HELP trellm_openai_tokens_total Tokens counted against each key (prompt, completion).",
+                  "# TYPE trellm_openai_tokens_total counter"]
+        lines += [f'trellm_openai_tokens_total{{key="{k}",kind="{kind}"}} {v}'
+                  for (k, kind), v in sorted(self.tokens.items())]
+        lines += ["# HELP trellm_openai_rate_limited_total Requests refused with 429, by key.",
+                  "# TYPE trellm_openai_rate_limited_total counter"]
+        lines += [f'trellm_openai_rate_limited_total{{key="{k}"}} {v}' for k, v in sorted(self.rate_limited.items())]
+        return "\n".join(lines) + "\n"
+
+
+class FrontDoor:
+    def __init__(self, triton_url: str, keys_file: str | None = None, model_repository: str | None = None):
+        import tritonclient.grpc.aio as aio
+        self.triton_url = triton_url
+        self.triton = aio.InferenceServerClient(triton_url)
+        self.clients: dict[str, AsyncLLMClient] = {}
+        self.keys = KeyStore(keys_file)
+        self.limiter = Limiter()
+        self.metrics = Metrics()
+        self.model_repository = model_repository
+        self._models: tuple[float, list[str]] = (0.0, [])
+        self._tokenizers: dict[str, object] = {}
+
+    # -- models ------------------------------------------------------------------------------------------------
+    async def models(self) -> list[str]:
+        """READY ensembles of the repository (refreshed at most once a second)."""
+        at, names = self._models
+        if time.monotonic() - at < 1.0:
+            return names
+        index = await self.triton.get_model_repository_index(as_json=True)
+        names = []
+        for m in index.get("models", []):
+            if m.get("state") != "READY":
+                continue
+            config = await self.triton.get_model_config(m["name"], as_json=True)
+            if ensemble_steps(config):
+                names.append(m["name"])
+        self._models = (time.monotonic(), names)
+        return names
+
+    def client(self, model: str) -> AsyncLLMClient:
+        if model not in self.clients:
+            self.clients[model] = AsyncLLMClient(self.triton_url, model)
+        return self.clients[model]
+
+    async def tokenizer(self, model: str):
+        """The tokenizer of the model's engine step (for logprobs' token strings): its `model_path` parameter,
+        relative to the repository folder the launcher gave."""
+        if model not in self._tokenizers:
+            from trellm_backend.triton.parameters import resolve_model_path
+            from trellm_backend.triton.tokenization import load_tokenizer
+            steps = ensemble_steps(await self.triton.get_model_config(model, as_json=True))
+            path = None
+            for step in steps:
+                params = (await self.triton.get_model_config(step, as_json=True))["config"].get("parameters", {})
+                if "model_path" in params:
+                    path = resolve_model_path(params["model_path"]["string_value"],   # as Triton gives the model
+                                              os.path.join(self.model_repository or ".", step))
+            if path is None:
+                raise APIError(400, f"logprobs are not available for {model}: its engine step names no model_path",
+                               param="logprobs")
+            self._tokenizers[model] = await asyncio.to_thread(load_tokenizer, path)
+        return self._tokenizers[model]
+
+    # -- requests ------------------------------------------------------------------------------------------------
+    async def read_body(self, request: web.Request):
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                           code="request_too_large") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise protocol.invalid("the request body is not UTF-8") from None
+        if not _depth_ok(text):
+            raise protocol.invalid(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        try:
+            return json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise protocol.invalid(f"the request body is not valid JSON: {e}") from None
+
+    async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        key = self.keys.authenticate(request.headers.get("Authorization"))
+        if key is None:
+            raise APIError(401, "missing or unknown API key: send Authorization: Bearer <key>",
+                           type_="authentication_error", code="invalid_api_key")
+        request["key"] = key.name
+        g = protocol.parse(await self.read_body(request), chat)
+        try:
+            models = await self.models()
+        except Exception as e:   # noqa: BLE001 -- tritonserver unreachable or stopping
+            raise APIError(503, f"the inference server is not available: {e}", type_="server_error") from None
+        if g.model not in models:
+            raise APIError(404, f"the model {g.model!r} does not exist or is not ready; GET /v1/models lists them",
+                           param="model", code="model_not_found")
+        tokenizer = await self.tokenizer(g.model) if g.top_logprobs is not None else None
+        decision = self.limiter.admit(key)
+        if not decision.allowed:
+            self.metrics.rate_limited[key.name] += 1
+            raise APIError(429, decision.reason, type_="rate_limit_error", code="rate_limit_exceeded",
+                           headers={**decision.headers, "Retry-After": str(decision.retry_after_s)})
+        answer = Answer(g, tokenizer)
+        try:
+            chunks = self.client(g.model).stream_chunks(g.prompt, g.messages, **g.params)
+            async with contextlib.aclosing(chunks) as chunks:
+                first = await self._first(chunks)
+                if g.stream:
+                    return await self._stream(request, g, answer, first, chunks, decision.headers)
+                for chunk in [first] if first is not None else []:
+                    answer.add(chunk)
+                async for chunk in chunks:
+                    answer.add(chunk)
+                return web.json_response(answer.final(), headers=decision.headers)
+        finally:
+            self.limiter.finish(key, answer.prompt_tokens + answer.completion_tokens)
+            self.metrics.tokens[(key.name, "prompt")] += answer.prompt_tokens
+            self.metrics.tokens[(key.name, "completion")] += answer.completion_tokens
+
+    async def _first(self, chunks):
+        """The first response, or the server's refusal as an APIError (before any byte of the answer is sent)."""
+        try:
+            return await chunks.__anext__()
+        except StopAsyncIteration:
+            return None
+        except ServerUnavailable as e:
+            raise APIError(503, str(e), type_="server_error") from None
+        except Exception as e:   # noqa: BLE001 -- tritonclient's InferenceServerException, in-band errors
+            message = e.message() if hasattr(e, "message") and callable(e.message) else str(e)
+            if "at capacity" in message or "stopping" in message:
+                raise APIError(503, message, type_="server_error", code="server_overloaded") from None
+            raise protocol.invalid(message) from None
+
+    async def _stream(self, request, g: Generation, answer: "Answer", first, chunks, headers) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               **headers})
+        await response.prepare(request)
+
+        async def send(obj) -> None:
+            await response.write(f"data: {json.dumps(obj)}\n\n".encode("utf-8"))
+
+        if first is not None:
+            for obj in answer.add(first):
+                await send(obj)
+        async for chunk in chunks:
+            for obj in answer.add(chunk):
+                await send(obj)
+        if g.include_usage:
+            await send(protocol.chunk_object(g, [], answer.usage()))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+class Answer:
+    """What the ensemble's responses add up to, per choice (sequence_index), and the chunks each one makes."""
+
+    def __init__(self, g: Generation, tokenizer=None):
+        self.g, self.tokenizer = g, tokenizer
+        self.texts = [g.prompt if g.echo else "" for _ in range(g.n)]
+        self.reasons: list[str | None] = [None] * g.n
+        self.logprobs = [None if g.top_logprobs is None else protocol.logprobs_block(g, [], [], [], 0)
+                         for _ in range(g.n)]
+        self.started = [False] * g.n
+        self.prompt_tokens = 0
+        self.output_tokens = [0] * g.n
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.output_tokens)
+
+    def usage(self) -> dict:
+        return protocol.usage(self.prompt_tokens, self.completion_tokens)
+
+    def _logprobs(self, i: int, chunk) -> dict | None:
+        if self.g.top_logprobs is None or not chunk.token_ids:
+            return None
+        decode = lambda t: self.tokenizer.decode([t])   # noqa: E731
+        tokens = [decode(t) for t in chunk.token_ids]
+        top = [[(decode(t), lp) for t, lp in alts] for _, alts in (chunk.top_logprobs or [])]
+        top += [[] for _ in range(len(tokens) - len(top))]
+        block = protocol.logprobs_block(self.g, tokens, list(chunk.output_log_probs or []), top,
+                                        len(self.texts[i]) - len(chunk.text))
+        kept = self.logprobs[i]
+        for name, values in block.items():
+            kept[name] = kept[name] + values
+        return block
+
+    def add(self, chunk) -> list[dict]:
+        """Take one ensemble response; return the stream chunks it makes (none for an empty non-final one)."""
+        i = chunk.sequence_index
+        self.prompt_tokens = max(self.prompt_tokens, chunk.num_input_tokens)
+        self.output_tokens[i] = max(self.output_tokens[i], chunk.num_output_tokens)
+        self.texts[i] += chunk.text
+        reason = protocol.FINISH_REASONS.get(chunk.finish_reason, chunk.finish_reason)
+        self.reasons[i] = reason or self.reasons[i]
+        block = self._logprobs(i, chunk)
+        if not chunk.text and reason is None and self.started[i]:
+            return []
+        text = chunk.text
+        if not self.started[i] and self.g.echo:
+            text = self.g.prompt + text
+        out = [protocol.chunk_object(self.g, [protocol.stream_choice(self.g, i, text, reason, block,
+                                                                     not self.started[i])])]
+        self.started[i] = True
+        return out
+
+    def final(self) -> dict:
+        return protocol.final_object(self.g, self.texts, self.reasons, self.logprobs, self.usage())
+
+
+# -- the aiohttp application ---------------------------------------------------------------------------------------
+def make_app(door: FrontDoor) -> web.Application:
+    @web.middleware
+    async def errors(request: web.Request, handler):
+        endpoint = request.path
+        try:
+            response = await handler(request)
+        except APIError as e:
+            response = web.json_response(e.body(), status=e.status, headers=e.headers)
+        except web.HTTPException as e:
+            if e.status == 413:
+                e = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+            else:
+                e = APIError(e.status, e.reason, type_="invalid_request_error" if e.status < 500 else "server_error")
+            response = web.json_response(e.body(), status=e.status)
+        except (ConnectionResetError, asyncio.CancelledError):
+            door.metrics.requests[(request.get("key", "-"), endpoint, "disconnected")] += 1
+            raise
+        except Exception:   # noqa: BLE001 -- never a traceback to the client, never a dead server
+            log.exception("internal error on %s", endpoint)
+            e = APIError(500, "internal error in the front door (see its log)", type_="server_error")
+            response = web.json_response(e.body(), status=500)
+        if endpoint.startswith("/v1/"):
+            door.metrics.requests[(request.get("key", "-"), endpoint, str(response.status))] += 1
+        return response
+
+    async def completions(request):
+        return await door.generate(request, chat=False)
+
+    async def chat_completions(request):
+        return await door.generate(request, chat=True)
+
+    async def list_models(request):
+        if door.keys.authenticate(request.headers.get("Authorization")) is None:
+            raise APIError(401, "missing or unknown API key: send Authorization: Bearer <key>",
+                           type_="authentication_error", code="invalid_api_key")
+        try:
+            names = await door.models()
+        except Exception as e:   # noqa: BLE001
+            raise APIError(503, f"the inference server is not available: {e}", type_="server_error") from None
+        return web.json_response({"object": "list", "data": [{"id": n, "object": "model", "created": 0,
+                                                              "owned_by": "trellm"} for n in names]})
+
+    async def health(request):
+        try:
+            ready = await door.triton.is_server_ready()
+        except Exception:   # noqa: BLE001
+            ready = False
+        return web.json_response({"status": "ok" if ready else "unavailable"}, status=200 if ready else 503)
+
+    async def metrics(request):
+        return web.Response(text=door.metrics.text(), content_type="text/plain")
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors])
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def serve(door: FrontDoor, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(make_app(door), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+def main(argv=None) -> int:
+    import argparse
+    from trellm_backend.tools.repository import default_repository
+    ap = argparse.ArgumentParser(prog="python -m trellm_openai", description="The OpenAI-compatible front door.")
+    ap.add_argument("--triton-url", default="localhost:8001", help="tritonserver's gRPC address")
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=9000)
+    ap.add_argument("--keys-file", default=os.environ.get("TRELLM_API_KEYS_FILE"),
+                    help="API keys and their limits (openai_api/keys.py); without one the front door is open")
+    ap.add_argument("--model-repository", default=default_repository(),
+                    help="the repository tritonserver serves (where model_path parameters are relative to)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[openai] %(message)s")
+    if args.keys_file:
+        KeyStore(args.keys_file)   # a malformed file stops the start, naming the line
+
+    async def run():
+        door = FrontDoor(args.triton_url, args.keys_file, args.model_repository)
+        runner = await serve(door, args.host, args.port)
+        print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 "
+              f"({'keys from ' + args.keys_file if args.keys_file else 'open: no keys file'})", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -118,8 +118,8 @@ def parse(body, chat: bool) -> Generation:
     if top is not None:
         params["logprobs"] = top
         params["return_log_probs"] = True
-    params.update(return_num_input_tokens=True, return_num_output_tokens=True, stream=True,
-                  exclude_input_in_output=True)
+    # Always streamed from the ensemble (so a non-streamed answer is the streamed deltas joined, and no prompt echo).
+    params.update(return_num_input_tokens=True, return_num_output_tokens=True, stream=True)
     if chat:
         return Generation(True, model, None, _chat_messages(body.get("messages")), params, n, stream, include_usage,
                           top_logprobs=top)

@@ -78,7 +78,11 @@ def repository_for(src: str, model_dir: str, dest: str, llm_params: dict[str, st
 
 
 async def measure(args, plan, model: str) -> tuple[list[dict], bool]:
-    """Every level of `plan` against entry point `model`; also whether min_tokens could be sent."""
+    """Every level of `plan` against entry point `model` (`openai:NAME`: NAME through the OpenAI front door);
+    also whether min_tokens could be sent."""
+    url = args.url
+    if model.startswith("openai:"):
+        model, url = model.removeprefix("openai:"), args.openai_url
     names = await grpc_load.model_inputs(args.url, model)
     send_min_tokens = "min_tokens" in names
     send_ids = "input_ids" in names and "text_input" not in names   # `llm` itself: prompts as token ids
@@ -87,10 +91,10 @@ async def measure(args, plan, model: str) -> tuple[list[dict], bool]:
     with tqdm(total=total, unit="req", desc=model, file=sys.stderr, disable=args.no_progress) as bar:
         # One short request first: the first request of a fresh server pays one-off costs.
         warmup = dataclasses.replace(plan[0][2][0], output_tokens=4)
-        await grpc_load.run_level(args.url, model, [warmup], 1, send_min_tokens, send_ids=send_ids)
+        await grpc_load.run_level(url, model, [warmup], 1, send_min_tokens, send_ids=send_ids)
         for name, concurrency, items in plan:
             bar.set_postfix_str(f"{name} c={concurrency}")
-            timings, wall, kv_peak = await grpc_load.run_level(args.url, model, items, concurrency,
+            timings, wall, kv_peak = await grpc_load.run_level(url, model, items, concurrency,
                                                                 send_min_tokens, args.metrics_url, bar.update,
                                                                 send_ids=send_ids)
             levels.append(report.summarize(name, concurrency, timings, wall, kv_peak))
@@ -251,8 +255,11 @@ def parse_args(argv):
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address (ignored with --start-server)")
     ap.add_argument("--metrics-url", default=None, help="Prometheus endpoint (default: same host, port 8002)")
     ap.add_argument("--model", default="ensemble",
-                    help="the entry point to load (TRT-LLM-shaped tensors); a comma list (ensemble,llm) measures each "
-                         "in turn on the same server, the first one against the baselines")
+                    help="the entry point to load (TRT-LLM-shaped tensors; openai:NAME through the OpenAI front "
+                         "door); a comma list (ensemble,llm,openai:ensemble) measures each in turn on the same "
+                         "server, the first one against the baselines")
+    ap.add_argument("--openai-url", default="http://localhost:9000",
+                    help="the front door for openai:NAME entry points (with --start-server: started here)")
     ap.add_argument("--model-dir", default=DEFAULT_MODEL_DIR,
                     help="the served model's Hugging Face folder: tokenizer for prompts, weights for baselines")
     ap.add_argument("--profiles", default="low,high,variable")
@@ -307,7 +314,7 @@ def main(argv=None) -> int:
         args.llm_param.append("enable_prefix_caching=false")
         print("several entry points on the same requests: prefix caching off (enable_prefix_caching=false)",
               file=sys.stderr)
-    server = None
+    server = front_door = None
     if args.start_server:
         from trellm_backend.tools.launch import TritonServer
         llm_params = dict(p.split("=", 1) for p in args.llm_param)
@@ -318,6 +325,11 @@ def main(argv=None) -> int:
         print(f"starting tritonserver on {repo} (log: {server.log_path})", file=sys.stderr)
         server.start()
         args.url, args.metrics_url = server.grpc_url, f"http://localhost:{ports[2]}/metrics"
+        if "openai:" in args.model:
+            from trellm_backend.tools.launch import start_front_door
+            port = free_port()
+            front_door = start_front_door(server, port, None)
+            args.openai_url = f"http://localhost:{port}"
     if args.metrics_url is None:
         args.metrics_url = f"http://{args.url.rsplit(':', 1)[0]}:8002/metrics"
     args.engine_settings = served_engine_settings(args.model_repository, dict(p.split("=", 1) for p in args.llm_param))
@@ -333,6 +345,9 @@ def main(argv=None) -> int:
         # Further entry points on the same server and requests: what each hop costs, in one run.
         others = {m: asyncio.run(measure(args, plan, m))[0] for m in models[1:]}
     finally:
+        if front_door is not None:
+            front_door.terminate()
+            front_door.wait(timeout=10)
         if server is not None:
             server.stop()   # before the baselines, which want the cores to themselves
     baselines, agreement = run_baselines(args, levels, plan, args.out) if args.baselines else ([], {})

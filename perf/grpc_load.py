@@ -1,5 +1,6 @@
-"""Closed-loop load over Triton's gRPC streaming API: `concurrency` clients, each sending its next request as soon
-as the previous one finished, timing every streamed response (asyncio, one channel, one stream per request)."""
+"""Closed-loop load over Triton's gRPC streaming API (or the OpenAI front door's SSE streams): `concurrency`
+clients, each sending its next request as soon as the previous one finished, timing every streamed response
+(asyncio, one channel or HTTP session, one stream per request)."""
 from __future__ import annotations
 
 import asyncio
@@ -45,6 +46,19 @@ async def model_inputs(url: str, model: str) -> set[str]:
     return {i["name"] for i in meta["inputs"]}
 
 
+def _timing(item, start_offset: float, start: float, arrivals: list[float], num_output: int | None,
+            error: str | None) -> RequestTiming:
+    """One request's timing from the arrival times of its responses that carried text (and the server's count of
+    output tokens, when it sent one)."""
+    if error is not None:
+        return RequestTiming(len(item.prompt_ids), 0, item.output_tokens, start_offset, float("nan"), float("nan"),
+                             None, error)
+    n = num_output if num_output is not None else len(arrivals)
+    itl = (arrivals[-1] - arrivals[0]) / (n - 1) if n > 1 else None
+    return RequestTiming(len(item.prompt_ids), n, item.output_tokens, start_offset, arrivals[0] - start,
+                         arrivals[-1] - start, itl)
+
+
 async def _one(client, grpc, model: str, item, send_min_tokens: bool, t0: float, send_ids: bool) -> RequestTiming:
     if send_ids:   # `llm` directly: the prompt's token ids, no tokenizing step
         ids = grpc.InferInput("input_ids", [1, len(item.prompt_ids)], "INT32")
@@ -79,13 +93,7 @@ async def _one(client, grpc, model: str, item, send_min_tokens: bool, t0: float,
             break
     if not arrivals and error is None:
         error = "no response with text_output"
-    if error is not None:
-        return RequestTiming(len(item.prompt_ids), 0, item.output_tokens, start - t0, float("nan"), float("nan"),
-                             None, error)
-    n = num_output if num_output is not None else len(arrivals)
-    itl = (arrivals[-1] - arrivals[0]) / (n - 1) if n > 1 else None
-    return RequestTiming(len(item.prompt_ids), n, item.output_tokens, start - t0, arrivals[0] - start,
-                         arrivals[-1] - start, itl)
+    return _timing(item, start - t0, start, arrivals, num_output, error)
 
 
 def read_gauge(metrics_url: str, names: tuple[str, ...] = KV_USAGE_GAUGES) -> float | None:
@@ -115,14 +123,45 @@ async def _watch_gauge(metrics_url: str | None, peak: list, stop: asyncio.Event)
             pass
 
 
+async def _one_openai(session, base_url: str, model: str, item, send_min_tokens: bool, t0: float) -> RequestTiming:
+    """The same request through the OpenAI front door (/v1/completions, streamed, usage in the last chunk)."""
+    import json
+    body = {"model": model, "prompt": item.prompt, "max_tokens": item.output_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if send_min_tokens:
+        body["min_tokens"] = item.output_tokens
+    start = time.perf_counter()
+    arrivals, num_output, error = [], None, None
+    async with session.post(base_url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            error = f"HTTP {r.status}: {await r.text()}"
+        else:
+            async for line in r.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                now = time.perf_counter()
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    num_output = chunk["usage"]["completion_tokens"]
+                elif chunk["choices"] and chunk["choices"][0]["text"]:
+                    arrivals.append(now)
+    if not arrivals and error is None:
+        error = "no chunk with text"
+    return _timing(item, start - t0, start, arrivals, num_output, error)
+
+
 async def run_level(url: str, model: str, items: list, concurrency: int, send_min_tokens: bool,
                     metrics_url: str | None = None, on_done=None,
                     send_ids: bool = False) -> tuple[list[RequestTiming], float, float | None]:
     """Send `items` with `concurrency` in flight; returns the timings (in item order), the wall time and the peak
     of KV_USAGE_GAUGES seen meanwhile (None when the server does not export it). `send_ids`: prompts as token ids
-    (the `llm` model) instead of text."""
+    (the `llm` model) instead of text. A `url` starting with http:// is the OpenAI front door's."""
+    import aiohttp
     import tritonclient.grpc.aio as grpc
-    client = grpc.InferenceServerClient(url)
+    openai = url.startswith("http://")
+    client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                   connector=aiohttp.TCPConnector(limit=0)) if openai \
+        else grpc.InferenceServerClient(url)
     queue = list(enumerate(items))[::-1]
     timings: list[RequestTiming | None] = [None] * len(items)
     peak, stop = [None], asyncio.Event()
@@ -130,7 +169,8 @@ async def run_level(url: str, model: str, items: list, concurrency: int, send_mi
     async def user():
         while queue:
             index, item = queue.pop()
-            timings[index] = await _one(client, grpc, model, item, send_min_tokens, t0, send_ids)
+            timings[index] = await (_one_openai(client, url, model, item, send_min_tokens, t0) if openai
+                                    else _one(client, grpc, model, item, send_min_tokens, t0, send_ids))
             if on_done:
                 on_done()
 

@@ -20,6 +20,7 @@ import yaml
 
 from conftest import REPO, free_ports
 from repository_helpers import MAX_TOKENS, PROMPTS, greedy_texts
+from trellm_backend.tools.launch import start_front_door
 from trellm_client.client import LLMClient, http_generate
 
 pytestmark = pytest.mark.server
@@ -59,14 +60,17 @@ def test_compose_file_validates_and_feeds_the_nginx_template():
     assert set(lb["depends_on"]) == {"triton", "triton-replica"}
 
 
-def start_nginx(workdir: str, http_port: int, grpc_port: int, replicas) -> subprocess.Popen:
+def start_nginx(workdir: str, http_port: int, grpc_port: int, openai_port: int, replicas, front_doors) -> subprocess.Popen:
     """nginx in the foreground on loopback ports, with the compose file's template behind a minimal main config
     whose logs, pid and temp folders live in `workdir`."""
     with open(NGINX_TEMPLATE) as f:
-        balancer = string.Template(f.read()).safe_substitute(
+        balancer = string.Template(f.read()).safe_substitute(   # nginx's own $variables stay
             TRITON_HTTP_SERVERS=" ".join(f"server 127.0.0.1:{r.http_port};" for r in replicas),
             TRITON_GRPC_SERVERS=" ".join(f"server 127.0.0.1:{r.grpc_port};" for r in replicas),
-            LB_HTTP_PORT=f"127.0.0.1:{http_port}", LB_GRPC_PORT=f"127.0.0.1:{grpc_port}")
+            TRITON_OPENAI_SERVERS=" ".join(f"server 127.0.0.1:{port};" for port, _ in front_doors),
+            LB_HTTP_PORT=f"127.0.0.1:{http_port}", LB_GRPC_PORT=f"127.0.0.1:{grpc_port}",
+            LB_OPENAI_PORT=f"127.0.0.1:{openai_port}")
+    assert not re.search(r"\$\{[A-Z_]+\}", balancer), "a template variable the test does not set"
     with open(os.path.join(workdir, "balancer.conf"), "w") as f:
         f.write(balancer)
     temp = "\n".join(f"    {kind}_temp_path {workdir}/{kind};" for kind in
@@ -117,17 +121,23 @@ def topology(default_model_path, tmp_path_factory):
         t.start()
     for t in threads:
         t.join()
-    nginx = None
+    nginx, front_doors = None, []
     try:
         if errors:
             raise errors[0]
-        lb_http, lb_grpc = free_ports(2)
-        nginx = start_nginx(str(root), lb_http, lb_grpc, replicas)
-        yield replicas, f"127.0.0.1:{lb_http}", f"127.0.0.1:{lb_grpc}"
+        for r in replicas:    # each replica's OpenAI front door, as the compose file runs one per container
+            port = free_ports(1)[0]
+            front_doors.append((port, start_front_door(r, port, None)))
+        lb_http, lb_grpc, lb_openai = free_ports(3)
+        nginx = start_nginx(str(root), lb_http, lb_grpc, lb_openai, replicas, front_doors)
+        yield replicas, f"127.0.0.1:{lb_http}", f"127.0.0.1:{lb_grpc}", f"http://127.0.0.1:{lb_openai}/v1"
     finally:
         if nginx is not None:
             nginx.terminate()
             nginx.wait(timeout=30)
+        for _, proc in front_doors:
+            proc.terminate()
+            proc.wait(timeout=10)
         for r in replicas:
             r.stop()
 
@@ -152,7 +162,7 @@ def ensemble_requests(server) -> int:
 
 
 def test_the_balancer_limits_body_size_and_request_rate(topology):
-    _, lb_http, _ = topology
+    _, lb_http, _, _ = topology
     req = urllib.request.Request(f"http://{lb_http}/v2/models/ensemble/generate", data=b" " * (9 << 20),
                                  headers={"Content-Type": "application/json"}, method="POST")
     with pytest.raises(urllib.error.HTTPError) as e:
@@ -171,15 +181,23 @@ def test_the_balancer_limits_body_size_and_request_rate(topology):
     time.sleep(3)     # let the client's allowance refill for the next test
 
 
+def openai_stream_text(base_url: str, prompt: str) -> str:
+    from openai import OpenAI
+    chunks = OpenAI(base_url=base_url, api_key="none", max_retries=0).completions.create(
+        model="ensemble", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    return "".join(c.choices[0].text for c in chunks)
+
+
 def test_streams_through_the_balancer_and_survive_a_stopped_replica(topology, default_model_path):
-    replicas, lb_http, lb_grpc = topology
+    replicas, lb_http, lb_grpc, lb_openai = topology
     want = greedy_texts(default_model_path)
-    for _ in range(2):          # round robin: each replica gets requests of both protocols
+    for _ in range(2):          # round robin: each replica gets requests of all three protocols
         for p in PROMPTS:
             assert grpc_text(lb_grpc, p) == want[p]
             assert http_stream_text(lb_http, p) == want[p]
+            assert openai_stream_text(lb_openai, p) == want[p]
     served = [ensemble_requests(r) for r in replicas]
-    assert all(n > 0 for n in served) and sum(served) == 4 * len(PROMPTS), served
+    assert all(n > 0 for n in served) and sum(served) == 6 * len(PROMPTS), served
 
     replicas[0].stop()
     for _ in range(2):

@@ -13,6 +13,7 @@ list of strings, `messages` a list of {"role", "content"} dicts.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import queue
@@ -223,6 +224,7 @@ class AsyncLLMClient:
         self.url, self.model = url, model
         self.client = aio.InferenceServerClient(url)
         self._engine_model: str | None = None    # an ensemble's decoupled step, found on first use
+        self._stops: set = set()                 # stop requests on their way (held so they are not collected)
 
     async def __aenter__(self):
         return self
@@ -261,18 +263,26 @@ class AsyncLLMClient:
         finally:
             responses.cancel()
             if not finished:
-                await self._stop_engine_request(request_id)
+                # A task of its own, shielded: a caller cancelled again while the stop is on its way (an HTTP
+                # server's handler whose client left) must not cut the stop off and leave the request running.
+                stop = asyncio.ensure_future(self._stop_engine_request(request_id))
+                self._stops.add(stop)
+                stop.add_done_callback(self._stops.discard)
+                await asyncio.shield(stop)
 
     async def _stop_engine_request(self, request_id: str) -> None:
         """As LLMClient._stop_engine_request: a stream left early gets a stop request to the ensemble's engine."""
         from tritonclient.utils import InferenceServerException
         try:
             if self._engine_model is None:
-                self._engine_model = ""
+                # Found into a local first: concurrent stops (a storm of clients leaving) must not read a
+                # half-done lookup ("" = not an ensemble) and skip their stop request.
+                found = ""
                 for m in ensemble_steps(await self.client.get_model_config(self.model, as_json=True)):
                     if is_decoupled(await self.client.get_model_config(m, as_json=True)):
-                        self._engine_model = m
+                        found = m
                         break
+                self._engine_model = found
             if not self._engine_model:
                 return
             stop = self._grpc.InferInput("stop", [1, 1], "BOOL")

@@ -160,3 +160,43 @@ def test_genai_perf_streaming_profile(triton_server, default_model_path, tmp_pat
     assert table["Time To First Token (ms)"]["avg"] == pytest.approx(ttft["avg"], abs=0.01)
     assert table["Inter Token Latency (ms)"]["avg"] == pytest.approx(itl["avg"], abs=0.01) and itl["avg"] > 0
     assert table["Output Sequence Length (tokens)"]["avg"] == pytest.approx(osl["avg"], abs=0.01)
+
+
+@pytest.mark.parametrize("endpoint_type", ["chat", "completions"])
+def test_genai_perf_profiles_the_openai_front_door(triton_server, default_model_path, tmp_path, endpoint_type):
+    """genai-perf's OpenAI mode (`--endpoint-type chat` / `completions`) against the front door, unchanged: every
+    request streamed to the end in OpenAI's chunks, and its figures computed from them."""
+    from test_openai_api import start_front_door
+    if not os.path.exists(GENAI_PERF):
+        pytest.fail(f"genai-perf is not installed ({GENAI_PERF} is missing): run `make setup`")
+    door, url = start_front_door(triton_server)
+    try:
+        artifacts = tmp_path / "artifacts"
+        _run([GENAI_PERF, "profile", "-m", "ensemble", "--endpoint-type", endpoint_type, "--streaming",
+              "-u", url.removeprefix("http://"), "--tokenizer", default_model_path,
+              "--synthetic-input-tokens-mean", str(INPUT_TOKENS), "--synthetic-input-tokens-stddev", "0",
+              "--output-tokens-mean", str(OUTPUT_TOKENS), "--random-seed", "0",
+              "--num-dataset-entries", str(REQUESTS), "--concurrency", str(CONCURRENCY),
+              "--request-count", str(REQUESTS), "--warmup-request-count", "0", "--artifact-dir", str(artifacts),
+              "--extra-inputs", "ignore_eos:true"],    # vLLM's key, as genai-perf users send it to vLLM
+             cwd=tmp_path)
+    finally:
+        door.terminate()
+        door.wait(timeout=10)
+    (run_dir,) = [p for p in artifacts.iterdir() if p.is_dir()]   # ensemble-openai-<type>-concurrency2
+    raw = json.loads((run_dir / "profile_export.json").read_text())
+    assert raw["service_kind"] == "openai"
+    requests = raw["experiments"][0]["requests"]
+    assert len(requests) == REQUESTS
+    key = "delta" if endpoint_type == "chat" else "text"
+    for r in requests:
+        sent = json.loads(r["request_inputs"]["payload"])
+        assert sent["model"] == "ensemble" and sent["stream"] is True and sent["ignore_eos"] is True
+        events = [e["response"] for e in r["response_outputs"]]
+        assert events[-1].strip() == "data: [DONE]"
+        chunks = [json.loads(e.strip()[len("data: "):]) for e in events[:-1]]
+        assert all(c["choices"][0][key] for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    stats = json.loads((run_dir / "profile_export_genai_perf.json").read_text())
+    assert stats["request_count"]["avg"] == REQUESTS
+    assert 0 < stats["time_to_first_token"]["avg"] < stats["request_latency"]["max"]
+    assert stats["output_sequence_length"]["min"] >= 1 and stats["output_token_throughput"]["avg"] > 0

@@ -4,6 +4,7 @@ limits, and a client that leaves mid-stream freeing its engine request."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
@@ -36,9 +37,9 @@ def start_front_door(triton_server, keys_file=None) -> tuple[subprocess.Popen, s
            "--host", "127.0.0.1", "--model-repository", triton_server.model_repository]
     if keys_file:
         cmd += ["--keys-file", str(keys_file)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)   # its log (stderr) is not held in a pipe
     line = proc.stdout.readline()
-    assert "OpenAI-compatible API" in line, line + proc.stdout.read()
+    assert "OpenAI-compatible API" in line, line
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -206,9 +207,12 @@ def test_keys_and_per_key_limits(keyed_door):
     assert r.status_code == 429 and r.headers["x-ratelimit-remaining-tokens"] == "0"
     # concurrency: a second stream while the first runs is refused, and admitted once it ended
     with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": "Bearer sk-c"},
-                      json={**big, "max_tokens": 400, "stream": True}, timeout=60) as first:
-        next(first.iter_lines())
-        assert post(url, body, "sk-c").status_code == 429
+                      json={**big, "max_tokens": 2000, "stream": True}, timeout=60) as first:
+        lines = first.iter_lines()     # held: a dropped line iterator closes the stream (the client leaves)
+        line = next(lines)
+        assert first.status_code == 200 and line.startswith("data: "), line
+        second = post(url, body, "sk-c")
+        assert second.status_code == 429, (line, second.text)
     deadline = time.time() + 5
     while post(url, body, "sk-c").status_code != 200:
         assert time.time() < deadline, "the stream's slot was not given back"
@@ -243,6 +247,18 @@ def test_a_client_that_leaves_mid_stream_frees_its_engine_request(triton_server,
             while running_requests(triton_server) > 0:
                 assert time.time() < deadline, f"stream={stream}: the engine still runs the abandoned request"
                 time.sleep(0.1)
+
+    def leave_early(_):
+        body = {"model": "ensemble", "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", door + "/v1/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:    # a storm of clients that leave
+        list(pool.map(leave_early, range(32)))
+    deadline = time.time() + 3
+    while running_requests(triton_server) > 0:
+        assert time.time() < deadline, "abandoned streams still run in the engine"
+        time.sleep(0.1)
+    assert sdk(door).completions.create(model="ensemble", prompt="a", max_tokens=2).usage.completion_tokens == 2
 
 
 # -- without a server ----------------------------------------------------------------------------------------------

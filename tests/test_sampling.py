@@ -197,7 +197,9 @@ def test_bad_words_of_parallel_samples_are_tokenized_once(engine, monkeypatch):
     assert len(calls) == 1
     assert all(r.params.bad_words_ids == reqs[0].params.bad_words_ids for r in reqs)
     assert [1 for ids in reqs[0].params.bad_words_ids if ids == engine.tokenizer("self", add_special_tokens=False).input_ids]
-    engine.make_request("other", [1, 2, 3], SamplingParams(max_tokens=4, bad_words=["the"]))
+    engine.make_request("other", [1, 2, 3], SamplingParams(max_tokens=4, bad_words=["the", "words"]))
+    assert len(calls) == 2 and calls[1] == ["the", "words"]
+    engine.make_request("again", [1, 2, 3], SamplingParams(max_tokens=4, bad_words=words))   # still cached
     assert len(calls) == 2
 
 

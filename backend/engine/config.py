@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from trellm_kernels import kv_cache
+from trellm_kernels.attention import CPU_OP_MAX_Q_LEN
+
 
 def parse_bool(value) -> bool:
     """A boolean as config files and JSON clients write it: true/false/1/0 (any case) as text, 0/1, or a bool.
@@ -17,11 +20,10 @@ def parse_bool(value) -> bool:
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
-# auto: the model's dtype; int8 / fp8_e4m3: quantized per token and KV head with float16 scales (kernels/kv_cache.py)
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
-# A verified chunk (guesses + 1 rows) then stays within the CPU attention operator's short chunks (16 rows,
-# kernels/attention.py).
-MAX_SPECULATIVE_TOKENS = 15
+# auto: the model's dtype; else a quantized cache of kernels/kv_cache.py (per token and KV head, float16 scales)
+KV_CACHE_DTYPES = ("auto", *kv_cache.KV_CACHE_DTYPES)
+# A verified chunk (guesses + 1 rows) then stays within the CPU attention operator's short chunks.
+MAX_SPECULATIVE_TOKENS = CPU_OP_MAX_Q_LEN - 1
 
 
 @dataclass

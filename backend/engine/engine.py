@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -28,7 +29,10 @@ class LLMEngine:
         # `config` as served: defaults that depend on the device are settled here, once.
         self.config = config = dataclasses.replace(config, block_size=resolve_block_size(config, device))
         self.tokenizer = tokenizer   # with one, outputs carry text and stop strings work; without, token ids only
-        self._last_bad_words: tuple[tuple[str, ...] | None, list[list[int]]] = (None, [])
+        # Tokenized bad-word lists (the n samples of one request arrive one after another with the same words):
+        # lru_cache is thread-safe, so make_request may be called from any thread.
+        self._bad_words_ids = functools.lru_cache(maxsize=8)(
+            lambda words: bad_words_ids(self.tokenizer, list(words)))
         self.max_model_len = context_limit(config, mc)
         draft_cfg = load_draft_config(config, mc, self.max_model_len)
         self.runner = ModelRunner(config, mc, self.max_model_len, draft_cfg)
@@ -55,7 +59,8 @@ class LLMEngine:
 
     # -- requests in ---------------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Validate and build a request without touching engine state (safe from any thread)."""
+        """Validate and build a request; it reads the engine's settings and its thread-safe bad-words cache only,
+        so any thread may call it (Triton's execute does, while the loop steps)."""
         params.validate()
         n = len(prompt_token_ids)
         if n == 0:
@@ -76,11 +81,7 @@ class LLMEngine:
         if (params.stop or params.bad_words) and self.tokenizer is None:
             raise ValueError("stop strings and bad words need the engine's tokenizer")
         if params.bad_words:
-            # The n samples of one request arrive one after another with the same words: tokenize them once.
-            key = tuple(params.bad_words)
-            if self._last_bad_words[0] != key:
-                self._last_bad_words = (key, bad_words_ids(self.tokenizer, params.bad_words))
-            params.bad_words_ids = self._last_bad_words[1]
+            params.bad_words_ids = self._bad_words_ids(tuple(params.bad_words))
         req = Request(request_id, list(prompt_token_ids), params, max_len=min(self.max_model_len, self.pool_tokens))
         if self.tokenizer is not None:
             req.output_processor = OutputProcessor(self.tokenizer, req.prompt_token_ids, params)

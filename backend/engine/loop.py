@@ -147,13 +147,13 @@ class EngineLoop:
             yield_threads([self._responder, self._watcher])
 
     def num_waiting(self) -> int:
-        """Requests not yet running: submitted but not drained, plus the scheduler's waiting queue."""
-        return self._inbox.qsize() + len(self.engine.scheduler.waiting)
+        """Requests not yet running: submitted but not drained, plus the scheduler's waiting queue as of the last
+        step's snapshot (other threads never read the engine itself)."""
+        return self._inbox.qsize() + self._stats.num_waiting
 
     def stats(self) -> SchedulerStats:
         """The latest snapshot of the scheduler, with requests still in the inbox counted as waiting."""
-        snapshot = self._stats
-        return replace(snapshot, num_waiting=snapshot.num_waiting + self._inbox.qsize())
+        return replace(self._stats, num_waiting=self.num_waiting())
 
     def submit(self, requests: list[Request], sinks: list[OutputSink], client_id: str | None = None) -> None:
         """Queue the engine requests of one client request (its n samples), built and validated by

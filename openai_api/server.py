@@ -175,8 +175,11 @@ class FrontDoor:
                     return await self._stream(request, g, answer, first, chunks, decision.headers)
                 for chunk in [first] if first is not None else []:
                     answer.add(chunk)
-                async for chunk in chunks:
-                    answer.add(chunk)
+                try:
+                    async for chunk in chunks:
+                        answer.add(chunk)
+                except Exception as e:   # noqa: BLE001 -- the server failed the request after it began
+                    raise server_error(e, first=False) from None
                 return web.json_response(answer.final(), headers=decision.headers)
         finally:
             self.limiter.finish(key, answer.prompt_tokens + answer.completion_tokens)
@@ -189,13 +192,8 @@ class FrontDoor:
             return await chunks.__anext__()
         except StopAsyncIteration:
             return None
-        except ServerUnavailable as e:
-            raise APIError(503, str(e), type_="server_error") from None
         except Exception as e:   # noqa: BLE001 -- tritonclient's InferenceServerException, in-band errors
-            message = e.message() if hasattr(e, "message") and callable(e.message) else str(e)
-            if "at capacity" in message or "stopping" in message:
-                raise APIError(503, message, type_="server_error", code="server_overloaded") from None
-            raise protocol.invalid(message) from None
+            raise server_error(e, first=True) from None
 
     async def _stream(self, request, g: Generation, answer: "Answer", first, chunks, headers) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -208,14 +206,32 @@ class FrontDoor:
         if first is not None:
             for obj in answer.add(first):
                 await send(obj)
-        async for chunk in chunks:
-            for obj in answer.add(chunk):
-                await send(obj)
+        try:
+            async for chunk in chunks:
+                for obj in answer.add(chunk):
+                    await send(obj)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:   # noqa: BLE001 -- the headers are out: the error goes in the stream, as vLLM's does
+            await send(server_error(e, first=False).body())
         if g.include_usage:
             await send(protocol.chunk_object(g, [], answer.usage()))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def server_error(e: Exception, first: bool) -> APIError:
+    """The server's failure of a request as an APIError: before its first response a refusal (400 naming what the
+    server named, 503 when it is unreachable, full or stopping), after it a 500 (the model's process failed)."""
+    if isinstance(e, ServerUnavailable):
+        return APIError(503, str(e), type_="server_error")
+    message = e.message() if hasattr(e, "message") and callable(e.message) else str(e)
+    if "at capacity" in message or "stopping" in message:
+        return APIError(503, message, type_="server_error", code="server_overloaded")
+    if first:
+        return protocol.invalid(message)
+    return APIError(500, f"the server failed the request while answering: {message}", type_="server_error")
 
 
 class Answer:

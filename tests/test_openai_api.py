@@ -292,3 +292,33 @@ def test_openai_bodies_map_to_the_field_table():
                                                                                    {"type": "text", "text": "b"}]}],
                            "logprobs": True, "top_logprobs": 2}, chat=True)
     assert chat.messages == [{"role": "user", "content": "ab"}] and chat.params["logprobs"] == 2
+
+
+def test_a_failure_after_the_answer_began_is_an_error_event_or_a_500():
+    """The server fails a request after its first response (its model process died): a stream, whose headers are
+    out, gets the error as an event and still ends with [DONE]; a whole answer gets a 500 in OpenAI's shape."""
+    from aiohttp.test_utils import TestClient, TestServer
+    from trellm_client.client import Chunk
+    from trellm_openai.server import FrontDoor, make_app
+
+    class FailingStream:
+        async def stream_chunks(self, prompt, messages, **params):
+            yield Chunk(text="Hello", num_input_tokens=3, num_output_tokens=1)
+            raise RuntimeError("the llm stub died")
+
+    async def run():
+        door = FrontDoor("localhost:1")        # never dialled: the model list and the stream are stand-ins
+        door.clients["m"] = FailingStream()
+
+        async def models():
+            return ["m"]
+        door.models = models
+        async with TestClient(TestServer(make_app(door))) as c:
+            streamed = await c.post("/v1/completions", json={"model": "m", "prompt": "p", "stream": True})
+            whole = await c.post("/v1/completions", json={"model": "m", "prompt": "p"})
+            return streamed.status, await streamed.text(), whole.status, await whole.json()
+    status, body, whole_status, whole = asyncio.run(run())
+    events = [json.loads(line[6:]) for line in body.split("\n\n") if line.startswith("data: {")]
+    assert status == 200 and events[0]["choices"][0]["text"] == "Hello"
+    assert "the llm stub died" in events[-1]["error"]["message"] and body.endswith("data: [DONE]\n\n")
+    assert whole_status == 500 and whole["error"]["type"] == "server_error"

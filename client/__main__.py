@@ -3,13 +3,14 @@
     python -m trellm_client generate "prompt" [--max-tokens N --temperature T ... -p field=value]
     python -m trellm_client chat [--system "..."]      # interactive; the history is sent each turn
     python -m trellm_client models
+    python -m trellm_client --openai http://localhost:9000 generate "prompt"   # through the OpenAI front door
 """
 import argparse
 import sys
 
 import numpy as np
 
-from trellm_client.client import INPUT_TYPES, LIST_INPUTS, LLMClient, ServerUnavailable
+from trellm_client.client import INPUT_TYPES, LIST_INPUTS, LLMClient, OpenAIError, OpenAIHTTPClient, ServerUnavailable
 
 DOWN_HINT = "Is the server running? Start it with `make serve` (or pass --url host:grpc_port)."
 
@@ -49,7 +50,7 @@ def params_of(args) -> dict:
     return {k: v for k, v in params.items() if v is not None}
 
 
-def chat_loop(client: LLMClient, params: dict, system: str | None, read=input) -> None:
+def chat_loop(client, params: dict, system: str | None, read=input) -> None:
     """Read a line, stream the answer, keep both in the history; ends at EOF or an empty line."""
     history = [{"role": "system", "content": system}] if system else []
     while True:
@@ -72,6 +73,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trellm_client")
     ap.add_argument("--url", default="localhost:8001", help="gRPC address of tritonserver")
     ap.add_argument("--model", default="ensemble", help="the TRT-LLM-shaped entry point to call")
+    ap.add_argument("--openai", metavar="URL", help="go through the OpenAI front door at URL instead of gRPC")
+    ap.add_argument("--api-key", default=None, help="with --openai: the API key, when the front door wants one")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="stream an answer to the terminal")
     g.add_argument("prompt")
@@ -82,7 +85,9 @@ def main(argv=None) -> int:
     sub.add_parser("models", help="list the repository's models and their state")
     args = ap.parse_args(argv)
     try:
-        with LLMClient(args.url, args.model) as client:
+        client = (OpenAIHTTPClient(args.openai, args.model, args.api_key) if args.openai
+                  else LLMClient(args.url, args.model))
+        with client:
             if args.cmd == "models":
                 for m in client.models():
                     print(f"{m.get('name')}\t{m.get('version', '')}\t{m.get('state', '')}\t{m.get('reason', '')}")
@@ -97,7 +102,7 @@ def main(argv=None) -> int:
         print(f"error: {e}\n{DOWN_HINT}", file=sys.stderr)
         return 2
     except Exception as e:   # an error the server sent (e.g. INVALID_ARG naming a field): say it, no traceback
-        if type(e).__name__ != "InferenceServerException":
+        if type(e).__name__ != "InferenceServerException" and not isinstance(e, OpenAIError):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 1

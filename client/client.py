@@ -308,6 +308,74 @@ class AsyncLLMClient:
             return "".join([c.text async for c in chunks])
 
 
+class OpenAIError(RuntimeError):
+    """An error the OpenAI front door answered (its message names the parameter at fault)."""
+
+
+class OpenAIHTTPClient:
+    """LLMClient's `stream`, `chat` and `models` through the OpenAI front door (openai_api/, server-sent events over
+    HTTP, the standard library only). Field names are the ensemble's, renamed where OpenAI's differ; without a
+    temperature the answer is greedy, as the ensemble's is (OpenAI's own default is 1)."""
+    RENAMED = {"stop_words": "stop", "num_return_sequences": "n", "min_length": "min_tokens", "random_seed": "seed"}
+
+    def __init__(self, url: str = "http://localhost:9000", model: str = "ensemble", api_key: str | None = None):
+        self.url, self.model, self.api_key = url.rstrip("/").removesuffix("/v1"), model, api_key
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        pass   # a connection per request
+
+    def _request(self, path: str, body: dict | None = None):
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url + path, data=None if body is None else json.dumps(body).encode(),
+                                     headers=headers, method="GET" if body is None else "POST")
+        try:
+            return urllib.request.urlopen(req, timeout=600)
+        except urllib.error.HTTPError as e:
+            try:
+                message = json.loads(e.read())["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = str(e)
+            raise OpenAIError(f"{e.code}: {message}") from None
+        except urllib.error.URLError as e:
+            raise ServerUnavailable(f"no OpenAI front door at {self.url}: {e.reason}") from None
+
+    def _events(self, path: str, params: dict, **fields) -> Iterator[dict]:
+        body = {self.RENAMED.get(k, k): v for k, v in params.items() if v is not None}
+        body.setdefault("temperature", 0.0)
+        body.update(model=self.model, stream=True, **fields)
+        with self._request(path, body) as response:
+            for line in response:
+                if line.startswith(b"data: {"):
+                    event = json.loads(line[len(b"data: "):])
+                    if "error" in event:
+                        raise OpenAIError(event["error"]["message"])
+                    yield event
+
+    def stream(self, prompt: str, **params) -> Iterator[str]:
+        for event in self._events("/v1/completions", params, prompt=prompt):
+            text = event["choices"][0]["text"] if event["choices"] else ""
+            if text:
+                yield text
+
+    def chat(self, messages: list[dict], **params) -> Iterator[str]:
+        for event in self._events("/v1/chat/completions", params, messages=messages):
+            text = event["choices"][0]["delta"].get("content") if event["choices"] else None
+            if text:
+                yield text
+
+    def models(self) -> list[dict]:
+        with self._request("/v1/models") as response:
+            return [{"name": m["id"], "state": "READY"} for m in json.load(response)["data"]]
+
+
 def ensemble_steps(model_config: dict) -> list[str]:
     """The step models of a model whose config (get_model_config as JSON) is an ensemble; [] for any other."""
     config = model_config["config"]

@@ -79,3 +79,25 @@ def test_async_client_matches_the_sync_client(triton_server):
 
 async def _collect(aiter):
     return [x async for x in aiter]
+
+
+def test_cli_goes_through_the_openai_front_door(triton_server):
+    """--openai URL: the same greedy answer and chat as over gRPC, the front door's errors said plainly."""
+    from test_openai_api import start_front_door
+    door, url = start_front_door(triton_server)
+    try:
+        with LLMClient(triton_server.grpc_url) as c:
+            expected = "".join(c.stream(PROMPT, max_tokens=12, repetition_penalty=1.5))
+            answer = "".join(c.chat([{"role": "user", "content": "What is a list?"}], max_tokens=8))
+        run = cli("--openai", url, "generate", PROMPT, "--max-tokens", "12", "-p", "repetition_penalty=1.5")
+        assert run.returncode == 0 and run.stdout == expected + "\n", run.stderr
+        run = cli("--openai", url + "/v1", "chat", "--max-tokens", "8", stdin="What is a list?\n")
+        assert run.returncode == 0 and run.stdout == f"> {answer}\n> ", run.stderr
+        run = cli("--openai", url, "generate", PROMPT, "--top-p", "3")
+        assert run.returncode == 1 and "top_p must be in (0, 1]" in run.stderr and "Traceback" not in run.stderr
+        assert cli("--openai", url, "models").stdout.split() == ["ensemble", "READY"]
+    finally:
+        door.terminate()
+        door.wait(timeout=10)
+    run = cli("--openai", url, "generate", PROMPT)
+    assert run.returncode == 2 and "no OpenAI front door" in run.stderr

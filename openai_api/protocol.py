@@ -15,11 +15,16 @@ from dataclasses import dataclass, field
 from trellm_backend.triton import fields
 
 # OpenAI keys accepted and ignored (they change nothing this server does), and keys refused with a reason.
-IGNORED = {"user", "logit_bias", "service_tier", "store", "metadata", "parallel_tool_calls", "suffix",
-           "best_of", "response_format", "modalities", "prediction", "reasoning_effort", "verbosity"}
+IGNORED = {"user", "service_tier", "store", "metadata", "modalities", "reasoning_effort", "verbosity"}
 MAX_TOP_LOGPROBS = 20          # OpenAI's own limit
 OPENAI_ONLY = {"model", "prompt", "messages", "stream", "stream_options", "max_completion_tokens", "echo",
-               "logprobs", "top_logprobs"}
+               "logprobs", "top_logprobs", "response_format"}
+# Keys that would change the answer in ways this server cannot do yet: refused by name rather than ignored.
+UNSUPPORTED = {"logit_bias": "logit_bias is not supported", "suffix": "suffix (insertion) is not supported",
+               "best_of": "best_of is not supported: use n", "tools": "tool calls are not supported",
+               "tool_choice": "tool calls are not supported", "functions": "function calls are not supported",
+               "function_call": "function calls are not supported", "prediction": "predicted outputs are not "
+               "supported", "parallel_tool_calls": "tool calls are not supported"}
 
 
 class APIError(Exception):
@@ -93,7 +98,15 @@ def parse(body, chat: bool) -> Generation:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model is required: a model id from GET /v1/models", "model")
-    unknown = sorted(k for k in body if k not in OPENAI_ONLY and k not in IGNORED and k not in fields.BY_JSON)
+    for key, why in UNSUPPORTED.items():
+        if body.get(key) not in (None, False, [], {}):
+            raise invalid(why, key)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise invalid("response_format: only {\"type\": \"text\"} is supported (structured output is not built "
+                      "yet)", "response_format")
+    unknown = sorted(k for k in body if k not in OPENAI_ONLY and k not in IGNORED and k not in fields.BY_JSON
+                     and k not in UNSUPPORTED)
     if unknown:
         raise invalid(f"unknown parameter(s) {', '.join(unknown)}", unknown[0])
     sampling = {k: v for k, v in body.items() if k in fields.BY_JSON and k not in ("logprobs",)}

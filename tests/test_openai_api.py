@@ -156,6 +156,8 @@ ERROR_CASES = [  # body, status, param
     ({"model": "ensemble", "prompt": "a", "logprobs": 21}, 400, "logprobs"),
     ({"model": "ensemble", "prompt": "a", "stream": "yes"}, 400, "stream"),
     ({"model": "ensemble", "prompt": "a", "unknown_knob": 1}, 400, "unknown_knob"),
+    ({"model": "ensemble", "prompt": "a", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": "ensemble", "prompt": "a", "logit_bias": {"5": 100}}, 400, "logit_bias"),
     ({"model": "ensemble", "prompt": ""}, 400, "prompt"),
     ({"model": "ensemble"}, 400, "prompt"),
     ({"prompt": "a"}, 400, "model"),

@@ -346,8 +346,8 @@ def main(argv=None) -> int:
         others = {m: asyncio.run(measure(args, plan, m))[0] for m in models[1:]}
     finally:
         if front_door is not None:
-            front_door.terminate()
-            front_door.wait(timeout=10)
+            from trellm_backend.tools.launch import stop_front_door
+            stop_front_door(front_door)
         if server is not None:
             server.stop()   # before the baselines, which want the cores to themselves
     baselines, agreement = run_baselines(args, levels, plan, args.out) if args.baselines else ([], {})

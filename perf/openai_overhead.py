@@ -26,7 +26,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=40, help="requests per path")
     ap.add_argument("--out", default=os.path.join(REPO, "perf", "out", "openai-overhead"))
     args = ap.parse_args()
-    from trellm_backend.tools.launch import TritonServer, start_front_door
+    from trellm_backend.tools.launch import TritonServer, start_front_door, stop_front_door
     repo = repository_for(os.path.join(REPO, "model_repository"), args.model_dir,
                           os.path.join(args.out, "model_repository"), {"enable_prefix_caching": "false"})
     server = TritonServer(repo, free_port(), free_port(), free_port(), log_path=os.path.join(args.out, "server.log"))
@@ -57,8 +57,7 @@ def main() -> int:
     try:
         asyncio.run(measure())
     finally:
-        door.terminate()
-        door.wait(timeout=10)
+        stop_front_door(door)
         server.stop()
     for name, values in ttft.items():
         print(f"{name:18s} TTFT p50 {statistics.median(values):6.1f} ms  mean {statistics.mean(values):6.1f} ms  "

@@ -84,6 +84,7 @@ async def _collect(aiter):
 def test_cli_goes_through_the_openai_front_door(triton_server):
     """--openai URL: the same greedy answer and chat as over gRPC, the front door's errors said plainly."""
     from test_openai_api import start_front_door
+    from trellm_backend.tools.launch import stop_front_door
     door, url = start_front_door(triton_server)
     try:
         with LLMClient(triton_server.grpc_url) as c:
@@ -97,7 +98,6 @@ def test_cli_goes_through_the_openai_front_door(triton_server):
         assert run.returncode == 1 and "top_p must be in (0, 1]" in run.stderr and "Traceback" not in run.stderr
         assert cli("--openai", url, "models").stdout.split() == ["ensemble", "READY"]
     finally:
-        door.terminate()
-        door.wait(timeout=10)
+        stop_front_door(door)
     run = cli("--openai", url, "generate", PROMPT)
     assert run.returncode == 2 and "no OpenAI front door" in run.stderr

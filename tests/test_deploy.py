@@ -20,7 +20,7 @@ import yaml
 
 from conftest import REPO, free_ports
 from repository_helpers import MAX_TOKENS, PROMPTS, greedy_texts
-from trellm_backend.tools.launch import start_front_door
+from trellm_backend.tools.launch import start_front_door, stop_front_door
 from trellm_client.client import LLMClient, http_generate
 
 pytestmark = pytest.mark.server
@@ -136,8 +136,7 @@ def topology(default_model_path, tmp_path_factory):
             nginx.terminate()
             nginx.wait(timeout=30)
         for _, proc in front_doors:
-            proc.terminate()
-            proc.wait(timeout=10)
+            stop_front_door(proc)
         for r in replicas:
             r.stop()
 

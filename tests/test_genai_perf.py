@@ -167,6 +167,7 @@ def test_genai_perf_profiles_the_openai_front_door(triton_server, default_model_
     """genai-perf's OpenAI mode (`--endpoint-type chat` / `completions`) against the front door, unchanged: every
     request streamed to the end in OpenAI's chunks, and its figures computed from them."""
     from test_openai_api import start_front_door
+    from trellm_backend.tools.launch import stop_front_door
     if not os.path.exists(GENAI_PERF):
         pytest.fail(f"genai-perf is not installed ({GENAI_PERF} is missing): run `make setup`")
     door, url = start_front_door(triton_server)
@@ -181,8 +182,7 @@ def test_genai_perf_profiles_the_openai_front_door(triton_server, default_model_
               "--extra-inputs", "ignore_eos:true"],    # vLLM's key, as genai-perf users send it to vLLM
              cwd=tmp_path)
     finally:
-        door.terminate()
-        door.wait(timeout=10)
+        stop_front_door(door)
     (run_dir,) = [p for p in artifacts.iterdir() if p.is_dir()]   # ensemble-openai-<type>-concurrency2
     raw = json.loads((run_dir / "profile_export.json").read_text())
     assert raw["service_kind"] == "openai"

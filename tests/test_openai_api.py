@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import os
 import re
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -17,6 +15,8 @@ import httpx2 as httpx   # the HTTP client the openai SDK (pinned) brings
 import pytest
 
 from conftest import free_ports
+from trellm_backend.tools import launch
+from trellm_backend.tools.launch import stop_front_door
 from trellm_client.client import LLMClient
 from trellm_openai import protocol
 from trellm_openai.keys import Key, Limiter, parse_keys
@@ -32,23 +32,17 @@ sk-c name=c concurrency=1
 
 
 def start_front_door(triton_server, keys_file=None) -> tuple[subprocess.Popen, str]:
+    """The launcher's front door (`python -m trellm_openai` as `launch --openai-port` starts it), on a free port."""
     port = free_ports(1)[0]
-    cmd = [sys.executable, "-m", "trellm_openai", "--triton-url", triton_server.grpc_url, "--port", str(port),
-           "--host", "127.0.0.1", "--model-repository", triton_server.model_repository]
-    if keys_file:
-        cmd += ["--keys-file", str(keys_file)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)   # its log (stderr) is not held in a pipe
-    line = proc.stdout.readline()
-    assert "OpenAI-compatible API" in line, line
-    return proc, f"http://127.0.0.1:{port}"
+    return launch.start_front_door(triton_server, port, None if keys_file is None else str(keys_file)), \
+        f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
 def door(triton_server):
     proc, url = start_front_door(triton_server)
     yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    stop_front_door(proc)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +51,7 @@ def keyed_door(triton_server, tmp_path_factory):
     keys.write_text(KEYS)
     proc, url = start_front_door(triton_server, keys)
     yield url, keys
-    proc.terminate()
-    proc.wait(timeout=10)
+    stop_front_door(proc)
 
 
 def sdk(url, key="none", async_=False):

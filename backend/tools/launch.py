@@ -284,11 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         if front_door is not None:
-            front_door.terminate()
-            try:
-                front_door.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                front_door.kill()
+            stop_front_door(front_door)
         server.stop()
 
 
@@ -303,6 +299,16 @@ def start_front_door(server: "TritonServer", port: int, keys_file: str | None) -
     if proc.poll() is not None or "OpenAI-compatible API" not in line:
         raise RuntimeError(f"the OpenAI front door did not start (exit {proc.wait()}): {line.strip()}")
     return proc
+
+
+def stop_front_door(proc: subprocess.Popen) -> None:
+    """Stop a front door start_front_door started: SIGTERM, then SIGKILL if it has not exited within 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 if __name__ == "__main__":

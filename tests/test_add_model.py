@@ -47,7 +47,7 @@ def test_entries_follow_the_template(default_model_path, tmp_path):
         if "model_path" in t.parameters:
             assert c.parameters["model_path"].string_value == default_model_path
     steps = [s.model_name for s in read_config(repo / "chat" / "config.pbtxt").ensemble_scheduling.step]
-    assert steps == ["chat_preprocess", "chat_llm"]
+    assert steps == ["chat_preprocess", "chat_llm", "chat_postprocess"]
     llm = read_config(repo / "chat_llm" / "config.pbtxt").parameters
     assert {k: llm[k].string_value for k in ("dtype", "kv_cache_bytes", "max_model_len", "max_num_seqs")} == \
         {"dtype": "float32", "kv_cache_bytes": "67108864", "max_model_len": "512", "max_num_seqs": "8"}

@@ -72,11 +72,23 @@ def test_ensemble_inputs_are_the_field_table_and_reach_llm():
     assert all(k == v for k, v in steps["llm"].input_map.items() if k not in fields.LLM_PROMPT_INPUTS)
     pre = declared(load_config("preprocess"))
     assert set(steps["preprocess"].input_map) == set(pre) >= set(fields.ENSEMBLE_PROMPT_INPUTS)
-    # No postprocessing step: every ensemble output is an llm output of the same type and shape, mapped by name.
-    assert list(steps) == ["preprocess", "llm"]
+    # preprocess -> llm -> postprocess: text_output is postprocess's, made from llm's token runs; every other
+    # ensemble output is llm's own, of the same type and shape, mapped by name.
+    assert list(steps) == ["preprocess", "llm", "postprocess"]
     llm_out = {o.name: (o.data_type, list(o.dims)) for o in load_config("llm").output}
     assert list(llm_out) == LLM_OUTPUTS
-    assert {k: v for k, v in steps["llm"].output_map.items()} == {o.name: o.name for o in ens.output}
+    post = load_config("postprocess")
+    post_in = {i.name: (i.data_type, list(i.dims)) for i in post.input}
+    post_out = {o.name: (o.data_type, list(o.dims)) for o in post.output}
+    assert set(post_in) == {"token_ids", "context_ids", "cut_chars"} and list(post_out) == ["text_output"]
+    assert all(llm_out[name] == shape for name, shape in post_in.items())
+    assert post_out["text_output"] == llm_out["text_output"]
+    assert {steps["llm"].output_map[k] for k in post_in} == set(steps["postprocess"].input_map.values())
+    assert all(steps["llm"].output_map[k] == steps["postprocess"].input_map[k] for k in post_in)
+    assert dict(steps["postprocess"].output_map) == {"text_output": "text_output"}
+    from_llm = {k: v for k, v in steps["llm"].output_map.items() if not v.startswith("_")}
+    assert "text_output" not in steps["llm"].output_map, "llm makes no text in the ensemble: postprocess does"
+    assert from_llm == {o.name: o.name for o in ens.output if o.name != "text_output"}
     assert all(llm_out[o.name] == (o.data_type, list(o.dims)) for o in ens.output)
 
 

@@ -1,8 +1,11 @@
-"""Streamed text: deltas of the incremental detokenizer concatenate to exactly the full decode."""
+"""Streamed text: runs of tokens detokenized without state concatenate to exactly the full decode, and the engine's
+text (output_processor.py) is what a stateless step (postprocess) remakes from each output's tokens."""
 import pytest
 from transformers import AutoTokenizer
 
-from trellm_backend.engine.detokenizer import IncrementalDetokenizer
+from trellm_backend.engine.detokenizer import TokenRun, prompt_context, run_text
+from trellm_backend.engine.output_processor import OutputProcessor
+from trellm_backend.engine.request import SamplingParams
 
 TEXTS = [
     "  leading spaces and a tab\tthen words",
@@ -18,24 +21,74 @@ def tokenizer(default_model_path):
     return AutoTokenizer.from_pretrained(default_model_path)
 
 
+def after_prompt(tok, prompt, ids):
+    """The text as it reads after the prompt (SentencePiece's word-start "▁" is a space there)."""
+    return tok.decode(prompt + ids, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)):]
+
+
+def engine_outputs(tok, prompt, ids, step=1, **params):
+    """Drive an OutputProcessor over `ids` (`step` tokens per engine step, as speculation gives); check that every
+    output's text is what the stateless remake of its tokens gives, as the ensemble's postprocess makes it, also
+    when a responder merges consecutive outputs into one response; return the texts and whether a stop ended it."""
+    proc = OutputProcessor(tok, prompt, SamplingParams(**params))
+    texts, merged, pending = [], [], []
+    for i in range(0, len(ids), step):
+        context, released, text, cut, stopped = None, [], "", 0, False
+        for j, t in enumerate(ids[i:i + step]):
+            pending.append(t)
+            r = proc.add(t, finished=i + j == len(ids) - 1)
+            if r.num_tokens:
+                context = r.context_ids if context is None else context
+                released += pending[:r.num_tokens]
+                del pending[:r.num_tokens]
+                text, cut, stopped = text + r.text, r.cut_chars, r.stopped
+            if r.stopped:
+                break
+        if released:
+            assert run_text(tok, TokenRun(context, released, cut)) == text, (context, released, text)
+            texts.append(text)
+            merged.append((context, released, cut))
+        if stopped:
+            break
+    for a, b in zip(merged, merged[1:]):    # two outputs sent as one response: the same text
+        both = TokenRun(a[0], a[1] + b[1], b[2])
+        assert run_text(tok, both) == run_text(tok, TokenRun(*a)) + run_text(tok, TokenRun(*b))
+    return texts, stopped
+
+
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("step", [1, 3])
-def test_deltas_concatenate_to_full_decode(tokenizer, text, step):
+def test_engine_text_is_the_full_decode_and_what_the_tokens_remake(tokenizer, text, step):
     prompt = tokenizer("Question:").input_ids
     ids = tokenizer(text, add_special_tokens=False).input_ids
-    detok = IncrementalDetokenizer(tokenizer, prompt)
-    deltas = [detok.add(ids[i:i + step]) for i in range(0, len(ids), step)]
-    deltas.append(detok.flush())
-    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
-    assert all("\ufffd" not in d for d in deltas), deltas
+    texts, _ = engine_outputs(tokenizer, prompt, ids, step)
+    assert "".join(texts) == after_prompt(tokenizer, prompt, ids)
+    assert all(texts[:-1]) and all("\ufffd" not in t for t in texts), texts
 
 
-def test_incomplete_character_is_held_back_then_flushed(tokenizer):
+def test_incomplete_character_waits_with_its_tokens(tokenizer):
     ids = tokenizer("🐍", add_special_tokens=False).input_ids
     assert len(ids) > 1, "the test needs a character split over several tokens"
-    detok = IncrementalDetokenizer(tokenizer)
-    assert detok.add(ids[:1]) == ""           # half a character is not emitted
-    assert detok.add(ids[1:]) + detok.flush() == "🐍"
+    proc = OutputProcessor(tokenizer, tokenizer("a").input_ids, SamplingParams())
+    assert proc.add(ids[0], finished=False).num_tokens == 0     # half a character: its token waits
+    rest = [proc.add(t, finished=False) for t in ids[1:]]
+    assert sum(r.num_tokens for r in rest) == len(ids) and "".join(r.text for r in rest).strip() == "🐍"
+
+
+def test_prompt_context_begins_between_characters(tokenizer):
+    prompt = tokenizer("问题：数据结构", add_special_tokens=False).input_ids
+    context = prompt_context(tokenizer, prompt)
+    assert prompt[-len(context):] == context and not tokenizer.decode(context).startswith("\ufffd")
+    ids = tokenizer("和算法", add_special_tokens=False).input_ids
+    texts, _ = engine_outputs(tokenizer, prompt, ids)
+    assert "".join(texts) == after_prompt(tokenizer, prompt, ids)
+
+
+def test_stop_string_is_cut_and_the_cut_is_remade(tokenizer):
+    prompt = tokenizer("Question:").input_ids
+    ids = tokenizer(" lists are mutable and tuples are not", add_special_tokens=False).input_ids
+    texts, stopped = engine_outputs(tokenizer, prompt, ids, stop=["tuples"])
+    assert stopped and "".join(texts) == " lists are mutable and "
 
 
 # -- a SentencePiece-style tokenizer with byte fallback (Llama 2 / Mistral layout), built here ---------------
@@ -79,34 +132,29 @@ def sp_tokenizer():
 @pytest.mark.parametrize("step", [1, 2])
 def test_byte_fallback_stream_equals_full_decode(sp_tokenizer, text, step):
     tok = sp_tokenizer
-    prompt = tok("Question:").input_ids
+    prompt = tok("Question: 问题").input_ids
     ids = tok(text, add_special_tokens=False).input_ids
     if any(ord(c) > 127 for c in text):
         assert any(tok.convert_ids_to_tokens(i).startswith("<0x") for i in ids), "no byte fallback exercised"
-    detok = IncrementalDetokenizer(tok, prompt)
-    deltas = [detok.add(ids[i:i + step]) for i in range(0, len(ids), step)]
-    deltas.append(detok.flush())
-    # The text as it reads after the prompt (SentencePiece's word-start "▁" is a space there).
-    expected = tok.decode(prompt + ids, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)):]
-    assert "".join(deltas) == expected
-    assert all("\ufffd" not in d for d in deltas), deltas
-    assert "\ufffd" not in expected
+    expected = after_prompt(tok, prompt, ids)
+    texts, _ = engine_outputs(tok, prompt, ids, step)
+    assert "".join(texts) == expected and "\ufffd" not in expected
+    assert all(texts[:-1]) and all("\ufffd" not in t for t in texts), texts
 
 
 def test_stop_strings_on_byte_fallback_text(sp_tokenizer):
     """A stop string inside a run of byte tokens (a CJK word) stops there, and nothing of it is emitted."""
-    from trellm_backend.engine.output_processor import OutputProcessor
-    from trellm_backend.engine.request import SamplingParams
     tok = sp_tokenizer
     prompt = tok("Question:").input_ids
     ids = tok("lists 数据结构 and more", add_special_tokens=False).input_ids
-    proc = OutputProcessor(tok, prompt, SamplingParams(stop=["结构 a"]))
-    emitted, stopped_at = [], None
-    for i, t in enumerate(ids):
-        text, stopped = proc.add([t], finished=i == len(ids) - 1)
-        emitted.append(text)
-        if stopped:
-            stopped_at = i
-            break
-    assert "".join(emitted) == " lists 数据" and stopped_at is not None
-    assert all("\ufffd" not in e and "结" not in e for e in emitted)
+    texts, stopped = engine_outputs(tok, prompt, ids, stop=["结构 a"])
+    assert stopped and "".join(texts) == " lists 数据"
+    assert all("\ufffd" not in e and "结" not in e for e in texts)
+
+
+def test_invalid_bytes_do_not_hold_tokens_forever(sp_tokenizer):
+    """Lone continuation bytes are not the start of a character: at most MAX_PARTIAL wait, the rest go out."""
+    tok = sp_tokenizer
+    byte = tok.convert_tokens_to_ids("<0x80>")
+    proc = OutputProcessor(tok, tok("a").input_ids, SamplingParams())
+    assert sum(proc.add(byte, finished=False).num_tokens for _ in range(10)) >= 7

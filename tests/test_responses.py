@@ -58,7 +58,9 @@ def output(rid, token, text, finished=False, reason=None):
 def test_final_rides_on_the_last_sequence_to_finish():
     sender = FakeSender()
     group = ResponseGroup(FakePbUtils, sender, num_sequences=2, block_size=16)
-    sinks = [SequenceSink(group, i, ResponsePlan(stream=True)) for i in range(2)]
+    spell = {5: "x", 6: "y", 7: "z"}
+    plans = [ResponsePlan(stream=True, text_of=lambda run: "".join(spell[t] for t in run.token_ids)) for _ in range(2)]
+    sinks = [SequenceSink(group, i, plans[i]) for i in range(2)]
     sinks[0].send(output("a", 5, "x"))
     sinks[1].send(output("b", 6, "y", finished=True, reason="length"))
     assert [flags for _, flags in sender.sent] == [0, 0]

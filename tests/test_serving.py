@@ -42,41 +42,54 @@ def test_fan_out_gives_each_sample_its_own_seed():
     assert [s.seed for s in fan_out(SamplingParams(n=2))] == [None, None]
 
 
-def out(text, tokens, finished=False, logprobs=None):
-    return RequestOutput("r", tokens, finished, "length" if finished else None, 3, 0, text=text,
-                         logprobs=logprobs, top_logprobs=[(1, [(t, -0.5)]) for t in tokens] if logprobs else None)
+# A fake detokenizer: each token id spells one piece; a run's text is its pieces, less the cut characters.
+PIECES = {1: "Lists", 2: " are", 9: "", 10: "a", 11: "b", 12: "c", 13: "d", 14: "e", 15: "f", 16: "g"}
+
+
+def spell(run):
+    text = "".join(PIECES[t] for t in run.token_ids)
+    return text[:len(text) - run.cut_chars]
+
+
+def out(tokens, finished=False, logprobs=None, context=(5, 6), cut=0):
+    text = "".join(PIECES[t] for t in tokens)
+    return RequestOutput("r", tokens, finished, "length" if finished else None, 3, 0, text=text[:len(text) - cut],
+                         logprobs=logprobs, top_logprobs=[(1, [(t, -0.5)]) for t in tokens] if logprobs else None,
+                         context_ids=list(context), cut_chars=cut)
 
 
 def test_stream_plan_holds_steps_without_text_and_sends_no_empty_chunk():
-    plan = ResponsePlan(stream=True, echo_text="the prompt")    # echo never applies to streams
-    assert plan.on_output(out("", [10], logprobs=[-1.0])) is None       # half a character: held
-    first = plan.on_output(out("é", [11], logprobs=[-2.0]))
-    assert first.text == "é" and first.token_ids == [10, 11] and first.logprobs == [-1.0, -2.0]
+    plan = ResponsePlan(stream=True, text_of=spell, echo_prompt_ids=[1])    # echo never applies to streams
+    assert plan.on_output(out([9], logprobs=[-1.0], context=[7])) is None         # a token without text: held
+    first = plan.on_output(out([10], logprobs=[-2.0], context=[7, 9]))
+    assert first.text == "a" and first.token_ids == [9, 10] and first.logprobs == [-1.0, -2.0]
+    assert first.run.context_ids == [7], "a merged response's text is made after its first output's context"
     assert len(first.top_logprobs) == 2
-    last = plan.on_output(out("", [12], finished=True))                 # the final response may be empty
-    assert last.text == "" and last.finished and last.finish_reason == "length"
+    last = plan.on_output(out([], finished=True))                                   # the final response may be empty
+    assert last.text == "" and last.finished and last.finish_reason == "length" and last.run.context_ids == []
 
 
 def test_stream_interval_sends_the_first_text_at_once_then_every_n_tokens_and_the_end():
-    plan = ResponsePlan(stream=True, stream_interval=3)
-    assert plan.on_output(out("", [9])) is None                          # no text yet
-    assert plan.on_output(out("a", [10])).token_ids == [9, 10]           # the first text: at once (TTFT)
-    assert plan.on_output(out("b", [11])) is None
-    assert plan.on_output(out("c", [12])) is None
-    p = plan.on_output(out("de", [13, 14]))                              # 4 >= 3 tokens gathered
+    plan = ResponsePlan(stream=True, stream_interval=3, text_of=spell)
+    assert plan.on_output(out([9])) is None                              # no text yet
+    assert plan.on_output(out([10])).token_ids == [9, 10]                # the first text: at once (TTFT)
+    assert plan.on_output(out([11])) is None
+    assert plan.on_output(out([12])) is None
+    p = plan.on_output(out([13, 14]))                                    # 4 >= 3 tokens gathered
     assert p.text == "bcde" and p.token_ids == [11, 12, 13, 14] and not p.finished
-    assert plan.on_output(out("f", [15])) is None
-    last = plan.on_output(out("g", [16], finished=True))                 # the end never waits
-    assert last.text == "fg" and last.token_ids == [15, 16] and last.finished
-    every = ResponsePlan(stream=True)
-    assert [every.on_output(out(c, [i])).text for i, c in enumerate("xyz")] == ["x", "y", "z"]
+    assert plan.on_output(out([15])) is None
+    last = plan.on_output(out([16], finished=True, cut=1))               # the end never waits; a stop's cut stays
+    assert last.text == "f" and last.token_ids == [15, 16] and last.finished and last.run.cut_chars == 1
+    every = ResponsePlan(stream=True, text_of=spell)
+    assert [every.on_output(out([t])).text for t in (10, 11, 12)] == ["a", "b", "c"]
 
 
-def test_non_stream_plan_sends_once_with_prompt_when_echoed():
-    plan = ResponsePlan(stream=False, echo_text="Lists")
-    assert plan.on_output(out(" are", [10])) is None
-    p = plan.on_output(out(" mutable", [11], finished=True))
-    assert p.text == "Lists are mutable" and p.token_ids == [10, 11] and p.finished
+def test_non_stream_plan_sends_once_with_prompt_tokens_first_when_echoed():
+    plan = ResponsePlan(stream=False, text_of=spell, echo_prompt_ids=[1])
+    assert plan.on_output(out([2])) is None
+    p = plan.on_output(out([10], finished=True))
+    assert p.text == "Lists area" and p.token_ids == [1, 2, 10] and p.run.context_ids == [] and p.finished
+    assert ResponsePlan(stream=False).on_output(out([10], finished=True)).text is None
 
 
 def test_outputs_of_both_contracts():
@@ -109,14 +122,20 @@ def test_kv_block_counts():
 
 
 def test_response_carries_what_the_request_switched_on():
-    """Five outputs always; logprobs, counts and perf fields only on request, each never empty."""
-    plan = ResponsePlan(stream=True)
-    out = RequestOutput("r", [7, 8], True, "stop", 4, 2, text="ab", logprobs=[-0.5, -1.0])
-    p = plan.on_output(out)
+    """Five outputs always; logprobs, counts and perf fields only on request, each never empty; text_output or
+    what makes it (for the ensemble's postprocess) as the caller asked."""
+    plan = ResponsePlan(stream=True, text_of=spell)
+    p = plan.on_output(RequestOutput("r", [10, 11], True, "stop", 4, 2, text="ab", logprobs=[-0.5, -1.0],
+                                     context_ids=[3, 1], cut_chars=1))
     plain = response_tensors(p, 0, 16)
     assert set(plain) == {"text_output", "finish_reason", "token_ids", "batch_index", "sequence_index"}
-    full = response_tensors(p, 1, 16, OutputSwitches(True, True, True, True))
+    assert plain["text_output"].item() == b"a"
+    full = response_tensors(p, 1, 16, OutputSwitches(True, True, True, True, True, True))
     assert set(full) == set(LLM_OUTPUTS)
+    assert full["context_ids"].tolist() == [[3, 1]] and full["cut_chars"].item() == 1
+    ensemble = response_tensors(dataclasses.replace(p, text=None), 0, 16, OutputSwitches(text=False, token_run=True))
+    assert set(ensemble) == {"finish_reason", "token_ids", "context_ids", "cut_chars", "batch_index",
+                             "sequence_index"}
     assert full["output_log_probs"].shape == (1, 1, 2) and full["cum_log_probs"].shape == (1, 1)
     assert full["num_input_tokens"].item() == 4 and full["num_output_tokens"].item() == 2
     assert full["sequence_index"].item() == 1 and full["kv_cache_alloc_total_blocks"].item() == 1
@@ -125,6 +144,8 @@ def test_response_carries_what_the_request_switched_on():
 def test_return_switches_are_parsed():
     ids = np.array([[1, 2, 3]], dtype=np.int32)
     assert parse_llm_inputs({"input_ids": ids}).outputs == OutputSwitches()
+    asked = parse_llm_inputs({"input_ids": ids}, {"token_ids", "context_ids", "cut_chars"}).outputs
+    assert asked == OutputSwitches(text=False, token_run=True)
     spec = parse_llm_inputs({"input_ids": ids, "return_log_probs": np.array([[True]]),
                              "return_num_output_tokens": np.array([[True]]),
                              "return_perf_metrics": np.array([[True]])})

@@ -1,39 +1,52 @@
-"""Incremental detokenization: text deltas whose concatenation is exactly the full decode.
+"""Detokenization without state: the text a run of tokens adds after the tokens before it.
 
-Each new token is decoded together with a window of earlier tokens, and only the text beyond what the window
-already produced is emitted; a delta that ends in an incomplete character (U+FFFD from a split UTF-8 byte
-sequence) is held back until later tokens complete it, and flushed at the end.
+The text of a run is decode(context + tokens) minus decode(context). It equals the run's share of the full decode
+when the context is long enough for the tokenizer's space handling (WINDOW tokens) and both it and the run
+begin and end between characters: a character spelled in several byte tokens decodes only whole (a byte-fallback
+decoder turns a whole group of byte tokens into U+FFFD when one of them is cut off). The engine
+(output_processor.py) cuts runs that way, so the engine, `llm`'s own text_output and the ensemble's `postprocess`
+step all make text with this one function from the same tokens and agree exactly.
 """
 from __future__ import annotations
 
-WINDOW = 6   # earlier tokens decoded with each new one; enough for space handling and multi-byte characters
+from dataclasses import dataclass
+
+WINDOW = 6          # tokens of context, at least, decoded with each run
+MAX_PARTIAL = 3     # a UTF-8 character has at most 4 bytes: at most 3 byte tokens wait for the one completing it
+PARTIAL = "\ufffd"  # what a decoder shows for bytes that are not (yet) a whole character
 
 
-class IncrementalDetokenizer:
-    def __init__(self, tokenizer, context_ids: list[int] | None = None, skip_special_tokens: bool = True):
-        self.tok = tokenizer
-        self.skip = skip_special_tokens
-        self.ids: list[int] = list(context_ids or [])
-        self.prefix_offset = max(0, len(self.ids) - WINDOW)   # start of the decoding window
-        self.read_offset = len(self.ids)                      # tokens before this are already emitted
+@dataclass(frozen=True)
+class TokenRun:
+    """Tokens whose text is wanted, after `context_ids` (the tokens just before them; [] = the sequence's start)."""
+    context_ids: list[int]
+    token_ids: list[int]
+    cut_chars: int = 0          # characters cut off the end (a stop string and what followed it)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
 
-    def add(self, new_ids: list[int]) -> str:
-        """Append tokens; return the newly completed text (possibly empty)."""
-        self.ids.extend(new_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
-            return ""
-        # The tokens just emitted become the next window.
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix):]
+def run_texts(tokenizer, runs: list[TokenRun], skip_special_tokens: bool = True) -> list[str]:
+    """The text of each run: one batched decode of the contexts, one of the contexts with their tokens."""
+    if not runs:
+        return []
+    kw = dict(skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+    before = tokenizer.batch_decode([r.context_ids for r in runs], **kw)
+    after = tokenizer.batch_decode([r.context_ids + r.token_ids for r in runs], **kw)
+    texts = []
+    for run, b, a in zip(runs, before, after):
+        text = a[len(b):]
+        texts.append(text[:len(text) - run.cut_chars] if run.cut_chars else text)
+    return texts
 
-    def flush(self) -> str:
-        """Text of tokens still held back (an incomplete character at the very end)."""
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        self.read_offset = len(self.ids)
-        return full[len(prefix):] if len(full) > len(prefix) else ""
+
+def run_text(tokenizer, run: TokenRun, skip_special_tokens: bool = True) -> str:
+    return run_texts(tokenizer, [run], skip_special_tokens)[0]
+
+
+def prompt_context(tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> list[int]:
+    """The prompt's last WINDOW tokens, or up to MAX_PARTIAL more so that they begin between characters."""
+    start = max(0, len(prompt_ids) - WINDOW)
+    for k in range(start, max(0, start - MAX_PARTIAL) - 1, -1):
+        if not tokenizer.decode(prompt_ids[k:], skip_special_tokens=skip_special_tokens,
+                                clean_up_tokenization_spaces=False).startswith(PARTIAL):
+            return list(prompt_ids[k:])
+    return list(prompt_ids[start:])

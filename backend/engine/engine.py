@@ -102,7 +102,10 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req, "abort")
-        return self._output(req, [])
+        if req.output_processor is None:
+            return self._output(req, len(req.unsent))
+        r = req.output_processor.flush()
+        return self._output(req, r.num_tokens, r.text, r.context_ids)
 
     # -- stepping ------------------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -125,7 +128,8 @@ class LLMEngine:
     def _advance(self, chunk: ScheduledChunk, rows: list[SampledToken]) -> RequestOutput:
         """Append the step's tokens to the chunk's request: the guesses the target sampled the same token for,
         then the target's token at the first disagreement (or after the last guess); stop at the first token that
-        finishes the request (the rest are dropped, so max_tokens and stops are never overshot)."""
+        finishes the request (the rest are dropped, so max_tokens and stops are never overshot). The output carries the
+        tokens whose text is settled (output_processor.py); the rest wait in `req.unsent`."""
         req, drafts = chunk.request, chunk.draft_token_ids
         accepted = 0
         while accepted < len(drafts) and rows[accepted].token_id == drafts[accepted]:
@@ -138,29 +142,31 @@ class LLMEngine:
         now = time.time_ns()
         req.times.first_token_ns = req.times.first_token_ns or now
         req.times.last_token_ns = now
-        new_tokens, texts, reason = [], [], None
+        texts, context, cut, released, reason = [], None, 0, 0, None
         for s in rows:
             token = s.token_id
             req.token_ids.append(token)
-            new_tokens.append(token)
+            req.unsent.append(s)
             if s.logprob is not None:
                 req.cumulative_logprob += s.logprob
             reason = self._finish_reason(req, token)
-            if req.output_processor is not None:
+            if req.output_processor is None:
+                released = len(req.unsent)
+            else:
                 # Like EOS, stop strings count only once min_tokens are out.
-                text, stopped = req.output_processor.add([token], reason is not None,
-                                                         req.num_output_tokens >= req.params.min_tokens)
-                texts.append(text)
-                reason = "stop" if stopped else reason
+                r = req.output_processor.add(token, reason is not None,
+                                             req.num_output_tokens >= req.params.min_tokens)
+                if r.num_tokens and context is None:
+                    context = r.context_ids
+                released, cut = released + r.num_tokens, r.cut_chars
+                texts.append(r.text)
+                reason = "stop" if r.stopped else reason
             if reason:
                 break
         if reason:
             self.scheduler.finish(req, reason)
             del self.requests[req.request_id]
-        rows = rows[:len(new_tokens)]
-        logprobs = [s.logprob for s in rows] if rows[0].logprob is not None else None
-        top = [(s.rank, s.top) for s in rows] if rows[0].top is not None else None
-        return self._output(req, new_tokens, "".join(texts), logprobs, top)
+        return self._output(req, released, "".join(texts), context, cut)
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -171,11 +177,16 @@ class LLMEngine:
         return None
 
     @staticmethod
-    def _output(req: Request, new_tokens: list[int], text: str = "", logprobs: list[float] | None = None,
-                top: list[tuple[int, list[tuple[int, float]]]] | None = None) -> RequestOutput:
-        return RequestOutput(req.request_id, new_tokens, finished=req.status is Status.FINISHED,
+    def _output(req: Request, num_released: int, text: str = "", context_ids: list[int] | None = None,
+                cut_chars: int = 0) -> RequestOutput:
+        """The request's output for the oldest `num_released` unsent tokens (with their logprobs)."""
+        out, req.unsent = req.unsent[:num_released], req.unsent[num_released:]
+        logprobs = [s.logprob for s in out] if out and out[0].logprob is not None else None
+        top = [(s.rank, s.top) for s in out] if out and out[0].top is not None else None
+        return RequestOutput(req.request_id, [s.token_id for s in out], finished=req.status is Status.FINISHED,
                              finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
-                             num_output_tokens=req.num_output_tokens, text=text,
+                             num_output_tokens=req.num_output_tokens, text=text, context_ids=context_ids or [],
+                             cut_chars=cut_chars,
                              logprobs=logprobs, top_logprobs=top, cumulative_logprob=req.cumulative_logprob,
                              times=dataclasses.replace(req.times), num_cached_tokens=req.num_cached_tokens)
 

@@ -327,6 +327,8 @@ class EngineLoop:
         self._stats = self.engine.stats()
         sends = []
         for out in outputs:
+            if not out.new_token_ids and not out.finished:
+                continue    # its tokens wait for their text (half a character, a possible stop string)
             if out.finished:
                 self._finished(out)
             sink = self._sinks.get(out.request_id)

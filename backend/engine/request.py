@@ -142,6 +142,7 @@ class Request:
     cumulative_logprob: float = 0.0
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.time_ns()))
     output_processor: object | None = None        # text and stop strings (output_processor.py), with a tokenizer
+    unsent: list = field(default_factory=list)    # sampled tokens (SampledToken) whose text is still pending
     cache_salt: str | None = None                 # requests with different salts never share cached blocks
     num_cached_tokens: int = 0                    # prompt tokens found in the prefix cache at first admission
     spec_acceptance: float = 1.0                  # speculative guesses: recent acceptance rate (the scheduler's)
@@ -171,7 +172,9 @@ class RequestOutput:
     finish_reason: str | None = None   # "stop", "length" or "abort" once finished
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    text: str = ""                     # new text (with a tokenizer): complete characters, stop strings cut off
+    text: str = ""                     # the new tokens' text (with a tokenizer): complete characters, stops cut off
+    context_ids: list[int] = field(default_factory=list)   # the tokens the text was made after (detokenizer.py)
+    cut_chars: int = 0                 # the last output: characters of its tokens' text cut at a stop string
     logprobs: list[float] | None = None                      # of each new token, when asked
     # Per new token: (its rank, the top alternatives as (id, logprob)), when asked.
     top_logprobs: list[tuple[int, list[tuple[int, float]]]] | None = None
@@ -186,4 +189,5 @@ class RequestOutput:
             return None if a is None or b is None else a + b
         return replace(
             later, new_token_ids=self.new_token_ids + later.new_token_ids, text=self.text + later.text,
+            context_ids=self.context_ids if self.new_token_ids else later.context_ids,
             logprobs=both(self.logprobs, later.logprobs), top_logprobs=both(self.top_logprobs, later.top_logprobs))

@@ -32,7 +32,7 @@ from trellm_backend.tools.repository import default_repository, read_config, set
 DEFAULT_REPOSITORY = default_repository()
 
 # The default model's entries, in the repository shipped with the project: the template of every added model.
-TEMPLATE_ENTRIES = ("preprocess", "llm", "ensemble", "vllm_model")
+TEMPLATE_ENTRIES = ("preprocess", "llm", "postprocess", "ensemble", "vllm_model")
 ENGINE_ENTRY = "llm"                       # the entry whose parameters are EngineConfig fields
 ENTRY_NAME_PARAMETERS = ("llm_model",)     # parameters whose value names another template entry
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")

@@ -10,16 +10,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trellm_backend.engine.detokenizer import TokenRun
 from trellm_backend.engine.request import RequestOutput, RequestTimes, SamplingParams
 from trellm_backend.triton import fields
 
 
 @dataclass(frozen=True)
 class OutputSwitches:
-    """Which optional outputs a request asked for (TRT-LLM's return_* switches). Every response carries
-    text_output, finish_reason, token_ids, batch_index and sequence_index; the rest only when switched on, so a
-    streamed token costs five small tensors unless more were asked for, and an output nobody asked for is never
-    sent empty. (A final response with no new token, e.g. an abort, still carries an empty token_ids.)"""
+    """Which optional outputs a request asked for (TRT-LLM's return_* switches, and the outputs the caller named).
+    Every response carries finish_reason, token_ids, batch_index and sequence_index; the rest only when switched
+    on, so a streamed token costs a few small tensors unless more were asked for, and an output nobody asked for
+    is never made or sent empty. (A final response with no new token, e.g. an abort, still carries an empty
+    token_ids.)"""
+    text: bool = True                # text_output (the ensemble does not ask: its postprocess step makes it)
+    token_run: bool = False          # context_ids, cut_chars: what postprocess needs besides token_ids
     log_probs: bool = False          # output_log_probs, cum_log_probs, top_logprobs (return_log_probs or logprobs)
     num_input_tokens: bool = False
     num_output_tokens: bool = False
@@ -35,9 +39,9 @@ class LLMRequestSpec:
     outputs: OutputSwitches = OutputSwitches()
 
 
-def parse_llm_inputs(tensors: dict[str, np.ndarray]) -> LLMRequestSpec:
+def parse_llm_inputs(tensors: dict[str, np.ndarray], requested: set[str] | None = None) -> LLMRequestSpec:
     """Validate the llm step's tensors (`input_ids` plus any of fields.FIELDS' tensors); raise ValueError naming the
-    field at fault."""
+    field at fault. `requested`: the output names the caller asked for (None: all)."""
     if "input_ids" not in tensors:
         raise ValueError("input_ids is missing")
     ids = np.asarray(tensors["input_ids"])
@@ -59,7 +63,9 @@ def parse_llm_inputs(tensors: dict[str, np.ndarray]) -> LLMRequestSpec:
         ids = ids[:n]
     values = fields.values_from_tensors(tensors)
     params = fields.sampling_params(values)
-    outputs = OutputSwitches(log_probs=params.logprobs is not None,
+    outputs = OutputSwitches(text=requested is None or "text_output" in requested,
+                             token_run=requested is not None and "context_ids" in requested,
+                             log_probs=params.logprobs is not None,
                              num_input_tokens=bool(values.get("return_num_input_tokens", False)),
                              num_output_tokens=bool(values.get("return_num_output_tokens", False)),
                              perf_metrics=bool(values.get("return_perf_metrics", False)))
@@ -77,9 +83,10 @@ def fan_out(params: SamplingParams) -> list[SamplingParams]:
 
 @dataclass
 class ResponsePayload:
-    """One llm response of one sequence."""
-    text: str
-    token_ids: list[int]
+    """One llm response of one sequence: its tokens, what makes their text (`run`), and the text itself when the
+    caller asked for text_output (None otherwise: the ensemble's postprocess makes it from `run`)."""
+    run: TokenRun
+    text: str | None
     logprobs: list[float]
     top_logprobs: list[tuple[int, list[tuple[int, float]]]]    # per token: (rank, [(id, logprob), ...])
     finished: bool
@@ -89,6 +96,10 @@ class ResponsePayload:
     num_output_tokens: int
     times: RequestTimes
     num_cached_tokens: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.run.token_ids
 
     def top_logprobs_json(self) -> str:
         return json.dumps([[rank, [[t, lp] for t, lp in top]] for rank, top in self.top_logprobs]) \
@@ -101,33 +112,41 @@ class ResponsePlan:
     Streaming: the first text goes out as soon as there is some; after it, a response once `stream_interval` new
     tokens have gathered (vLLM's stream_interval: 1 sends every token; more sends fewer, larger responses, which
     costs the server, the network and the client less per token), and the final one whenever the sequence ends. A
-    step that produced no text yet (a held character or a possible stop string) is held and merged into the next
-    response, so no non-final response is empty.
-    Not streaming: one response at the end, the prompt's text first when it is echoed (TRT-LLM's
-    exclude_input_in_output=false)."""
+    step whose tokens made no text yet (skipped special tokens) is held and merged into the next response, so no
+    non-final response is empty.
+    Not streaming: one response at the end. When the prompt is echoed (TRT-LLM's exclude_input_in_output=false),
+    its tokens lead the response's token_ids and its text leads the text, as TRT-LLM's output_ids do.
+    Each response's text is detokenizer.run_text of its run: its tokens after the context the engine made their
+    text after. `text_of` makes it (None: the caller did not ask for text_output)."""
 
-    def __init__(self, stream: bool, echo_text: str = "", stream_interval: int = 1):
+    def __init__(self, stream: bool, stream_interval: int = 1, text_of=None, echo_prompt_ids: list[int] | None = None):
         self.stream = stream
         self.stream_interval = stream_interval
-        self.prefix = "" if stream else echo_text
-        self.text, self.token_ids, self.logprobs, self.top = [], [], [], []
+        self.text_of = text_of
+        self.echo = list(echo_prompt_ids) if echo_prompt_ids is not None and not stream else None
+        self.context, self.token_ids, self.has_text, self.logprobs, self.top = None, [], False, [], []
         self.sent_text = False    # a response with text has gone out: the interval applies from now on
 
     def on_output(self, out: RequestOutput) -> ResponsePayload | None:
-        self.text.append(out.text)
+        if self.context is None and out.new_token_ids:
+            self.context = out.context_ids      # a merged response's text is made after its first output's context
+        self.has_text = self.has_text or bool(out.text)
         self.token_ids.extend(out.new_token_ids)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
             self.top.extend(out.top_logprobs or [])
-        if not out.finished and (not self.stream or not any(self.text)
+        if not out.finished and (not self.stream or not self.has_text
                                  or (self.sent_text and len(self.token_ids) < self.stream_interval)):
             return None
         self.sent_text = True
-        p = ResponsePayload(self.prefix + "".join(self.text), self.token_ids, self.logprobs, self.top,
+        if self.echo is not None:
+            run = TokenRun([], self.echo + self.token_ids, out.cut_chars)
+        else:
+            run = TokenRun(self.context or [], self.token_ids, out.cut_chars)
+        p = ResponsePayload(run, None if self.text_of is None else self.text_of(run), self.logprobs, self.top,
                             out.finished, out.finish_reason, out.cumulative_logprob, out.num_prompt_tokens,
                             out.num_output_tokens, out.times, out.num_cached_tokens)
-        self.prefix = ""
-        self.text, self.token_ids, self.logprobs, self.top = [], [], [], []
+        self.context, self.token_ids, self.has_text, self.logprobs, self.top = None, [], False, [], []
         return p
 
 
@@ -157,22 +176,28 @@ class PerfMetrics:
 
 
 # Every output llm may send, in config.pbtxt order (tests/test_api.py checks). The shapes are the TRT-LLM
-# ensemble's, so the ensemble maps them straight to its own outputs with no postprocessing step.
+# ensemble's, so the ensemble maps them straight to its own outputs; context_ids and cut_chars are what its
+# postprocess step needs besides token_ids to remake text_output (detokenizer.TokenRun).
 PERF_OUTPUTS = [f.name for f in dataclasses.fields(PerfMetrics)]
-LLM_OUTPUTS = ["text_output", "finish_reason", "token_ids", "output_log_probs", "top_logprobs", "cum_log_probs",
-               "num_input_tokens", "num_output_tokens", "batch_index", "sequence_index", *PERF_OUTPUTS]
+LLM_OUTPUTS = ["text_output", "finish_reason", "token_ids", "context_ids", "cut_chars", "output_log_probs",
+               "top_logprobs", "cum_log_probs", "num_input_tokens", "num_output_tokens", "batch_index",
+               "sequence_index", *PERF_OUTPUTS]
 
 
 def response_tensors(p: ResponsePayload, sequence_index: int, block_size: int,
                      outputs: OutputSwitches = OutputSwitches()) -> dict[str, np.ndarray]:
-    """One llm response's tensors ([1, ...]: batch of one, beam of one): the fixed five and the switched-on rest."""
+    """One llm response's tensors ([1, ...]: batch of one, beam of one): the fixed four and the switched-on rest."""
     out = {
-        "text_output": np.array([[p.text.encode("utf-8")]], dtype=np.object_),
         "finish_reason": np.array([[(p.finish_reason or "").encode()]], dtype=np.object_),
-        "token_ids": np.array([p.token_ids], dtype=np.int32),
+        "token_ids": np.array([p.run.token_ids], dtype=np.int32),
         "batch_index": np.zeros((1, 1), dtype=np.int32),     # one prompt per request
         "sequence_index": np.array([[sequence_index]], dtype=np.int32),
     }
+    if p.text is not None:
+        out["text_output"] = np.array([[p.text.encode("utf-8")]], dtype=np.object_)
+    if outputs.token_run:
+        out["context_ids"] = np.array([p.run.context_ids], dtype=np.int32)
+        out["cut_chars"] = np.array([[p.run.cut_chars]], dtype=np.int32)
     if outputs.log_probs:
         out["output_log_probs"] = np.array([[p.logprobs]], dtype=np.float32)
         out["top_logprobs"] = np.array([[p.top_logprobs_json().encode()]], dtype=np.object_)

@@ -12,6 +12,9 @@ from trellm_backend.triton import fields
 
 VLLM_OUTPUTS = ["text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
                 "num_output_tokens"]
+# The llm outputs they are made from (what vllm_model asks llm for).
+FROM_LLM = ["text_output", "finish_reason", "token_ids", "output_log_probs", "top_logprobs", "cum_log_probs",
+            "num_input_tokens"]
 
 
 def vllm_outputs(llm: dict[str, np.ndarray], flags: dict[str, bool], prefix: str = "") -> dict[str, np.ndarray]:

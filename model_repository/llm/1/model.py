@@ -1,6 +1,7 @@
 """Triton adapter over the engine: `execute` validates each request and hands it to the engine loop, which
 runs in a background thread and answers through each request's response sender (backend/triton/responses.py)."""
 import itertools
+from functools import partial
 import faulthandler
 import json
 import logging
@@ -10,6 +11,7 @@ import threading
 import triton_python_backend_utils as pb_utils
 
 from trellm_backend.engine.cores import yield_process
+from trellm_backend.engine.detokenizer import run_text
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.loop import DuplicateClientId, EngineLoop, QueueFull
 from trellm_backend.triton.checks import serving_config
@@ -35,7 +37,7 @@ class TritonPythonModel:
         params = model_parameters(json.loads(args["model_config"]))
         # Checks the folder, the KV budget and memory first; a failure names the file and value (Triton's load error).
         config = serving_config(params, args["model_repository"])
-        # The engine makes the text (stop strings are matched on it), so it gets the model folder's tokenizer.
+        # The engine needs text (stop strings are matched on it), so it gets the model folder's tokenizer.
         self.tokenizer = load_tokenizer(config.model_path)
         self.engine = LLMEngine(config, tokenizer=self.tokenizer)
         self.metrics = None
@@ -75,7 +77,7 @@ class TritonPythonModel:
                     t = pb_utils.get_input_tensor_by_name(request, name)
                     if t is not None:
                         tensors[name] = t.as_numpy()
-                spec = parse_llm_inputs(tensors)
+                spec = parse_llm_inputs(tensors, set(request.requested_output_names()))
                 key = next(self.keys)
                 samples = fan_out(spec.params)   # n parallel samples: engine requests <key>#<i>
                 reqs = [self.engine.make_request(f"{key}#{i}" if len(samples) > 1 else str(key), spec.prompt_ids, p)
@@ -83,12 +85,12 @@ class TritonPythonModel:
             except ValueError as e:
                 fail(pb_utils, sender, str(e))
                 continue
-            echo = ""
-            if spec.echo_prompt and not spec.stream:
-                echo = self.tokenizer.decode(spec.prompt_ids, skip_special_tokens=True)
             group = ResponseGroup(pb_utils, sender, len(reqs), self.engine.config.block_size)
             interval = self.engine.config.stream_interval
-            sinks = [SequenceSink(group, i, ResponsePlan(spec.stream, echo, interval), spec.outputs)
+            text_of = partial(run_text, self.tokenizer, skip_special_tokens=spec.params.skip_special_tokens) \
+                if spec.outputs.text else None
+            echo = spec.prompt_ids if spec.echo_prompt else None
+            sinks = [SequenceSink(group, i, ResponsePlan(spec.stream, interval, text_of, echo), spec.outputs)
                      for i in range(len(reqs))]
             try:
                 self.loop.submit(reqs, sinks, client_id=request.request_id())

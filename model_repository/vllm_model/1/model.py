@@ -14,10 +14,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trellm_backend.triton.fields import VLLM_INPUTS, request_parameters_error, tensors_from_values
-from trellm_backend.triton.llm import LLM_OUTPUTS
 from trellm_backend.triton.parameters import model_parameters, resolve_model_path
 from trellm_backend.triton.responses import fail
-from trellm_backend.triton.vllm import parse_vllm_request, vllm_outputs
+from trellm_backend.triton.vllm import FROM_LLM, parse_vllm_request, vllm_outputs
 from trellm_backend.triton.tokenization import decode_utf8, encode_prompt, load_tokenizer, prompt_char_limit
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -80,7 +79,7 @@ class TritonPythonModel:
                    "input_lengths": np.array([[len(ids)]], dtype=np.int32), **tensors_from_values(spec.values)}
         inputs = [pb_utils.Tensor(name, value) for name, value in tensors.items()]
         llm_request = pb_utils.InferenceRequest(model_name=self.llm_model, inputs=inputs, request_id=request_id,
-                                                requested_output_names=LLM_OUTPUTS)
+                                                requested_output_names=FROM_LLM)
         remaining = spec.values.get("n", 1)
         prefix = spec.prompt if spec.echo_prompt else ""
         try:
@@ -98,7 +97,7 @@ class TritonPythonModel:
                 if response.has_error():   # llm's refusal or failure, with its code (UNAVAILABLE when full)
                     fail(pb_utils, sender, response.error().message(), response.error().code())
                     return
-                got = {n: t.as_numpy() for n in LLM_OUTPUTS
+                got = {n: t.as_numpy() for n in FROM_LLM
                        if (t := pb_utils.get_output_tensor_by_name(response, n)) is not None}
                 if "text_output" not in got:   # the flag-only end of the llm's stream
                     continue

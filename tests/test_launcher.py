@@ -215,7 +215,9 @@ def test_a_server_whose_stubs_are_killed_at_stop_leaves_no_shared_memory(default
     server = TritonServer(os.path.join(REPO, "model_repository"), http, grpc, metrics,
                           log_path=str(tmp_path / "server.log")).start()
     regions = stub_shm_regions(server.proc.pid)
-    assert len(regions) == 3 and all(os.path.exists(f"/dev/shm/{r.lstrip('/')}") for r in regions), regions
+    python_models = [m for m in os.listdir(os.path.join(REPO, "model_repository"))
+                     if os.path.exists(os.path.join(REPO, "model_repository", m, "1", "model.py"))]
+    assert len(regions) == len(python_models) == 4 and all(os.path.exists(f"/dev/shm/{r.lstrip('/')}") for r in regions), regions
     server.stop(timeout=0)       # SIGTERM, then SIGKILL to the group at once
     assert [r for r in regions if os.path.exists(f"/dev/shm/{r.lstrip('/')}")] == []
 
@@ -370,7 +372,7 @@ def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_t
         assert started.wait(60)
         [stub] = processes_mentioning(f"{repo}/llm/1/model.py")
         regions = stub_shm_regions(server_pid)
-        assert len(regions) == 2 and all(os.path.exists(f"/dev/shm/{r.lstrip('/')}") for r in regions), regions
+        assert len(regions) == 3 and all(os.path.exists(f"/dev/shm/{r.lstrip('/')}") for r in regions), regions
         os.kill(stub, signal.SIGKILL)
         killed = time.monotonic()
         for t in threads:
@@ -389,7 +391,7 @@ def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_t
         assert health.returncode == 0, health.stderr
         index = json.loads(urllib.request.urlopen(urllib.request.Request(
             f"http://localhost:{http}/v2/repository/index", data=b'{"ready": true}', method="POST")).read())
-        assert sorted(m["name"] for m in index) == ["ensemble", "llm", "preprocess"], \
+        assert sorted(m["name"] for m in index) == ["ensemble", "llm", "postprocess", "preprocess"], \
             "a restart loads what was loaded before it, not what was unloaded"
         # Triton 2.51's HTTP front end crashes (SIGSEGV) on a 50,000-deep JSON array; the supervisor restarts it.
         deep = b'{"text_input": ' + b"[" * 50000 + b"]" * 50000 + b"}"
@@ -418,13 +420,12 @@ def test_healthcheck_fails_by_name_where_nothing_generates():
     assert r.returncode == 1 and f"unhealthy: ensemble at localhost:{port}" in r.stderr
 
 
-# "server only" (the poll of is_model_ready) is not tested: on 2.51 that call sometimes blocks once the server is
-# stopping, so the poll noticed the stop in one run of three. The launcher and compose stop the process group.
-@pytest.mark.parametrize("signalled", ["process group"])
-def test_sigterm_ends_ensemble_streams_with_a_final_abort(tmp_path, signalled):
-    """On 2.51 a SIGTERM leaves ensemble streams hanging until the exit timeout cuts them with no final response.
-    The llm model notices the stop (the signal, when the group gets it; the server's state, when only the server
-    does) and ends every stream with finish_reason abort after shutdown_grace_s (1 s here)."""
+# How the launcher (and compose, through it) stops a server. A bare SIGTERM to tritonserver 2.51 stops every model's
+# scheduler at once: the llm responses that follow can no longer pass the ensemble's postprocess step, and those
+# streams hang until the exit timeout (TritonServer.drain's docstring). So the stop drains the engines first.
+def test_stopping_the_server_ends_ensemble_streams_with_a_final_abort(tmp_path):
+    """The stop signals the stubs first: the llm model ends every stream with finish_reason abort after
+    shutdown_grace_s (1 s here), through the whole ensemble, and only then is the server itself stopped."""
     repo = tmp_path / "model_repository"
     subprocess.run(["cp", "-r", os.path.join(REPO, "model_repository"), str(repo)], check=True)
     os.symlink(os.path.join(REPO, "hf_models"), tmp_path / "hf_models")
@@ -453,13 +454,12 @@ def test_sigterm_ends_ensemble_streams_with_a_final_abort(tmp_path, signalled):
             t.start()
         started.wait(timeout=60)
         signalled_at = time.monotonic()
-        if signalled == "process group":
-            os.killpg(server.proc.pid, signal.SIGTERM)
-        else:
-            server.proc.send_signal(signal.SIGTERM)
+        stopper = threading.Thread(target=server.stop, kwargs={"timeout": 15})
+        stopper.start()
         for t in threads:
             t.join(timeout=30)
-        assert all(not t.is_alive() for t in threads), "a stream hung after SIGTERM"
+        stopper.join(timeout=60)
+        assert all(not t.is_alive() for t in threads), "a stream hung after the stop"
         assert [e[:3] for e in ends.values()] == [("final", "abort", True)] * 3, ends
         assert max(e[3] for e in ends.values()) - signalled_at < 5, "the streams must end within the grace"
     finally:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,7 +29,7 @@ import urllib.error
 import urllib.request
 
 from trellm_backend.tools.repository import default_repository
-from trellm_backend.tools.supervisor import Supervisor, remove_shm_regions, stub_shm_regions
+from trellm_backend.tools.supervisor import Supervisor, remove_shm_regions, server_children, stub_shm_regions
 
 DEFAULT_REPOSITORY = default_repository()
 MODEL_CONTROL_MODES = ("none", "poll", "explicit")
@@ -143,6 +144,35 @@ class TritonServer:
             raise
         return self
 
+    def drain(self, timeout: float) -> None:
+        """End every stream while the whole server still runs: SIGTERM to the stubs alone (an llm model then refuses
+        new requests and ends those in flight with finish_reason abort within its shutdown_grace_s; the other stubs
+        ignore the signal), then wait until no request is running or waiting (the engines' metrics), at most
+        `timeout` seconds. Why first: on 2.51 a SIGTERM to the server stops every model's scheduler at once, so an
+        llm response after it can no longer pass the ensemble's postprocess step, and that stream hangs until the
+        exit timeout cuts it."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for pid, child in server_children(self.proc.pid).items():
+            if child.is_stub and child.state != "Z":
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.requests_in_flight():
+            time.sleep(0.1)
+
+    def requests_in_flight(self) -> int:
+        """Requests running or waiting in the server's engines (0 when the metrics cannot be read)."""
+        try:
+            with urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return 0
+        return sum(int(float(m.group(1))) for m in
+                   re.finditer(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M))
+
     def wait_ready(self, timeout: float) -> None:
         """Block until /v2/health/ready answers 200 (every model loaded), or raise."""
         deadline = time.monotonic() + timeout
@@ -162,11 +192,13 @@ class TritonServer:
                            (f"; see {self.log_path}" if self.log_path else ""))
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the server's process group, then SIGKILL whatever is left after `timeout` seconds."""
+        """Drain the engines (at most `timeout` seconds), SIGTERM the server's process group, then SIGKILL whatever
+        is left after `timeout` seconds more."""
         if self.proc is None:
             return
         pgid = self.proc.pid
         regions = stub_shm_regions(pgid)     # read while the stubs live: a stub killed below leaves its region
+        self.drain(timeout)
         try:
             os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:

@@ -159,17 +159,22 @@ class TritonServer:
                     os.kill(pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.requests_in_flight():
+        start = time.monotonic()
+        idle_reads = 0
+        while time.monotonic() < start + timeout and idle_reads < 2:   # twice: the gauges refresh every 0.1 s
+            n = self.requests_in_flight()
+            if n is None and time.monotonic() > start + 3:
+                break    # no metrics to read (--allow-metrics=false): nothing tells when the streams have ended
+            idle_reads = idle_reads + 1 if n == 0 else 0
             time.sleep(0.1)
 
-    def requests_in_flight(self) -> int:
-        """Requests running or waiting in the server's engines (0 when the metrics cannot be read)."""
+    def requests_in_flight(self) -> int | None:
+        """Requests running or waiting in the server's engines; None when the metrics cannot be read."""
         try:
             with urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=2) as r:
                 text = r.read().decode()
         except (urllib.error.URLError, OSError):
-            return 0
+            return None
         return sum(int(float(m.group(1))) for m in
                    re.finditer(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M))
 

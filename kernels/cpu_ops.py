@@ -17,6 +17,8 @@ import platform
 import sys
 import time
 
+from trellm_kernels import dispatch
+
 log = logging.getLogger("trellm")
 
 _CPU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
@@ -60,7 +62,7 @@ def build_dir() -> str:
     h.update(_cpu_flags().encode())
     # The build files name the sources by path: two checkouts sharing one folder would rebuild each other's build.
     h.update(_CPU_DIR.encode())
-    root = os.environ.get("TRELLM_CPU_OPS_CACHE") or os.path.join(
+    root = dispatch.settings().cpu_ops_cache or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "trellm", "cpu_ops")
     return os.path.join(root, h.hexdigest()[:16])
 
@@ -111,7 +113,7 @@ def load(verbose: bool = False):
     global _module, _error
     if _module is not None or _error is not None:
         return _module
-    if os.environ.get("TRELLM_CPU_OPS", "1") == "0":
+    if not dispatch.settings().cpu_ops:
         _error = "turned off by TRELLM_CPU_OPS=0"
         return None
     try:

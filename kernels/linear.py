@@ -23,12 +23,12 @@ take (outputs not a multiple of 16).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from trellm_kernels import cpu_ops
+from trellm_kernels import dispatch
 from trellm_kernels.dispatch import use_triton
 from trellm_kernels.int4 import Int4Weight, cpu_op_accepts, quantize_int4, to_cpu_int4pack
 
@@ -88,16 +88,6 @@ def quantize_int8(w: torch.Tensor) -> Weight:
     return Weight(None, qweight=q, scales=scales.to(w.dtype).contiguous())
 
 
-CPU_LINEAR_MODES = ("cpp", "onednn", "torch")
-
-
-def cpu_linear_mode() -> str:
-    mode = os.environ.get("TRELLM_CPU_LINEAR", "cpp")
-    if mode not in CPU_LINEAR_MODES:
-        raise ValueError(f"TRELLM_CPU_LINEAR={mode!r} is not one of {', '.join(CPU_LINEAR_MODES)}")
-    return mode
-
-
 def prepare_weight(w: torch.Tensor, quantization: str = "none", typical_tokens: int = 64) -> Weight:
     """Prepare W for `linear`; `typical_tokens` is oneDNN's hint for the layout (any token count works)."""
     if quantization not in QUANTIZATIONS:
@@ -107,7 +97,7 @@ def prepare_weight(w: torch.Tensor, quantization: str = "none", typical_tokens: 
     if quantization in INT4_GROUPS:
         return prepare_int4(quantize_int4(w, INT4_GROUPS[quantization]))
     if w.device.type == "cpu" and w.dtype == torch.float32:
-        mode = cpu_linear_mode()
+        mode = dispatch.settings().cpu_linear
         ops = cpu_ops.for_tensor(w) if mode == "cpp" else None
         if ops is not None and ops.avx512 and w.shape[0] % CPU_BLOCK == 0:
             return Weight(None, packed=pack_blocks(w))

@@ -17,11 +17,12 @@ otherwise face a long context; num_splits= or env TRELLM_ATTN_SPLITS forces a pa
 
 Head sizes are padded to a power of two >= 16 with masks, and row tiles are >= 16, as tl.dot needs on GPUs.
 """
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from trellm_kernels import dispatch
 
 LOG2E = 1.4426950408889634
 TILE_N = 32          # keys per inner iteration (gathered across cache blocks, so independent of block_size)
@@ -191,18 +192,18 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, s_ot, s_oh, num_hea
 def native_fp8(device: torch.device) -> bool:
     """Whether the GPU converts FP8 e4m3 itself (sm_89 and later; never in the interpreter)."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-            and os.environ.get("TRITON_INTERPRET") != "1")
+            and not dispatch.settings().triton_interpret)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int,
                       device: torch.device) -> int:
     """1 (single launch) unless the batch is decode-only and (sequence, KV head) programs are too few for the
     GPU while each faces a long context; then enough segments of >= 256 keys to give about two waves."""
-    forced = os.environ.get("TRELLM_ATTN_SPLITS")
+    forced = dispatch.settings().attn_splits
     if max_seqlen_q != 1:
         return 1
     if forced:
-        return max(1, int(forced))
+        return forced
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 128
     programs = num_seqs * num_kv_heads
     if programs >= sms or max_seqlen_k < 512:

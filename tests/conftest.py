@@ -80,3 +80,15 @@ def _revive_a_crashed_session_server(request):
         if server.proc is None or server.proc.poll() is not None:
             server.stop()
             server.start()
+
+
+@pytest.fixture
+def kernel_settings(monkeypatch):
+    """Change this process's kernel settings (trellm_kernels.dispatch, read from the environment once) for one
+    test: kernel_settings(force_triton=True, attn_splits=3)."""
+    import dataclasses
+    from trellm_kernels import dispatch
+
+    def change(**fields):
+        monkeypatch.setattr(dispatch, "_settings", dataclasses.replace(dispatch.settings(), **fields))
+    return change

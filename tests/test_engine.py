@@ -139,13 +139,13 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(default_model_path):
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("name, splits", [("default", None), ("qwen3-qknorm-hd8", "3"), ("qwen2-bias-gqa4", None)])
-def test_triton_kernels_match_transformers(monkeypatch, default_model_path, variant_dirs, name, splits):
+def test_triton_kernels_match_transformers(monkeypatch, default_model_path, variant_dirs, name, splits, kernel_settings):
     """The same parity with every hot-path op running as a Triton-lang kernel (interpreted on CPU); for Qwen3
     the decode steps take the split-sequence attention path."""
-    monkeypatch.setenv("TRELLM_FORCE_TRITON", "1")
+    kernel_settings(force_triton=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"   # interpreted on CPU (conftest), compiled on GPU
     if splits:
-        monkeypatch.setenv("TRELLM_ATTN_SPLITS", splits)
+        kernel_settings(attn_splits=int(splits))
     import trellm_kernels.triton_attention as ta
     calls = []
     monkeypatch.setattr(ta, "paged_attention_triton", _counting(ta.paged_attention_triton, calls))

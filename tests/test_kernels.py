@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from trellm_kernels import activation, attention, cpu_ops, kv_cache, linear, rmsnorm, rotary
+from trellm_kernels import activation, attention, cpu_ops, dispatch, kv_cache, linear, rmsnorm, rotary
 from trellm_kernels import triton_activation, triton_attention, triton_kv_cache, triton_rmsnorm, triton_rotary
 
 from trellm_kernels import triton_linear
@@ -187,19 +187,19 @@ def test_attention_split_decode(ctx_lens, h, kvh, d, bs, dtype, splits):
     check_attention(args, num_splits=1)          # the single-launch path on the same decode batch
 
 
-def test_attention_path_choice(monkeypatch):
-    monkeypatch.delenv("TRELLM_ATTN_SPLITS", raising=False)
+def test_attention_path_choice(monkeypatch, kernel_settings):
+    kernel_settings(attn_splits=None)
     choose = triton_attention.choose_num_splits
     cpu = torch.device("cpu")
     assert choose(1, 1, 1, 600, cpu) == 2                  # one long decode: split
     assert choose(1, 1, 4, 600, cpu) == 1                  # any prefill row: single launch
     assert choose(2, 2, 1, 100, cpu) == 1                  # short context
     assert choose(512, 8, 1, 4096, cpu) == 1               # batch already fills the GPU
-    monkeypatch.setenv("TRELLM_ATTN_SPLITS", "3")
+    kernel_settings(attn_splits=3)
     assert choose(512, 8, 1, 4096, cpu) == 3 and choose(1, 1, 4, 600, cpu) == 1
-    monkeypatch.setenv("TRELLM_ATTN_SPLITS", "1")
+    kernel_settings(attn_splits=1)
     assert choose(1, 1, 1, 600, cpu) == 1
-    monkeypatch.delenv("TRELLM_ATTN_SPLITS")
+    kernel_settings(attn_splits=None)
     # The default (heuristic) call on a long decode takes the split path and still matches the reference.
     args = paged_case([1], [599], 2, 1, 16, 32, F32, seed=3)
     calls = []
@@ -433,7 +433,7 @@ def test_silu_and_mul(shape, dtype):
 
 # ---------------------------------------------------------------------------------------------------- dispatch
 
-def test_dispatch_routes_to_triton_when_forced(monkeypatch):
+def test_dispatch_routes_to_triton_when_forced(monkeypatch, kernel_settings):
     """With TRELLM_FORCE_TRITON=1 every dispatch function calls its Triton kernel (spied on) on CPU tensors and
     returns the reference's numbers; with it off, none does."""
     calls = []
@@ -463,10 +463,10 @@ def test_dispatch_routes_to_triton_when_forced(monkeypatch):
                 *rmsnorm.fused_add_rms_norm(x, res, w, 1e-6), *rotary.apply_rotary(q.clone(), k.clone(), pos, cos_sin),
                 activation.silu_and_mul(x))
 
-    monkeypatch.setenv("TRELLM_FORCE_TRITON", "0")
+    kernel_settings(force_triton=False)
     expected = run_all()
     assert calls == []
-    monkeypatch.setenv("TRELLM_FORCE_TRITON", "1")
+    kernel_settings(force_triton=True)
     got = run_all()
     assert sorted(calls) == sorted(["write_kv_triton", "paged_attention_triton", "rms_norm_triton",
                                     "fused_add_rms_norm_triton", "rotary_triton", "silu_and_mul_triton"])
@@ -581,7 +581,7 @@ def test_cpu_gather_dequantize_operator_matches_the_reference(cache_dtype, dtype
 
 
 @pytest.mark.parametrize("cache_dtype", KV_QUANT)
-def test_cpu_dispatch_over_a_quantized_cache(monkeypatch, cache_dtype):
+def test_cpu_dispatch_over_a_quantized_cache(monkeypatch, cache_dtype, kernel_settings):
     """A quantized cache on a CPU: decodes and short chunks in the operator, long chunks through torch's fused
     attention over their dequantized blocks; together the reference's answer, and the operator saw the short rows
     only. Without the operators the reference runs."""
@@ -600,7 +600,7 @@ def test_cpu_dispatch_over_a_quantized_cache(monkeypatch, cache_dtype):
             return getattr(real, name)
 
     monkeypatch.setattr(cpu_ops, "_module", Spy())
-    monkeypatch.setenv("TRELLM_FORCE_TRITON", "0")
+    kernel_settings(force_triton=False)
     close(attention.paged_attention(*args, **scales), want)
     # the long chunk's keys and values dequantized by the operator as they are gathered
     assert seen == [attention.CPU_OP_MAX_Q_LEN, "gather_dequantize", "gather_dequantize"]
@@ -609,7 +609,7 @@ def test_cpu_dispatch_over_a_quantized_cache(monkeypatch, cache_dtype):
     close(attention.paged_attention(*args, **scales), want)
 
 
-def test_dispatch_over_a_quantized_cache_routes_to_triton_when_forced(monkeypatch):
+def test_dispatch_over_a_quantized_cache_routes_to_triton_when_forced(monkeypatch, kernel_settings):
     calls = []
     for module, name in ((triton_attention, "paged_attention_triton"), (triton_kv_cache, "write_kv_triton")):
         fn = getattr(module, name)
@@ -624,10 +624,10 @@ def test_dispatch_over_a_quantized_cache_routes_to_triton_when_forced(monkeypatc
         return (attention.paged_attention(args[0], caches[0], caches[1], *args[3:], k_scale=caches[2],
                                           v_scale=caches[3]), *caches)
 
-    monkeypatch.setenv("TRELLM_FORCE_TRITON", "0")
+    kernel_settings(force_triton=False)
     expected = run()
     assert calls == []
-    monkeypatch.setenv("TRELLM_FORCE_TRITON", "1")
+    kernel_settings(force_triton=True)
     got = run()
     assert sorted(calls) == ["paged_attention_triton", "write_kv_triton"]
     close(got[0], expected[0])
@@ -637,7 +637,7 @@ def test_dispatch_over_a_quantized_cache_routes_to_triton_when_forced(monkeypatc
         kv_cache.write_kv(k, k, args[1], args[2], slots)
 
 
-def test_cpu_dispatch_splits_long_chunks(monkeypatch):
+def test_cpu_dispatch_splits_long_chunks(monkeypatch, kernel_settings):
     """On a CPU the dispatch sends decodes and short chunks to the operator and long chunks to the reference's
     GEMMs; together they equal the reference, and the operator saw only the short rows."""
     args = paged_case([1, 40, 1, 5], [30, 7, 90, 0], 8, 4, 64, 16, F32)
@@ -650,7 +650,7 @@ def test_cpu_dispatch_splits_long_chunks(monkeypatch):
             return real.paged_attention(out, q, k, v, cu, lens, tables, scale, max_q_len)
 
     monkeypatch.setattr(cpu_ops, "_module", Spy())
-    monkeypatch.setenv("TRELLM_FORCE_TRITON", "0")
+    kernel_settings(force_triton=False)
     close(attention.paged_attention(*args), attention.paged_attention_reference(*args))
     assert seen == [attention.CPU_OP_MAX_Q_LEN]
 
@@ -682,12 +682,12 @@ def test_cpu_ops_build_with_the_pinned_ninja_whatever_is_first_on_path(tmp_path)
     assert not (tmp_path / "calls").exists()
 
 
-def test_cpu_ops_can_be_turned_off(monkeypatch):
+def test_cpu_ops_can_be_turned_off(monkeypatch, kernel_settings):
     """TRELLM_CPU_OPS=0 (or a failed build) leaves the PyTorch path, and says why."""
     monkeypatch.setattr(cpu_ops, "_module", None)
     monkeypatch.setattr(cpu_ops, "_error", None)
-    monkeypatch.setenv("TRELLM_CPU_OPS", "0")
-    monkeypatch.setenv("TRELLM_FORCE_TRITON", "0")
+    kernel_settings(cpu_ops=False)
+    kernel_settings(force_triton=False)
     assert cpu_ops.load() is None and "TRELLM_CPU_OPS=0" in cpu_ops.error()
     args = paged_case([1, 3], [10, 20], 4, 2, 8, 16, F32)
     close(attention.paged_attention(*args), attention.paged_attention_reference(*args))
@@ -698,11 +698,11 @@ def test_cpu_ops_can_be_turned_off(monkeypatch):
 @pytest.mark.parametrize("mode", ["cpp", "onednn", "torch"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("out_f", [300, 320])
-def test_linear_prepared_weight(monkeypatch, mode, dtype, out_f):
+def test_linear_prepared_weight(monkeypatch, mode, dtype, out_f, kernel_settings):
     """A weight prepared once (for fp32 on a CPU: the C++ operator's blocks on an AVX-512 build when the outputs
     fill them, else oneDNN's layout) serves every token count, with and without a bias, and agrees with torch's
     linear."""
-    monkeypatch.setenv("TRELLM_CPU_LINEAR", mode)
+    kernel_settings(cpu_linear=mode)
     g = torch.Generator().manual_seed(0)
     w, b = randn(g, out_f, 96, dtype=dtype), randn(g, out_f, dtype=dtype)
     prepared = linear.prepare_weight(w)
@@ -724,10 +724,13 @@ def test_linear_prepared_weight(monkeypatch, mode, dtype, out_f):
             assert torch.equal(linear.linear(x[i:i + 1], prepared, b), together[i:i + 1])
 
 
-def test_linear_mode_is_checked(monkeypatch):
-    monkeypatch.setenv("TRELLM_CPU_LINEAR", "mkl")
+def test_kernel_settings_are_checked_where_they_are_read():
     with pytest.raises(ValueError, match="TRELLM_CPU_LINEAR='mkl'"):
-        linear.prepare_weight(torch.zeros(2, 2))
+        dispatch.KernelSettings.from_env({"TRELLM_CPU_LINEAR": "mkl"})
+    with pytest.raises(ValueError, match="TRELLM_ATTN_SPLITS='0'"):
+        dispatch.KernelSettings.from_env({"TRELLM_ATTN_SPLITS": "0"})
+    s = dispatch.KernelSettings.from_env({"TRELLM_FORCE_TRITON": "1", "TRELLM_CPU_OPS": "0", "TRELLM_ATTN_SPLITS": "3"})
+    assert s.force_triton and not s.cpu_ops and s.attn_splits == 3 and s.cpu_linear == "cpp"
 
 
 # ----------------------------------------------------------------------------- the C++ CPU elementwise operators
@@ -808,10 +811,10 @@ def test_cpu_write_kv_operator_from_a_qkv_view(dtype):
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
 
 
-def test_cpu_dispatch_uses_the_layer_operators(monkeypatch):
+def test_cpu_dispatch_uses_the_layer_operators(monkeypatch, kernel_settings):
     """On a CPU with the operators built, each dispatch function takes its operator (and gives the reference's
     answer); with TRELLM_CPU_OPS=0 the same calls run the references."""
-    monkeypatch.setenv("TRELLM_FORCE_TRITON", "0")
+    kernel_settings(force_triton=False)
     real, called = _cpu_ops(), []
 
     class Spy:

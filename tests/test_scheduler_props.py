@@ -145,7 +145,9 @@ def test_scheduler_and_kv_cache_manager_invariants(w):
                     if len(new) > len(drafts) or new[-1] != drafts[len(new) - 1]:
                         break
                 if drafts:
-                    sched.verified(req, len(drafts), len(new) - 1)
+                    # the target's tokens at the guesses' positions (then one more), as the forward pass samples them
+                    sampled = new + [next_token(req.token_ids + new)] * (len(drafts) + 1 - len(new))
+                    assert sched.verify(req, drafts, sampled) == len(new) - 1
                     assert len(bm.block_ids(req.request_id)) == blocks_for(req.num_computed_tokens, bs), \
                         "blocks of rejected guesses must go back"
                 for t in new:

@@ -7,7 +7,6 @@ unseeded sampling must keep the target's distribution even when every guess is b
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch

@@ -131,14 +131,10 @@ class LLMEngine:
         finishes the request (the rest are dropped, so max_tokens and stops are never overshot). The output carries the
         tokens whose text is settled (output_processor.py); the rest wait in `req.unsent`."""
         req, drafts = chunk.request, chunk.draft_token_ids
-        accepted = 0
-        while accepted < len(drafts) and rows[accepted].token_id == drafts[accepted]:
-            accepted += 1
+        accepted = self.scheduler.verify(req, drafts, [r.token_id for r in rows]) if drafts else 0
         rows = rows[:accepted + 1]
         if req.generator is not None and rows[-1].rng_state is not None:
             req.generator.set_state(rows[-1].rng_state)
-        if drafts:
-            self.scheduler.verified(req, len(drafts), accepted)
         now = time.time_ns()
         req.times.first_token_ns = req.times.first_token_ns or now
         req.times.last_token_ns = now

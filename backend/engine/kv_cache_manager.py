@@ -44,9 +44,14 @@ class KVCacheManager:
         self.num_hits = 0
 
     @property
+    def num_free(self) -> int:
+        """Blocks no request references (cached prefixes among them, evicted when taken)."""
+        return len(self.free_ids)
+
+    @property
     def num_used(self) -> int:
         """Blocks referenced by at least one request."""
-        return self.num_blocks - len(self.free_ids)
+        return self.num_blocks - self.num_free
 
     def block_ids(self, request_id: str) -> list[int]:
         """The block table of a request (empty when it holds none)."""
@@ -157,8 +162,3 @@ class KVCacheManager:
         self.num_registered.pop(req.request_id, None)
         if not keep_hashes:
             self.req_to_hashes.pop(req.request_id, None)
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (blocks in use stay where they are)."""
-        for bid in range(self.num_blocks):
-            self._evict(bid)

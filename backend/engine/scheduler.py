@@ -164,7 +164,7 @@ class Scheduler:
         """Give decode chunks guessed tokens from the budget and free blocks the step left over. The guesses never
         take a sampled token past max_tokens or the context (a step yields at most its guesses plus one)."""
         speculate = len(self.running) <= self.speculative_disable_batch_size
-        free = len(self.kv.free_ids)
+        free = self.kv.num_free
         wanted = []
         for c in out.chunks:
             req, k = c.request, 0
@@ -209,9 +209,14 @@ class Scheduler:
         req.spec_steps_since_probe = 0
         return 1
 
-    def verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """The forward pass accepted `num_accepted` of the request's `num_drafts` guesses: the rejected ones were
-        not computed after all, and blocks only they used go back."""
+    def verify(self, req: Request, draft_token_ids: list[int], sampled_token_ids: list[int]) -> int:
+        """Speculative acceptance, all of it: the guesses the target sampled the same token for are accepted, up to
+        the first disagreement (`sampled_token_ids`: the target's token at each guess's position, then one more).
+        The rejected ones were not computed after all, and blocks only they used go back. Returns how many were
+        accepted."""
+        num_drafts, num_accepted = len(draft_token_ids), 0
+        while num_accepted < num_drafts and sampled_token_ids[num_accepted] == draft_token_ids[num_accepted]:
+            num_accepted += 1
         req.num_computed_tokens -= num_drafts - num_accepted
         self.kv.trim(req, req.num_computed_tokens)
         latest = num_accepted / num_drafts
@@ -222,6 +227,7 @@ class Scheduler:
         s.num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
             s.accepted_per_pos[pos] += 1
+        return num_accepted
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req, keep_hashes=True)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trellm_kernels.int4 import GROUP_SIZES
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -21,6 +23,58 @@ SUPPORTED_ARCHITECTURES = {
 
 class ModelConfigError(ValueError):
     """A model folder the engine cannot serve; the message names the file and the value at fault."""
+
+
+QUANT_METHODS = ("gptq", "awq")
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    method: str            # gptq or awq
+    group_size: int
+    desc_act: bool = False
+    sym: bool = False
+    zero_offset: int = 0   # added to a stored zero: 1 for GPTQ's original layout
+
+
+def parse_quantization_config(qc, cfg_file: str) -> QuantFormat | None:
+    """config.json's quantization_config -> QuantFormat, None when the checkpoint is not pre-quantized.
+    Raises ModelConfigError naming `cfg_file` and the value for what the engine cannot read."""
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ModelConfigError(f"{cfg_file}: quantization_config must be an object, not {qc!r}")
+    method = qc.get("quant_method")
+    if method not in QUANT_METHODS:
+        raise ModelConfigError(f"{cfg_file}: quantization_config.quant_method={method!r} is not supported "
+                               f"(supported: {', '.join(QUANT_METHODS)})")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ModelConfigError(f"{cfg_file}: quantization_config.bits={bits!r} is not supported ({method}: 4 only)")
+    group = qc.get("group_size", qc.get("q_group_size"))
+    if group not in GROUP_SIZES:
+        raise ModelConfigError(f"{cfg_file}: quantization_config.group_size={group!r} is not supported "
+                               f"(one of {', '.join(map(str, GROUP_SIZES))})")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ModelConfigError(f"{cfg_file}: quantization_config.version={qc.get('version')!r} is not supported "
+                                   "(awq: gemm; gemv packs another layout)")
+        if qc.get("zero_point", True) is not True:
+            raise ModelConfigError(f"{cfg_file}: quantization_config.zero_point={qc.get('zero_point')!r} is not "
+                                   "supported (awq: true)")
+        return QuantFormat("awq", group)
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ModelConfigError(f"{cfg_file}: quantization_config.checkpoint_format={fmt!r} is not supported "
+                               "(gptq, gptq_v2)")
+    if qc.get("lm_head", False):
+        raise ModelConfigError(f"{cfg_file}: quantization_config.lm_head=true is not supported (a float LM head)")
+    for key in ("desc_act", "sym"):
+        if not isinstance(qc.get(key, False), bool):
+            raise ModelConfigError(f"{cfg_file}: quantization_config.{key}={qc.get(key)!r} is not a boolean")
+    return QuantFormat("gptq", group, desc_act=qc.get("desc_act", False), sym=qc.get("sym", False),
+                       zero_offset=1 if fmt == "gptq" else 0)
 
 
 @dataclass
@@ -47,7 +101,7 @@ class ModelConfig:
     sliding_window: int | None
     torch_dtype: torch.dtype
     eos_token_ids: list[int] = field(default_factory=list)
-    quant: "QuantFormat | None" = None   # a GPTQ/AWQ checkpoint: config.json's quantization_config
+    quant: QuantFormat | None = None   # a GPTQ/AWQ checkpoint: config.json's quantization_config
 
     @property
     def rotary_dim(self) -> int:
@@ -125,7 +179,6 @@ def load_model_config(path: str) -> ModelConfig:
                 eos.append(i)
 
     attention_bias = bool(c.get("attention_bias", False))
-    from trellm_backend.models.quant_formats import parse_quantization_config   # it imports this module
     quant = parse_quantization_config(c.get("quantization_config"), cfg_file)
     return ModelConfig(
         path=path,

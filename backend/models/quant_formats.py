@@ -30,68 +30,13 @@ AWQ (quant_method "awq", version "gemm", zero_point true, bits 4, group_size):
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
-from trellm_backend.models.config import ModelConfigError
-from trellm_kernels.int4 import GROUP_SIZES, Int4Weight, pack_nibbles
+from trellm_backend.models.config import QuantFormat
+from trellm_kernels.int4 import Int4Weight, pack_nibbles
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
-METHODS = ("gptq", "awq")
-
-
-class QuantFormatError(ModelConfigError):
-    """A checkpoint's quantization the engine cannot read; the message names the file and the value."""
-
-
-@dataclass(frozen=True)
-class QuantFormat:
-    method: str            # gptq or awq
-    group_size: int
-    desc_act: bool = False
-    sym: bool = False
-    zero_offset: int = 0   # added to a stored zero: 1 for GPTQ's original layout
-
-
-def parse_quantization_config(qc, cfg_file: str) -> QuantFormat | None:
-    """config.json's quantization_config -> QuantFormat, None when the checkpoint is not pre-quantized.
-    Raises QuantFormatError naming `cfg_file` and the value for what the engine cannot read."""
-    if qc is None:
-        return None
-    if not isinstance(qc, dict):
-        raise QuantFormatError(f"{cfg_file}: quantization_config must be an object, not {qc!r}")
-    method = qc.get("quant_method")
-    if method not in METHODS:
-        raise QuantFormatError(f"{cfg_file}: quantization_config.quant_method={method!r} is not supported "
-                               f"(supported: {', '.join(METHODS)})")
-    bits = qc.get("bits", qc.get("w_bit"))
-    if bits != 4:
-        raise QuantFormatError(f"{cfg_file}: quantization_config.bits={bits!r} is not supported ({method}: 4 only)")
-    group = qc.get("group_size", qc.get("q_group_size"))
-    if group not in GROUP_SIZES:
-        raise QuantFormatError(f"{cfg_file}: quantization_config.group_size={group!r} is not supported "
-                               f"(one of {', '.join(map(str, GROUP_SIZES))})")
-    if method == "awq":
-        version = str(qc.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise QuantFormatError(f"{cfg_file}: quantization_config.version={qc.get('version')!r} is not supported "
-                                   "(awq: gemm; gemv packs another layout)")
-        if qc.get("zero_point", True) is not True:
-            raise QuantFormatError(f"{cfg_file}: quantization_config.zero_point={qc.get('zero_point')!r} is not "
-                                   "supported (awq: true)")
-        return QuantFormat("awq", group)
-    fmt = qc.get("checkpoint_format", "gptq")
-    if fmt not in ("gptq", "gptq_v2"):
-        raise QuantFormatError(f"{cfg_file}: quantization_config.checkpoint_format={fmt!r} is not supported "
-                               "(gptq, gptq_v2)")
-    if qc.get("lm_head", False):
-        raise QuantFormatError(f"{cfg_file}: quantization_config.lm_head=true is not supported (a float LM head)")
-    for key in ("desc_act", "sym"):
-        if not isinstance(qc.get(key, False), bool):
-            raise QuantFormatError(f"{cfg_file}: quantization_config.{key}={qc.get(key)!r} is not a boolean")
-    return QuantFormat("gptq", group, desc_act=qc.get("desc_act", False), sym=qc.get("sym", False),
-                       zero_offset=1 if fmt == "gptq" else 0)
 
 
 def quantization_config(fmt: QuantFormat) -> dict:

@@ -17,7 +17,7 @@ from trellm_backend.tools.launch import openmp_wait_defaults
 os.environ.update(openmp_wait_defaults(os.environ))   # the OpenMP wait policy the server runs with, before torch loads
 import torch  # noqa: E402
 
-from trellm_kernels import cpu_ops, linear
+from trellm_kernels import cpu_ops, dispatch, linear
 from trellm_kernels.int4 import Int4Weight, quantize_int4, to_cpu_int4pack
 
 
@@ -48,7 +48,7 @@ def main() -> None:
     nibbles = [linear.Weight(None, int4=w) for w in canonical]       # the dequantize-then-GEMM path
     n = args.weights
     print(f"{args.out} x {args.in_f}, group {args.group}, {torch.get_num_threads()} threads, us per call")
-    print(f"| tokens | fp32 ({linear.cpu_linear_mode()}) | INT8 C++ operator / dequantize+GEMM "
+    print(f"| tokens | fp32 ({dispatch.settings().cpu_linear}) | INT8 C++ operator / dequantize+GEMM "
           "| INT4 torch int4pack (bf16 activations) | INT4 dequantize + fp32 GEMM |")
     print("|---|---|---|---|---|")
     for m in (int(t) for t in args.tokens.split(",")):

@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from trellm_backend.models.config import QuantFormat
+from trellm_backend.models.config import ModelConfigError, QuantFormat
 from trellm_kernels.int4 import Int4Weight, pack_nibbles
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -87,7 +87,7 @@ def gptq_unpack(t: dict[str, torch.Tensor], fmt: QuantFormat, where: str) -> Int
     G = -(-K // fmt.group_size)
     if qzeros.shape != (G, N // 8) or scales.shape != (G, N) or qweight.dtype != torch.int32 \
             or qzeros.dtype != torch.int32:
-        raise QuantFormatError(f"{where}: qweight {tuple(qweight.shape)} {qweight.dtype}, qzeros "
+        raise ModelConfigError(f"{where}: qweight {tuple(qweight.shape)} {qweight.dtype}, qzeros "
                                f"{tuple(qzeros.shape)} {qzeros.dtype}, scales {tuple(scales.shape)} do not form a "
                                f"GPTQ layer of group_size {fmt.group_size} (expected int32 [K/8, N], int32 [{G}, "
                                f"{N // 8}], [{G}, {N}])")
@@ -99,11 +99,11 @@ def gptq_unpack(t: dict[str, torch.Tensor], fmt: QuantFormat, where: str) -> Int
     if g_idx is not None:
         g_idx = g_idx.to(torch.int64)
         if g_idx.shape != (K,):
-            raise QuantFormatError(f"{where}: g_idx has shape {tuple(g_idx.shape)}, expected ({K},)")
+            raise ModelConfigError(f"{where}: g_idx has shape {tuple(g_idx.shape)}, expected ({K},)")
         if not torch.equal(g_idx, natural):
             perm = torch.argsort(g_idx, stable=True)
             if not torch.equal(g_idx[perm], natural):
-                raise QuantFormatError(f"{where}: g_idx does not put {fmt.group_size} inputs in each group "
+                raise ModelConfigError(f"{where}: g_idx does not put {fmt.group_size} inputs in each group "
                                        "(not an act-order permutation)")
             q = q[:, perm]
     return Int4Weight(pack_nibbles(q.contiguous()), scales.contiguous(), zeros.contiguous(), fmt.group_size, K, perm)
@@ -131,7 +131,7 @@ def awq_unpack(t: dict[str, torch.Tensor], fmt: QuantFormat, where: str) -> Int4
     G = K // fmt.group_size
     if K % fmt.group_size or qzeros.shape != (G, N // 8) or scales.shape != (G, N) \
             or qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
-        raise QuantFormatError(f"{where}: qweight {tuple(qweight.shape)} {qweight.dtype}, qzeros "
+        raise ModelConfigError(f"{where}: qweight {tuple(qweight.shape)} {qweight.dtype}, qzeros "
                                f"{tuple(qzeros.shape)} {qzeros.dtype}, scales {tuple(scales.shape)} do not form an "
                                f"AWQ layer of group_size {fmt.group_size} (expected int32 [K, N/8] with K a multiple "
                                f"of the group, int32 [K/g, N/8], [K/g, N])")
@@ -156,7 +156,7 @@ def take_int4(state: dict[str, torch.Tensor], prefix: str, fmt: QuantFormat, pat
     for part in PARTS[fmt.method]:
         v = state.pop(f"{prefix}.{part}", None)
         if v is None and part != "g_idx":
-            raise QuantFormatError(f"{path}: {fmt.method} weight {prefix}.{part!s} missing from the safetensors files")
+            raise ModelConfigError(f"{path}: {fmt.method} weight {prefix}.{part!s} missing from the safetensors files")
         if v is not None:
             t[part] = v
     where = f"{os.path.join(path, '*.safetensors')}: {prefix}"

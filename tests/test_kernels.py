@@ -885,6 +885,7 @@ def test_int8_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype,
         near(linear.linear(x, q, bias), expected)      # the C++ operator for packed fp32, else the reference
     if dtype == F32 and out_f % 32 == 0 and not CPU_OPS_OFF:
         assert q.qweight.dim() == 3, "fp32 CPU weights are packed for the C++ operator"
+        assert q.qweight.shape[2] == linear.CPU_BLOCK == cpu_ops.load().linear_block, "the packing is the driver's"
         together = linear.linear(x, q)
         for i in range(tokens):      # a token's result does not depend on what shares the call
             assert torch.equal(linear.linear(x[i:i + 1], q), together[i:i + 1])

@@ -2,6 +2,8 @@
 // the server's responder thread builds and sends responses meanwhile.
 #include <torch/extension.h>
 
+#include "blocked_linear.h"
+
 void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                          torch::Tensor cu_seqlens_q, torch::Tensor seq_lens, torch::Tensor block_tables,
                          double scale, int64_t max_q_len);
@@ -40,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv_cpu, "store k and v at their slots of the paged caches", no_gil);
   m.def("gather_dequantize", &gather_dequantize_cpu,
         "out[i] = the INT8 / FP8 cache block blocks[i], each value times its token-and-head scale", no_gil);
+  m.attr("linear_block") = trellm::blocked_linear::BLOCK;   // outputs per packed block (kernels/linear.py checks)
   // Which tiles the build took (-march=native): the linear dispatch (kernels/linear.py) reads it.
 #if defined(__AVX512F__)
   m.attr("avx512") = true;

@@ -1,4 +1,5 @@
-// Weight-only INT8 linear on a CPU: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k], x and y float32.
+// Weight-only INT8 linear on a CPU: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k], x and y float32; the driver is
+// cpu/blocked_linear.h.
 //
 // Why: a decode step reads every weight once, so int8 weights (a quarter of fp32's bytes) make that read up to 4x
 // cheaper, but only if they are read once per call and widened in registers. torch's _weight_int8pack_mm ran at
@@ -7,10 +8,8 @@
 // weights of the block's outputs are one 32-byte load, widened once into two 16-lane vectors and multiplied by each
 // token's x[m, k] broadcast (an outer product, as a GEMM micro-kernel does): 24 FMAs for 12 tokens per 6 widening
 // instructions, where the first version of this operator (16 k-lanes per output, folded at the end) spent about as
-// many instructions widening as multiplying and ran at half of oneDNN's fp32 rate from 16 tokens up. Each y[m, n]
-// is summed over k in order in one lane whatever the tile, so a request's tokens do not change with the batch.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// many instructions widening as multiplying and ran at half of oneDNN's fp32 rate from 16 tokens up.
+#include "blocked_linear.h"
 
 #include <cstring>
 
@@ -18,13 +17,11 @@
 
 namespace {
 
-constexpr int64_t BLOCK = 32;       // outputs per packed block
-constexpr int64_t MT_MAX = 12;      // tokens per tile: 24 accumulators + 2 weight vectors in 32 registers
-constexpr int64_t M_CHUNK = 96;     // tokens whose x rows stay in L2 while the thread's blocks pass over them
+using trellm::blocked_linear::BLOCK;
 
 #if defined(__AVX512F__)
 template <int MT>
-inline void tile(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N) {
+inline void int8_tile(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N) {
   __m512 acc0[MT], acc1[MT];
   for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
@@ -71,7 +68,7 @@ inline void group(const float* x, int64_t K, const int8_t* blk, const float* s, 
 }
 
 template <int MT>
-inline void tile(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N) {
+inline void int8_tile(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N) {
   int m = 0;
   for (; m + 3 <= MT; m += 3) group<3>(x + m * K, K, blk, s, y + m * N, N);
   if (MT - m == 2) group<2>(x + m * K, K, blk, s, y + m * N, N);
@@ -81,7 +78,7 @@ inline void tile(const float* x, int64_t K, const int8_t* blk, const float* s, f
 typedef int8_t v16i8 __attribute__((vector_size(16)));
 
 template <int MT>
-inline void tile(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N) {
+inline void int8_tile(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N) {
   using trellm::v16;
   v16 acc0[MT], acc1[MT];
   for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = v16{};
@@ -106,47 +103,20 @@ inline void tile(const float* x, int64_t K, const int8_t* blk, const float* s, f
 }
 #endif
 
-// y rows [m0, m1) of block b: tiles of 12 tokens, then one tile of what is left.
-inline void block_tokens(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N,
-                         int64_t m0, int64_t m1) {
-  int64_t m = m0;
-  for (; m + MT_MAX <= m1; m += MT_MAX) tile<MT_MAX>(x + m * K, K, blk, s, y + m * N, N);
-  switch (m1 - m) {
-    case 0: break;
-    case 1: tile<1>(x + m * K, K, blk, s, y + m * N, N); break;
-    case 2: tile<2>(x + m * K, K, blk, s, y + m * N, N); break;
-    case 3: tile<3>(x + m * K, K, blk, s, y + m * N, N); break;
-    case 4: tile<4>(x + m * K, K, blk, s, y + m * N, N); break;
-    case 5: tile<5>(x + m * K, K, blk, s, y + m * N, N); break;
-    case 6: tile<6>(x + m * K, K, blk, s, y + m * N, N); break;
-    case 7: tile<7>(x + m * K, K, blk, s, y + m * N, N); break;
-    case 8: tile<8>(x + m * K, K, blk, s, y + m * N, N); break;
-    case 9: tile<9>(x + m * K, K, blk, s, y + m * N, N); break;
-    case 10: tile<10>(x + m * K, K, blk, s, y + m * N, N); break;
-    default: tile<11>(x + m * K, K, blk, s, y + m * N, N); break;
+struct Int8Kernel {
+  using Weight = int8_t;
+
+  template <int MT>
+  static void tile(const float* x, int64_t K, const int8_t* blk, const int8_t* /*next*/, const float* scales,
+                   float* y, int64_t N) {
+    int8_tile<MT>(x, K, blk, scales, y, N);
   }
-}
+};
 
 }  // namespace
 
 void int8_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, torch::Tensor scales) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && y.scalar_type() == torch::kFloat32 &&
-              scales.scalar_type() == torch::kFloat32 && packed.scalar_type() == torch::kInt8,
-              "int8_linear: float32 x, y and scales, int8 packed weight");
-  TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && packed.is_contiguous() && scales.is_contiguous());
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * BLOCK;
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == BLOCK,
-              "int8_linear: the weight must be packed [N/32, K, 32]");
-  TORCH_CHECK(y.size(0) == M && y.size(1) == N && scales.numel() == N);
-  const float* xp = x.data_ptr<float>();
-  const int8_t* w = packed.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
-      const int64_t m1 = std::min(M, m0 + M_CHUNK);
-      for (int64_t b = b0; b < b1; ++b)
-        block_tokens(xp, K, w + b * K * BLOCK, sp + b * BLOCK, yp + b * BLOCK, N, m0, m1);
-    }
-  });
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
+              scales.numel() == packed.size(0) * BLOCK, "int8_linear: float32 scales, one per output");
+  trellm::blocked_linear::run<Int8Kernel>("int8_linear", y, x, packed, scales.data_ptr<float>());
 }

@@ -1,0 +1,67 @@
+// The one driver of the linear operators (cpu/fp32_linear.cpp, cpu/int8_linear.cpp): y[m, n] = epilogue of
+// sum_k x[m, k] * w[n, k], with the weight packed at load (kernels/linear.py) into blocks of BLOCK outputs,
+// [N/BLOCK][K][BLOCK]. Here, once for every weight type: the checks, the split of the blocks over torch's threads,
+// the chunks of M_CHUNK tokens whose x rows stay in L2 while a thread's blocks pass over them, and the split of each
+// block's rows into tiles of nearly equal size (26 tokens make tiles of 9, 9 and 8, not 12, 12 and 2). A weight
+// type brings only its tile: `Kernel::tile<MT>(x, K, blk, next, epilogue, y, N)` computes rows [0, MT) of x times
+// one block (`next`: the block that follows, to prefetch, or null; `epilogue`: the block's bias or scales, or null).
+// Each y[m, n] is summed over k in order in one lane whatever the tile, so a token's result does not depend on what
+// else is in the batch.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <array>
+#include <utility>
+
+namespace trellm::blocked_linear {
+
+constexpr int64_t BLOCK = 32;     // outputs per packed block (kernels/linear.py's CPU_BLOCK; tests check both)
+constexpr int64_t MT_MAX = 12;    // tokens per tile: 24 accumulators + 2 weight vectors in 32 AVX-512 registers
+constexpr int64_t M_CHUNK = 96;   // tokens whose x rows stay in L2 while the thread's blocks pass over them
+
+template <class Kernel>
+using TileFn = void (*)(const float*, int64_t, const typename Kernel::Weight*, const typename Kernel::Weight*,
+                        const float*, float*, int64_t);
+
+template <class Kernel, size_t... I>
+constexpr std::array<TileFn<Kernel>, sizeof...(I)> tile_table(std::index_sequence<I...>) {
+  return {&Kernel::template tile<int(I) + 1>...};
+}
+
+// y = x times the packed weight, through Kernel's tiles; `epilogue` (or null): N floats, the bias or the scales.
+template <class Kernel>
+void run(const char* name, torch::Tensor y, torch::Tensor x, torch::Tensor packed, const float* epilogue) {
+  using W = typename Kernel::Weight;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && y.scalar_type() == torch::kFloat32, name, ": float32 x and y");
+  TORCH_CHECK(packed.scalar_type() == c10::CppTypeToScalarType<W>::value, name, ": the weight is ",
+              packed.scalar_type(), ", expected ", c10::CppTypeToScalarType<W>::value);
+  TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && packed.is_contiguous(), name, ": contiguous tensors");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * BLOCK;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == BLOCK, name,
+              ": the weight must be packed [N/32, K, 32]");
+  TORCH_CHECK(y.size(0) == M && y.size(1) == N, name, ": y must be [M, N]");
+  static constexpr auto tiles = tile_table<Kernel>(std::make_index_sequence<MT_MAX>{});
+  const float* xp = x.data_ptr<float>();
+  const W* w = packed.data_ptr<W>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
+      const int64_t m1 = std::min(M, m0 + M_CHUNK), num_tiles = (m1 - m0 + MT_MAX - 1) / MT_MAX;
+      for (int64_t b = b0; b < b1; ++b) {
+        const W* blk = w + b * K * BLOCK;
+        // The first pass over the thread's blocks reads them from memory: the next one may be fetched meanwhile.
+        const W* next = m0 == 0 && b + 1 < b1 ? blk + K * BLOCK : nullptr;
+        const float* epi = epilogue != nullptr ? epilogue + b * BLOCK : nullptr;
+        for (int64_t t = 0, m = m0; t < num_tiles; ++t) {
+          const int64_t mt = (m1 - m + (num_tiles - t) - 1) / (num_tiles - t);
+          tiles[mt - 1](xp + m * K, K, blk, t == 0 ? next : nullptr, epi, yp + m * N + b * BLOCK, N);
+          m += mt;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace trellm::blocked_linear

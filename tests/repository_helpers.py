@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 
+from trellm_backend.tools.testbed import free_ports, processes_mentioning, rss_bytes  # noqa: F401 - tests import them
+
 PROMPTS = ["The Python language", "A function definition"]
 MAX_TOKENS = 16
 
@@ -51,33 +53,16 @@ def process_group_rss(pgid: int) -> int:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
-            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:   # field 5, after "pid (comm) state ppid"
-                continue
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
+            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:   # field 5, after "pid (comm) state ppid"
+                total += rss_bytes(int(pid))
         except (OSError, ValueError, IndexError):
             pass   # the process ended while we looked
     return total
 
 
-def processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if text.encode() in f.read():
-                    pids.append(int(pid))
-        except OSError:
-            pass
-    return pids
-
-
 def explicit_mode_server(root, name: str, model_path: str, kv_cache_bytes: str):
     """Started tritonserver in explicit model-control mode on `root`/repository, holding one model `name` added
     with the add_model command (the caller stops it)."""
-    from conftest import free_ports
     from trellm_backend.tools.add_model import add_model
     from trellm_backend.tools.launch import TritonServer
     repo = root / "repository"

@@ -1,6 +1,7 @@
 """The soak (perf/soak.py) for 60 s, what CI runs: its own launcher and tritonserver, every kind of traffic, one llm
 stub killed halfway. Nothing may hang or stay allocated, every malformed request must be refused, and the server
-must come back. About 2 minutes on 2 quiet cores (server start and restart included)."""
+must come back. About 2 minutes on 2 quiet cores (server start and restart included). And its verdict on made-up
+findings: what fails a run, and what the deliberate stub kill excuses."""
 from __future__ import annotations
 
 import json
@@ -12,9 +13,51 @@ import pytest
 
 from conftest import REPO
 
-pytestmark = pytest.mark.server
+sys.path.insert(0, os.path.join(REPO, "perf"))
+ABORT = (b"terminate called after throwing an instance of 'boost::interprocess::lock_exception'\n"
+         b"  what():  boost::interprocess::lock_exception\nSignal (6) received.\n")
 
 
+def test_the_verdict_fails_on_a_shared_memory_region_left_and_on_a_crash_in_the_server_log():
+    from soak_requests import Record
+    from soak_verdict import crash_lines, verdict
+    served = [Record("grpc_llm_stream", "wellformed", "ok", 1.0, 2.0)]
+    assert verdict(served) == ([], [])
+    failures, _ = verdict(served, shm_left={"triton_python_backend_shm_region_1": "llm (stub 42): 1 MiB"})
+    assert len(failures) == 1 and "/dev/shm" in failures[0] and "llm (stub 42)" in failures[0], failures
+    crashes, excused = crash_lines(b"I1127 ready\nSignal (11) received.\n 0# 0x5 in tritonserver\nSignal (15) "
+                                   b"received.\nFatal Python error: Segmentation fault\n")
+    assert crashes == ["Signal (11) received.", "Fatal Python error: Segmentation fault"] and excused == []
+    failures, _ = verdict(served, crashes=crashes)
+    assert failures == ["server log: Signal (11) received.", "server log: Fatal Python error: Segmentation fault"]
+    failures, unexpected = verdict(served, idle={"end": {"idle": True, "after_s": 12}})
+    assert failures == [] and unexpected == ["idle end only after 12 s"]
+
+
+def test_the_verdict_excuses_only_what_the_stub_kill_causes():
+    from soak_requests import Record
+    from soak_verdict import crash_lines, verdict
+    kill = {"killed_at_s": 10.0, "recovered_at_s": 20.0, "recovered_after_s": 10.0,
+            "inflight_streams": {"llm": {"outcome": "error UNAVAILABLE: socket closed", "ended_after_kill_s": 0.8}}}
+    lost = "error UNAVAILABLE: socket closed"
+    excused = [Record("grpc_llm_stream", "wellformed", lost, 9.0, 10.5),        # inside the restart
+               Record("grpc_cancel_llm", "cancel", lost, 19.0, 21.0),
+               Record("grpc_llm_stream", "wellformed", "error: llm queue full", 30.0, 31.0)]    # a refusal
+    assert verdict(excused, kill=kill, kill_planned=True) == ([], [])
+    failures, _ = verdict([Record("grpc_llm_stream", "wellformed", lost, 25.0, 26.0),
+                           Record("grpc_n_17", "malformed", "accepted", 12.0, 13.0)], kill=kill, kill_planned=True)
+    assert len(failures) == 2 and "malformed request served: grpc_n_17" in failures[1], failures
+    assert verdict(kill={}, kill_planned=True)[0], "no recovery is a failure"
+    # tritonserver 2.51's abort on a shared-memory lock, which the kill may cause: excused between the kill and the
+    # recovery, a failure anywhere else.
+    log = b"I1127 ready\n" + ABORT + b"I1127 ready again\n" + ABORT
+    start = len(b"I1127 ready\n")
+    crashes, excused_lines = crash_lines(log, (start, start + len(ABORT)))
+    assert len(excused_lines) == 3 and len(crashes) == 3 and crashes[2] == "Signal (6) received.", crashes
+    assert crash_lines(b"Signal (11) received.\n", (0, 100)) == (["Signal (11) received."], [])
+
+
+@pytest.mark.server
 def test_soak_for_a_minute(default_model_path, tmp_path):
     out = tmp_path / "soak.json"
     r = subprocess.run([sys.executable, os.path.join(REPO, "perf", "soak.py"), "--duration", "60",

@@ -71,13 +71,21 @@ def server_children(server_pid: int) -> dict[int, Child]:
         state, ppid = stat[stat.rfind(")") + 2:].split()[:2]
         if int(ppid) != server_pid:
             continue
-        argv = (_read(f"/proc/{entry}/cmdline", "rb") or b"").split(b"\0")
-        if argv and argv[0].endswith(STUB_NAME.encode()) and len(argv) > 2:
-            model = os.path.basename(os.path.dirname(os.path.dirname(argv[1].decode(errors="replace"))))
-            children[int(entry)] = Child(state, True, model, argv[2].decode(errors="replace"))
+        stub = stub_command(_read(f"/proc/{entry}/cmdline", "rb") or b"")
+        if stub:
+            children[int(entry)] = Child(state, True, *stub)
         else:   # the kernel keeps 15 characters of a process's name
             children[int(entry)] = Child(state, comm == STUB_NAME[:15])
     return children
+
+
+def stub_command(cmdline: bytes) -> tuple[str, str] | None:
+    """(model, shared-memory region) of a live stub's command line (/proc/PID/cmdline); None for another process."""
+    argv = cmdline.split(b"\0")
+    if argv[0].endswith(STUB_NAME.encode()) and len(argv) > 2:
+        return (os.path.basename(os.path.dirname(os.path.dirname(argv[1].decode(errors="replace")))),
+                argv[2].decode(errors="replace"))
+    return None
 
 
 def stub_shm_regions(server_pid: int) -> set[str]:

@@ -1,0 +1,69 @@
+"""What the tests and the perf scripts that run real servers share: free ports, a private copy of the model
+repository with its parameters changed, and the server's processes as seen from outside (by command line, with
+their resident memory)."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports that were free a moment ago (all held at once while they are picked)."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def private_repository(src: str, dest: str, settings: dict[str, dict[str, str]] | None = None,
+                       model_dir: str | None = None) -> str:
+    """A copy of the model repository `src` at `dest` (replacing what is there) whose `model_path` parameters are
+    absolute (`model_dir` instead, where given) and whose models get `settings` ({model: {key: value}}) as
+    config.pbtxt parameters, edited through protobuf as add_model does."""
+    from trellm_backend.tools.repository import read_config, set_parameters, write_config
+    src = os.path.abspath(src)
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in os.listdir(dest):
+        path = os.path.join(dest, name, "config.pbtxt")
+        if not os.path.isfile(path):
+            continue
+        cfg = read_config(path)
+        if "model_path" in cfg.parameters:     # a relative one is relative to the repository
+            model_path = os.path.abspath(model_dir) if model_dir else os.path.normpath(
+                os.path.join(src, cfg.parameters["model_path"].string_value))
+            set_parameters(cfg, {"model_path": model_path})
+        set_parameters(cfg, (settings or {}).get(name, {}))
+        write_config(path, cfg)
+    return dest
+
+
+def command_line(pid: int) -> bytes:
+    """The process's arguments, each ended by a NUL (b"" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """The processes (but this one) whose command line contains `text`."""
+    needle = text.encode()
+    return [int(pid) for pid in os.listdir("/proc")
+            if pid.isdigit() and int(pid) != os.getpid() and needle in command_line(int(pid))]
+
+
+def rss_bytes(pid: int) -> int:
+    """The process's resident memory (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+    except (OSError, ValueError):
+        return 0

@@ -1,0 +1,130 @@
+"""The server under perf/soak.py: the launcher (`python -m trellm_backend.tools.launch`, so the supervisor that
+restarts a server whose stub died is the real one) as a subprocess, and what its processes look like from outside:
+resident memory, the /dev/shm regions of the Python-backend stubs, the engine's metrics."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+
+from trellm_backend.tools.supervisor import stub_command
+from trellm_backend.tools.testbed import command_line, free_ports, processes_mentioning, rss_bytes
+
+
+class Launcher:
+    """`python -m trellm_backend.tools.launch` as a subprocess on free ports (or --base-port, +1, +2)."""
+
+    def __init__(self, repo: str, root: str, base_port: int = 0):
+        self.repo, self.root = repo, root
+        if base_port:
+            self.http_port, self.grpc_port, self.metrics_port = base_port, base_port + 1, base_port + 2
+        else:
+            self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+        self.log = os.path.join(root, "server.log")
+        self.stdout_path, self.stderr_path = os.path.join(root, "launcher.out"), os.path.join(root, "launcher.err")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 300.0) -> float:
+        t0 = time.monotonic()
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "trellm_backend.tools.launch", f"--model-repository={self.repo}",
+                 f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
+                 f"--metrics-port={self.metrics_port}", f"--log-file={self.log}"], stdout=out, stderr=err)
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the launcher exited with code {self.proc.returncode}:\n{self.stderr()}")
+            if "tritonserver is ready" in self.stdout():
+                return time.monotonic() - t0
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; see {self.log}")
+
+    def stdout(self) -> str:
+        with open(self.stdout_path, errors="replace") as f:
+            return f.read()
+
+    def stderr(self) -> str:
+        with open(self.stderr_path, errors="replace") as f:
+            return f.read()
+
+    def log_size(self) -> int:
+        """How far tritonserver's log has been written (every server of the run appends to it)."""
+        try:
+            return os.path.getsize(self.log)
+        except OSError:
+            return 0
+
+    def supervisor_lines(self) -> list[str]:
+        """What the launcher's supervisor said so far (each restart and its reason)."""
+        return [line for line in self.stderr().splitlines() if line.startswith("supervisor:")]
+
+    def stop(self) -> list[int]:
+        """SIGTERM the launcher (it stops the server and its stubs); returns the pids still mentioning the
+        repository afterwards (killed)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        left = processes_mentioning(self.repo)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return left
+
+    def processes(self) -> dict[int, tuple[str, str]]:
+        """{pid: (name, region)} of the tritonserver ("tritonserver", "") and the Python-backend stubs ("stub:MODEL",
+        the /dev/shm region it was started with) serving the repository, found by its path on their command lines."""
+        out = {}
+        for pid in processes_mentioning(self.repo):
+            cmdline = command_line(pid)
+            stub = stub_command(cmdline)
+            if stub:
+                out[pid] = (f"stub:{stub[0]}", os.path.basename(stub[1]))
+            elif os.path.basename(cmdline.split(b"\0")[0]) == b"tritonserver":
+                out[pid] = ("tritonserver", "")
+        return out
+
+    def rss(self) -> dict[str, float]:
+        """Resident MiB of tritonserver and each stub serving the repository, and their total."""
+        out: dict[str, float] = defaultdict(float)
+        for pid, (name, _) in self.processes().items():
+            out[name] += rss_bytes(pid) / 2**20
+        return {**{k: round(v, 1) for k, v in sorted(out.items())}, "total": round(sum(out.values()), 1)}
+
+    def stub_regions(self) -> dict[str, str]:
+        """{/dev/shm region: "MODEL (stub PID)"} of the live stubs serving the repository."""
+        return {region: f"{name[len('stub:'):]} (stub {pid})" for pid, (name, region) in self.processes().items()
+                if region}
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        """{model: {metric: value}} of the server's trellm: and vllm: gauges and counters."""
+        text = urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=5).read().decode()
+        out: dict[str, dict[str, float]] = defaultdict(dict)
+        for m in re.finditer(r'^(trellm:\w+|vllm:\w+)\{([^}]*)\} (\S+)$', text, re.M):
+            name, labels, value = m.groups()
+            model = re.search(r'model="([^"]*)"', labels)
+            reason = re.search(r'finished_reason="([^"]*)"', labels)
+            if model:
+                out[model.group(1)][name + (f"[{reason.group(1)}]" if reason else "")] = float(value)
+        return out
+
+
+def shm_left(regions: dict[str, str]) -> dict[str, str]:
+    """Which of these regions still exist in /dev/shm: {name: "MODEL (stub PID): N MiB"}."""
+    out = {}
+    for name, owner in sorted(regions.items(), key=lambda x: x[1]):
+        try:
+            out[name] = f"{owner}: {os.path.getsize(os.path.join('/dev/shm', name)) / 2**20:.0f} MiB"
+        except OSError:
+            pass
+    return out

@@ -18,7 +18,8 @@ anchor workload served on 2 cores (perf/RESULTS.md).
    the compute leaves it, between operators and between steps; when the cores stay busy the responder falls
    behind and merges the tokens queued meanwhile into one response (engine/loop.py), so serving costs less
    exactly when the compute needs the cores. Served `llm` went from 550 to 605-620 out tok/s with the loop's
-   helpers idle, and to 636-664 (`ensemble` too) with tritonserver's threads idle as well. Under full load a
+   helpers idle, and to 636-664 (`ensemble` too) with tritonserver's threads idle as well. The other models'
+   stubs (the ensemble's postprocess detokenizes every streamed response) join them. Under full load a
    stream's tokens then come a few at a time; with at most 4 streams the stepping thread waits for each step's
    responses to go out (engine/loop.py), so an interactive stream still gets every token as it is made. Lowering
    a thread's class needs no privilege, and threads started later inherit it from the thread that starts them.
@@ -83,11 +84,28 @@ def yield_threads(threads: list[threading.Thread]) -> None:
         yield_to_compute(t.native_id)
 
 
-def yield_process(pid: int) -> int:
+def yield_process(pid: int, with_children: bool = False) -> int:
     """Every thread of process `pid` (tritonserver: the stub's parent) to SCHED_IDLE; the threads it starts later
-    inherit the class. Returns how many threads took it."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0
-    return sum(yield_to_compute(int(t)) for t in tids)
+    inherit the class. `with_children`: its child processes' threads too, except the caller's own process (the
+    other models' stubs: the ensemble's preprocess and postprocess, which wake per request and per streamed
+    response as tritonserver's threads do; stubs started later inherit the class from the thread that forks them).
+    Returns how many threads took it."""
+    pids = [pid]
+    if with_children:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != os.getpid():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        stat = f.read()
+                except OSError:
+                    continue
+                if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
+                    pids.append(int(entry))
+    count = 0
+    for p in pids:
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        count += sum(yield_to_compute(int(t)) for t in tids)
+    return count

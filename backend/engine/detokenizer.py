@@ -28,14 +28,22 @@ def run_texts(tokenizer, runs: list[TokenRun], skip_special_tokens: bool = True)
     """The text of each run: one batched decode of the contexts, one of the contexts with their tokens."""
     if not runs:
         return []
-    kw = dict(skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
-    before = tokenizer.batch_decode([r.context_ids for r in runs], **kw)
-    after = tokenizer.batch_decode([r.context_ids + r.token_ids for r in runs], **kw)
+    before = _decode_batch(tokenizer, [r.context_ids for r in runs], skip_special_tokens)
+    after = _decode_batch(tokenizer, [r.context_ids + r.token_ids for r in runs], skip_special_tokens)
     texts = []
     for run, b, a in zip(runs, before, after):
         text = a[len(b):]
         texts.append(text[:len(text) - run.cut_chars] if run.cut_chars else text)
     return texts
+
+
+def _decode_batch(tokenizer, seqs: list[list[int]], skip_special_tokens: bool) -> list[str]:
+    """transformers' decode of each sequence without its clean-up, which for a fast tokenizer is exactly its Rust
+    tokenizer's decode: one call for the batch (a third of the per-sequence cost in Python)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
+    return tokenizer.batch_decode(seqs, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
 def run_text(tokenizer, run: TokenRun, skip_special_tokens: bool = True) -> str:

@@ -48,8 +48,9 @@ class TritonPythonModel:
                 logging.getLogger("trellm").warning("metrics disabled: %s", e)
         self.loop = EngineLoop(self.engine, on_finished=self.metrics.record if self.metrics else None)
         if self.loop.idle_helpers:
-            # tritonserver's threads wake per streamed token: on a CPU they wait for the compute's gaps (cores.py).
-            yield_process(os.getppid())
+            # tritonserver's threads and the other stubs wake per streamed token: on a CPU they wait for the
+            # compute's gaps (cores.py).
+            yield_process(os.getppid(), with_children=True)
         if self.metrics is not None:
             self.metrics.start(self.loop.stats)
         self.keys = itertools.count(1)

@@ -26,14 +26,14 @@ SOURCES = [os.path.join(_CPU_DIR, name) for name in ("bindings.cpp", "paged_atte
                                                    "int8_linear.cpp", "fp32_linear.cpp")]
 HEADERS = [os.path.join(_CPU_DIR, name) for name in ("vec_math.h", "blocked_linear.h")]
 # -fopenmp: ATen's at::parallel_for is an inline template that splits work over torch's threads only where the
-# including file is compiled with OpenMP; without it every operator here ran on one thread (2026-11-25: the anchor
-# workload's decode steps 40-46 -> 35-36 ms, INT8 linear layers 2x from 48 tokens up). The link names libgomp.so.1,
+# including file is compiled with OpenMP; without it every operator here ran on one thread (perf/RESULTS.md, "the
+# C++ operators on both cores"). The link names libgomp.so.1,
 # which the dynamic linker resolves to the libgomp torch has already loaded (the same soname), so the process keeps
 # one OpenMP runtime and torch's thread count.
 # -fno-trapping-math: GCC vectorizes floorf (in exp_approx) only when it need not keep floating-point exception
 # flags, which nothing here reads; without it the softmax's exponentials and SiLU-mul ran one float at a time
-# (2026-11-26, Zen 4: decode attention 48 x 263 0.94 -> 0.59 ms a layer, SiLU-mul of 1700 x 2816 3.5 -> 1.2 ms; the
-# values are the same, the softmax sums' order differs). -ffp-contract=fast lets the polynomials use FMA.
+# (perf/RESULTS.md, "vectorized exponentials"; the values are the same, the softmax sums' order differs).
+# -ffp-contract=fast lets the polynomials use FMA.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 _module = None

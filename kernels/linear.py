@@ -138,12 +138,10 @@ def fp32_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-# The C++ INT8 operator at every token count with AVX-512: per layer against fp32 oneDNN (2816 x 512, 16 weights
-# cycled, 2 threads, Zen 4, 2026-11-25) 5.0x at 1 token, 1.2x at 26, 1.1x at 48, 0.9x at 512-2048; dequantizing for
-# one GEMM was 2.3-5x slower than the operator at every count. With AVX2 only (16 registers: 3 tokens' sums at a
-# time) the operator runs at about half of fp32 from 16 tokens up, and from 128 tokens dequantizing for one fp32
-# GEMM is faster (Zen 3, 2816 x 512, ms: 3.6 against 4.5 at 128 tokens, 14 against 18 at 512, 35 against 70 at
-# 2048, fp32 36), so prefill chunks take that path there.
+# The C++ INT8 operator at every token count with AVX-512: it beat dequantizing for one fp32 GEMM at every count
+# measured. With AVX2 only (16 registers: 3 tokens' sums at a time) it runs at about half of fp32 from 16 tokens up,
+# and from 128 tokens dequantizing for one fp32 GEMM is faster, so prefill chunks take that path there
+# (perf/RESULTS.md, "Weight-only INT8 on a CPU" and the Zen 3 section, has the per-layer times).
 DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512 = 128
 
 

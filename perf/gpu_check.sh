@@ -64,14 +64,14 @@ EOF
 if [ "$DRY" = 1 ]; then
     # A few tests of each kind: the point is the script, not the coverage (CI runs both files in full).
     KERNEL_ENV=(env TRITON_INTERPRET=1 TRELLM_KERNEL_TEST_DEVICE=cpu TRELLM_CPU_OPS=0)
-    KERNEL_SELECT=(-k "(test_attention_split_decode or test_write_kv_skips_padding or fp8_encoding or silu_and_mul) and not test_cpu_")
+    KERNEL_SELECT=(-k "test_attention_split_decode or test_write_kv_skips_padding or fp8_encoding or silu_and_mul")
     PARITY=(tests/test_engine.py -k "test_default_model_matches_transformers or preemption")
     BENCH=(--dry-run --anchor-model hf_models/tiny-llama)
     BENCH_ENV=(env TRITON_INTERPRET=1 TRELLM_CPU_OPS=0)
     LIMITS=(300 300 300)
 else
     KERNEL_ENV=(env TRELLM_KERNEL_TEST_DEVICE=cuda TRELLM_CPU_OPS=0)
-    KERNEL_SELECT=(-k "not test_cpu_ and not linear_prepared and not linear_mode and not build_lock")
+    KERNEL_SELECT=(-k "not linear_prepared")
     # pytest-xdist, when installed, compiles the kernels' many variants on several cores
     if "$PY" -c "import xdist" 2>/dev/null; then KERNEL_SELECT+=(-n 8); fi
     PARITY=(tests/test_engine.py tests/test_prefix_cache.py tests/test_spec_decode.py

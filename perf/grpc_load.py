@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import numpy as np
+
+from trellm_backend.tools.testbed import metric_samples
 
 # vLLM's gauge of KV-cache use (a fraction, 0..1; newer vLLM names it kv_cache_usage_perc), read from the server's
 # metrics endpoint when it exports one.
@@ -99,13 +100,11 @@ async def _one(client, grpc, model: str, item, send_min_tokens: bool, t0: float,
 def read_gauge(metrics_url: str, names: tuple[str, ...] = KV_USAGE_GAUGES) -> float | None:
     """The largest sample of the first of `names` on a Prometheus text endpoint; None when absent/unreachable."""
     try:
-        with urllib.request.urlopen(metrics_url, timeout=2) as r:
-            lines = r.read().decode().splitlines()
+        samples = metric_samples(metrics_url, timeout=2)
     except OSError:
         return None
     for name in names:
-        values = [float(line.rsplit(" ", 1)[1]) for line in lines
-                  if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{")]
+        values = [s.value for s in samples if s.name == name]
         if values:
             return max(values)
     return None

@@ -4,16 +4,14 @@ resident memory, the /dev/shm regions of the Python-backend stubs, the engine's 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import defaultdict
 
 from trellm_backend.tools.supervisor import stub_command
-from trellm_backend.tools.testbed import command_line, free_ports, processes_mentioning, rss_bytes
+from trellm_backend.tools.testbed import command_line, free_ports, metric_samples, processes_mentioning, rss_bytes
 
 
 class Launcher:
@@ -108,14 +106,11 @@ class Launcher:
 
     def metrics(self) -> dict[str, dict[str, float]]:
         """{model: {metric: value}} of the server's trellm: and vllm: gauges and counters."""
-        text = urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=5).read().decode()
         out: dict[str, dict[str, float]] = defaultdict(dict)
-        for m in re.finditer(r'^(trellm:\w+|vllm:\w+)\{([^}]*)\} (\S+)$', text, re.M):
-            name, labels, value = m.groups()
-            model = re.search(r'model="([^"]*)"', labels)
-            reason = re.search(r'finished_reason="([^"]*)"', labels)
-            if model:
-                out[model.group(1)][name + (f"[{reason.group(1)}]" if reason else "")] = float(value)
+        for s in metric_samples(self.metrics_port):
+            if s.name.startswith(("trellm:", "vllm:")) and "model" in s.labels:
+                reason = s.labels.get("finished_reason")
+                out[s.labels["model"]][s.name + (f"[{reason}]" if reason else "")] = s.value
         return out
 
 

@@ -14,6 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from trellm_client.client import LLMClient, http_generate
+from trellm_backend.tools.testbed import metric_samples
 
 pytestmark = pytest.mark.server
 
@@ -252,16 +253,15 @@ def test_perf_analyzer_exports_exact_values_for_switched_on_outputs(triton_serve
                    for o in outs)
 
 
-def _metric(server, name) -> float:
-    import urllib.request
-    text = urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+def _metric(server, name, **labels) -> float:
+    return sum(s.value for s in metric_samples(server.metrics_port, timeout=10)
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def test_vllm_model_client_cancel_aborts_the_generation(triton_server):
     import time
-    aborted = 'vllm:request_success_total{finished_reason="abort"'
-    before = _metric(triton_server, aborted)
+    aborted = dict(name="vllm:request_success_total", finished_reason="abort")
+    before = _metric(triton_server, **aborted)
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
@@ -279,6 +279,6 @@ def test_vllm_model_client_cancel_aborts_the_generation(triton_server):
     client.stop_stream(cancel_requests=True)
     client.close()
     deadline = time.monotonic() + 30
-    while _metric(triton_server, aborted) == before and time.monotonic() < deadline:
+    while _metric(triton_server, **aborted) == before and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _metric(triton_server, aborted) == before + 1, "the engine kept generating for a cancelled client"
+    assert _metric(triton_server, **aborted) == before + 1, "the engine kept generating for a cancelled client"

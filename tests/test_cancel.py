@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,6 +19,8 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+
+from trellm_backend.tools.testbed import metric_samples, private_repository
 
 from conftest import REPO, free_ports
 
@@ -33,28 +33,18 @@ SETTINGS = {"llm": {"max_num_seqs": "1", "max_queue_size": "2"}, "vllm_model": {
 def server(default_model_path, tmp_path_factory):
     from trellm_backend.tools.launch import TritonServer
     root = tmp_path_factory.mktemp("cancel")
-    repo = root / "model_repository"
-    shutil.copytree(os.path.join(REPO, "model_repository"), repo)
-    os.symlink(os.path.join(REPO, "hf_models"), root / "hf_models")    # relative model_path values still resolve
-    for model, settings in SETTINGS.items():
-        cfg = repo / model / "config.pbtxt"
-        text = cfg.read_text()
-        for key, value in settings.items():
-            text = re.sub(rf'parameters: {{ key: "{key}" value: {{ string_value: "[^"]*" }} }}\n', "", text)
-            text += f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
-        cfg.write_text(text)
+    repo = private_repository(os.path.join(REPO, "model_repository"), str(root / "model_repository"), SETTINGS)
     http, grpc, metrics = free_ports(3)
-    s = TritonServer(str(repo), http, grpc, metrics, log_path=str(root / "server.log"))
+    s = TritonServer(repo, http, grpc, metrics, log_path=str(root / "server.log"))
     s.start()
     yield s
     s.stop()
 
 
 def gauge(server, name: str) -> float:
-    text = urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=5).read().decode()
-    m = re.search(rf'^{re.escape(name)}{{[^}}]*model="llm"[^}}]*}} (\S+)', text, re.M)
-    assert m, f"{name} is not on the metrics endpoint"
-    return float(m.group(1))
+    values = [s.value for s in metric_samples(server.metrics_port) if s.name == name and s.labels["model"] == "llm"]
+    assert values, f"{name} is not on the metrics endpoint"
+    return values[0]
 
 
 def wait_for_blocks(server, predicate, timeout=10.0) -> float:

@@ -20,6 +20,7 @@ from conftest import REPO, free_ports
 from repository_helpers import processes_mentioning
 from trellm_backend.tools.launch import TritonServer, openmp_wait_defaults
 from trellm_backend.tools.supervisor import Supervisor, server_children, stub_shm_regions
+from trellm_backend.tools.testbed import private_repository
 from trellm_client.client import LLMClient
 
 pytestmark = pytest.mark.server
@@ -225,8 +226,7 @@ def test_a_server_whose_stubs_are_killed_at_stop_leaves_no_shared_memory(default
 def test_sigterm_stops_server_and_stubs(default_model_path, tmp_path):
     # A private copy of the repository, so this test's server and stubs are recognisable by their paths.
     repo = tmp_path / "model_repository"
-    subprocess.run(["cp", "-r", os.path.join(REPO, "model_repository"), str(repo)], check=True)
-    os.symlink(os.path.join(REPO, "hf_models"), tmp_path / "hf_models")
+    private_repository(os.path.join(REPO, "model_repository"), str(repo))
     http, grpc, metrics = free_ports(3)
     log = tmp_path / "server.log"
     launcher = subprocess.Popen(
@@ -323,8 +323,7 @@ def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_t
     supervisor must end those streams with an error, and serve again with the models that were loaded. An orderly
     unload (whose stub also exits) must not count as a death."""
     repo = tmp_path / "model_repository"
-    subprocess.run(["cp", "-r", os.path.join(REPO, "model_repository"), str(repo)], check=True)
-    os.symlink(os.path.join(REPO, "hf_models"), tmp_path / "hf_models")
+    private_repository(os.path.join(REPO, "model_repository"), str(repo))
     http, grpc, metrics = free_ports(3)
     err_path = str(tmp_path / "launcher.err")    # a file, read at any time: the supervisor's lines
     with open(err_path, "w") as err_file:
@@ -427,10 +426,7 @@ def test_stopping_the_server_ends_ensemble_streams_with_a_final_abort(tmp_path):
     """The stop signals the stubs first: the llm model ends every stream with finish_reason abort after
     shutdown_grace_s (1 s here), through the whole ensemble, and only then is the server itself stopped."""
     repo = tmp_path / "model_repository"
-    subprocess.run(["cp", "-r", os.path.join(REPO, "model_repository"), str(repo)], check=True)
-    os.symlink(os.path.join(REPO, "hf_models"), tmp_path / "hf_models")
-    cfg = repo / "llm" / "config.pbtxt"
-    cfg.write_text(cfg.read_text() + 'parameters: { key: "shutdown_grace_s" value: { string_value: "1" } }\n')
+    private_repository(os.path.join(REPO, "model_repository"), str(repo), {"llm": {"shutdown_grace_s": "1"}})
     http, grpc, metrics = free_ports(3)
     server = TritonServer(str(repo), http, grpc, metrics, log_path=str(tmp_path / "server.log")).start()
     try:

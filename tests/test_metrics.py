@@ -1,13 +1,12 @@
 """The llm model's metrics on Triton's metrics endpoint, checked against what a handful of requests sent."""
 from __future__ import annotations
 
-import re
 import time
-import urllib.request
 
 import pytest
 
 from trellm_client.client import LLMClient
+from trellm_backend.tools.testbed import metric_samples
 
 pytestmark = pytest.mark.server
 
@@ -17,13 +16,11 @@ MAX_TOKENS = 6
 
 def scrape(server) -> dict[str, float]:
     """Every sample of the llm model: 'name{labels}' (labels without model/version) -> value."""
-    text = urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=5).read().decode()
     out = {}
-    for line in text.splitlines():
-        m = re.match(r'^((?:vllm|trellm):[a-z0-9_]+)\{([^}]*)\} (\S+)$', line)
-        if m and 'model="llm"' in m.group(2):
-            labels = ",".join(x for x in m.group(2).split(",") if not x.startswith(("model=", "version=")))
-            out[f"{m.group(1)}{{{labels}}}"] = float(m.group(3))
+    for s in metric_samples(server.metrics_port):
+        if s.name.startswith(("vllm:", "trellm:")) and s.labels.get("model") == "llm":
+            labels = ",".join(f'{k}="{v}"' for k, v in s.labels.items() if k not in ("model", "version"))
+            out[f"{s.name}{{{labels}}}"] = s.value
     return out
 
 

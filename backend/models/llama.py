@@ -6,19 +6,17 @@ q/k/v and gate/up are merged into one matrix each, so a layer costs four matmuls
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from trellm_backend.models.config import ModelConfig, ModelConfigError
-from trellm_backend.models.quant_formats import take_int4
 from trellm_backend.models.rope import cos_sin_cache
+from trellm_backend.models.weights import Checkpoint
 from trellm_kernels.activation import silu_and_mul
 from trellm_kernels.attention import paged_attention
 from trellm_kernels.kv_cache import write_kv
-from trellm_kernels.int4 import cat_outputs
-from trellm_kernels.linear import Weight, linear, prepare_int4, prepare_weight
+from trellm_kernels.linear import Weight, linear, prepare_weight
 from trellm_kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from trellm_kernels.rotary import apply_rotary
 
@@ -56,43 +54,14 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  max_positions: int, quantization: str = "none"):
-        """`quantization` applies to the layers' linears; the embedding and the LM head keep the dtype (as GPTQ and
-        AWQ checkpoints do: logits are the most sensitive). A GPTQ/AWQ checkpoint (cfg.quant) is read as INT4 as it
-        is stored, and takes no `quantization` of its own."""
+        """The checkpoint's names mapped to the layers (weights.Checkpoint takes each tensor and prepares the
+        linears). `quantization` applies to the layers' linears; the embedding and the LM head keep the dtype (as
+        GPTQ and AWQ checkpoints do: logits are the most sensitive)."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
-        source = cfg.path
-
-        def take(name: str, required: bool = True) -> torch.Tensor | None:
-            t = state.pop(name, None)
-            if t is None:
-                if required:
-                    raise ModelConfigError(f"{source}: weight {name!r} missing from the safetensors files")
-                return None
-            return t.to(device=device, dtype=dtype).contiguous()
-
-        def cat(*ts):
-            return None if any(t is None for t in ts) else torch.cat(ts, dim=0).contiguous()
-
-        if cfg.quant is not None and quantization != "none":
-            raise ModelConfigError(f"{os.path.join(source, 'config.json')}: the checkpoint is already quantized "
-                                   f"({cfg.quant.method}); quantization={quantization!r} must be none")
-
-        def quantized(*names: str) -> Weight:
-            """The linears `names` (sharing one input) as one weight, stacked along the outputs."""
-            if cfg.quant is None:
-                ws = [take(n + ".weight") for n in names]
-                return prepare_weight(ws[0] if len(ws) == 1 else cat(*ws), quantization)
-            try:
-                w = cat_outputs([take_int4(state, n, cfg.quant, source) for n in names], f"{source}: {names}")
-            except ValueError as e:
-                raise ModelConfigError(str(e)) from None
-            w.scales = w.scales.to(device=device, dtype=dtype)
-            w.packed, w.zeros = w.packed.to(device), w.zeros.to(device)
-            w.perm = None if w.perm is None else w.perm.to(device)
-            return prepare_int4(w)
-
+        ck = Checkpoint(cfg, state, device, dtype, quantization)
+        take, source = ck.take, cfg.path
         self.embed = take("model.embed_tokens.weight")
         if self.embed.shape != (cfg.vocab_size, cfg.hidden_size):
             raise ModelConfigError(f"{source}: model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
@@ -101,20 +70,18 @@ class LlamaModel:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            qkv_bias = cfg.qkv_bias
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=quantized(a + "q_proj", a + "k_proj", a + "v_proj"),
-                qkv_bias=cat(take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias"))
-                if qkv_bias else None,
-                o=quantized(a + "o_proj"),
+                qkv=ck.linear(a + "q_proj", a + "k_proj", a + "v_proj"),
+                qkv_bias=ck.stacked(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if cfg.qkv_bias else None,
+                o=ck.linear(a + "o_proj"),
                 o_bias=take(a + "o_proj.bias") if cfg.o_bias else None,
                 q_norm=take(a + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=take(a + "k_norm.weight") if cfg.qk_norm else None,
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=quantized(m + "gate_proj", m + "up_proj"),
-                gate_up_bias=cat(take(m + "gate_proj.bias"), take(m + "up_proj.bias")) if cfg.mlp_bias else None,
-                down=quantized(m + "down_proj"),
+                gate_up=ck.linear(m + "gate_proj", m + "up_proj"),
+                gate_up_bias=ck.stacked(m + "gate_proj.bias", m + "up_proj.bias") if cfg.mlp_bias else None,
+                down=ck.linear(m + "down_proj"),
                 down_bias=take(m + "down_proj.bias") if cfg.mlp_bias else None,
             ))
         self.norm = take("model.norm.weight")

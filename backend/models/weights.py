@@ -1,4 +1,5 @@
-"""Read a Hugging Face safetensors folder (single file or sharded with an index) into a name -> tensor dict."""
+"""Read a Hugging Face safetensors folder (single file or sharded with an index) into a name -> tensor dict, and take
+its tensors as the model wants them (`Checkpoint`: on the device, in the dtype, linears prepared for their kernel)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,10 @@ import os
 import torch
 from safetensors import safe_open
 
-from trellm_backend.models.config import ModelConfigError
+from trellm_backend.models.config import ModelConfig, ModelConfigError
+from trellm_backend.models.quant_formats import take_int4
+from trellm_kernels.int4 import cat_outputs
+from trellm_kernels.linear import Weight, prepare_int4, prepare_weight
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -61,3 +65,43 @@ def load_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
             raise ModelConfigError(f"{file}: cannot read weights ({e})") from None
     return state
+
+
+class Checkpoint:
+    """A loaded state dict as the model takes it, each tensor once (taken tensors leave the dict, so the host copy
+    goes as the device copy is made). `quantization` applies to the linears (`linear`); a GPTQ/AWQ checkpoint
+    (cfg.quant) is read as the INT4 it stores and takes no `quantization` of its own. Errors name the folder."""
+
+    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 quantization: str = "none"):
+        if cfg.quant is not None and quantization != "none":
+            raise ModelConfigError(f"{os.path.join(cfg.path, 'config.json')}: the checkpoint is already quantized "
+                                   f"({cfg.quant.method}); quantization={quantization!r} must be none")
+        self.cfg, self.state, self.device, self.dtype, self.quantization = cfg, state, device, dtype, quantization
+
+    def take(self, name: str, required: bool = True) -> torch.Tensor | None:
+        t = self.state.pop(name, None)
+        if t is None:
+            if required:
+                raise ModelConfigError(f"{self.cfg.path}: weight {name!r} missing from the safetensors files")
+            return None
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def stacked(self, *names: str) -> torch.Tensor:
+        """The tensors `names` stacked along their first dimension (merged q/k/v or gate/up biases)."""
+        ts = [self.take(n) for n in names]
+        return ts[0] if len(ts) == 1 else torch.cat(ts, dim=0).contiguous()
+
+    def linear(self, *names: str) -> Weight:
+        """The linears `names` (sharing one input) as one weight, stacked along the outputs."""
+        if self.cfg.quant is None:
+            return prepare_weight(self.stacked(*(n + ".weight" for n in names)), self.quantization)
+        source = self.cfg.path
+        try:
+            w = cat_outputs([take_int4(self.state, n, self.cfg.quant, source) for n in names], f"{source}: {names}")
+        except ValueError as e:
+            raise ModelConfigError(str(e)) from None
+        w.scales = w.scales.to(device=self.device, dtype=self.dtype)
+        w.packed, w.zeros = w.packed.to(self.device), w.zeros.to(self.device)
+        w.perm = None if w.perm is None else w.perm.to(self.device)
+        return prepare_int4(w)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -29,6 +28,7 @@ import urllib.error
 import urllib.request
 
 from trellm_backend.tools.repository import default_repository
+from trellm_backend.tools.testbed import metric_samples
 from trellm_backend.tools.supervisor import Supervisor, remove_shm_regions, server_children, stub_shm_regions
 
 DEFAULT_REPOSITORY = default_repository()
@@ -171,12 +171,10 @@ class TritonServer:
     def requests_in_flight(self) -> int | None:
         """Requests running or waiting in the server's engines; None when the metrics cannot be read."""
         try:
-            with urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=2) as r:
-                text = r.read().decode()
-        except (urllib.error.URLError, OSError):
+            samples = metric_samples(self.metrics_port, timeout=2)
+        except OSError:
             return None
-        return sum(int(float(m.group(1))) for m in
-                   re.finditer(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M))
+        return int(sum(s.value for s in samples if s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting")))
 
     def wait_ready(self, timeout: float) -> None:
         """Block until /v2/health/ready answers 200 (every model loaded), or raise."""

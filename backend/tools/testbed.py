@@ -1,11 +1,14 @@
-"""What the tests and the perf scripts that run real servers share: free ports, a private copy of the model
-repository with its parameters changed, and the server's processes as seen from outside (by command line, with
-their resident memory)."""
+"""What the tests, the perf scripts and the launcher share about a running server: free ports, a private copy of
+the model repository with its parameters changed, the samples of its metrics endpoint, and its processes as seen
+from outside (by command line, with their resident memory)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
+import urllib.request
+from dataclasses import dataclass
 
 
 def free_ports(n: int) -> list[int]:
@@ -42,6 +45,27 @@ def private_repository(src: str, dest: str, settings: dict[str, dict[str, str]] 
         set_parameters(cfg, (settings or {}).get(name, {}))
         write_config(path, cfg)
     return dest
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+SAMPLE = re.compile(r'^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})? (\S+)$', re.M)
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_samples(metrics: int | str, timeout: float = 5.0) -> list[Sample]:
+    """Every sample of a server's metrics endpoint (its metrics port, or the endpoint's URL), in Prometheus' text
+    format; raises OSError when the endpoint cannot be read."""
+    url = metrics if isinstance(metrics, str) else f"http://localhost:{metrics}/metrics"
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        text = r.read().decode()
+    return [Sample(name, dict(LABEL.findall(labels or "")), float(value))
+            for name, labels, value in SAMPLE.findall(text)]
 
 
 def command_line(pid: int) -> bytes:

@@ -1,0 +1,278 @@
+"""The C++ CPU operators (kernels/cpu/, built by kernels/cpu_ops.py) against the PyTorch references, and the CPU
+dispatch that chooses them. Unlike the Triton kernels' tests (test_kernels.py), these need no interpreter: they run
+in any session on a host with g++ and ninja (CI has both: a missing build is a failure, not a skip)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trellm_kernels import activation, attention, cpu_ops, kv_cache, rmsnorm, rotary
+from test_kernels import BF16, F16, F32, KV_QUANT, close, paged_case, quantized, randn
+
+pytestmark = pytest.mark.kernels
+
+CPU_OP_CASES = [  # q_lens, ctx_lens: decodes, chunks over a cached prefix, a fresh prompt, mixed in one batch
+    ([1, 1, 1, 1, 1], [0, 14, 15, 200, 33]),
+    ([9, 1, 40, 1, 3], [20, 63, 0, 5, 130]),
+    ([1] * 12 + [17], [int(x) for x in torch.randint(0, 300, (13,), generator=torch.Generator().manual_seed(1))]),
+    ([5, 5, 2, 16, 5, 1], [127, 128, 40, 250, 3, 60]),   # speculative verification: guesses + 1 rows per sequence
+]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("bs", [16, 32, 128])
+@pytest.mark.parametrize("d", [8, 64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("case", range(len(CPU_OP_CASES)))
+def test_cpu_attention_operator_matches_reference(case, group, d, bs, dtype):
+    """The C++ operator (every row, whatever the chunk length) against the reference on random paged layouts."""
+    ops = cpu_ops.load()
+    assert ops is not None, cpu_ops.error()   # CI has g++ and ninja: a missing build is a failure, not a skip
+    q_lens, ctx_lens = CPU_OP_CASES[case]
+    kvh = 2
+    args = paged_case(q_lens, ctx_lens, kvh * group, kvh, d, bs, dtype, seed=case)
+    out = torch.empty_like(args[0])
+    ops.paged_attention(out, *args[:7], 1 << 30)
+    close(out, attention.paged_attention_reference(*args))
+
+
+@pytest.mark.parametrize("cache_dtype", KV_QUANT)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("bs", [16, 128])
+@pytest.mark.parametrize("d", [8, 64, 128])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("case", range(len(CPU_OP_CASES)))
+def test_cpu_quantized_attention_operator_matches_reference(case, group, d, bs, dtype, cache_dtype):
+    """The operator over an INT8 / FP8 cache (values read as bytes, scales folded into scores and weights)."""
+    ops = cpu_ops.load()
+    assert ops is not None, cpu_ops.error()
+    kvh = 2
+    args, scales = quantized(paged_case(*CPU_OP_CASES[case], kvh * group, kvh, d, bs, dtype, seed=case), cache_dtype)
+    out = torch.empty_like(args[0])
+    ops.paged_attention_quantized(out, args[0], args[1].view(torch.int8), args[2].view(torch.int8),
+                                  scales["k_scale"], scales["v_scale"], *args[3:7], 1 << 30, cache_dtype == torch.int8)
+    close(out, attention.paged_attention_reference(*args, **scales))
+
+
+@pytest.mark.parametrize("cache_dtype", KV_QUANT)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("d", [8, 64])
+def test_cpu_gather_dequantize_operator_matches_the_reference(cache_dtype, dtype, d):
+    """The long-chunk path's gather: the blocks in the order given, each value times its scale, as torch does it."""
+    g = torch.Generator().manual_seed(14)
+    cache, scales = kv_cache.quantize_kv(randn(g, 9, 16, 3, d) * 3, cache_dtype)
+    blocks = torch.tensor([7, 2, 2, 0, 8])
+    out = torch.empty(5, 16, 3, d, dtype=dtype)
+    _cpu_ops().gather_dequantize(out, cache.view(torch.int8), scales, blocks, cache_dtype == torch.int8)
+    assert torch.equal(out, kv_cache.dequantize_kv(cache[blocks], scales[blocks], dtype))
+
+
+@pytest.mark.parametrize("cache_dtype", KV_QUANT)
+def test_cpu_dispatch_over_a_quantized_cache(monkeypatch, cache_dtype, kernel_settings):
+    """A quantized cache on a CPU: decodes and short chunks in the operator, long chunks through torch's fused
+    attention over their dequantized blocks; together the reference's answer, and the operator saw the short rows
+    only. Without the operators the reference runs."""
+    args, scales = quantized(paged_case([1, 40, 1, 5], [30, 7, 90, 0], 8, 4, 64, 16, F32), cache_dtype)
+    want = attention.paged_attention_reference(*args, **scales)
+    seen = []
+    real = cpu_ops.load()
+
+    class Spy:
+        def paged_attention_quantized(self, *a):
+            seen.append(a[-2])
+            return real.paged_attention_quantized(*a)
+
+        def __getattr__(self, name):
+            seen.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(cpu_ops, "_module", Spy())
+    kernel_settings(force_triton=False)
+    close(attention.paged_attention(*args, **scales), want)
+    # the long chunk's keys and values dequantized by the operator as they are gathered
+    assert seen == [attention.CPU_OP_MAX_Q_LEN, "gather_dequantize", "gather_dequantize"]
+    monkeypatch.setattr(cpu_ops, "_module", None)
+    monkeypatch.setattr(cpu_ops, "_error", "off")
+    close(attention.paged_attention(*args, **scales), want)
+
+
+def test_cpu_dispatch_splits_long_chunks(monkeypatch, kernel_settings):
+    """On a CPU the dispatch sends decodes and short chunks to the operator and long chunks to the reference's
+    GEMMs; together they equal the reference, and the operator saw only the short rows."""
+    args = paged_case([1, 40, 1, 5], [30, 7, 90, 0], 8, 4, 64, 16, F32)
+    seen = []
+    real = cpu_ops.load()
+
+    class Spy:
+        def paged_attention(self, out, q, k, v, cu, lens, tables, scale, max_q_len):
+            seen.append(max_q_len)
+            return real.paged_attention(out, q, k, v, cu, lens, tables, scale, max_q_len)
+
+    monkeypatch.setattr(cpu_ops, "_module", Spy())
+    kernel_settings(force_triton=False)
+    close(attention.paged_attention(*args), attention.paged_attention_reference(*args))
+    assert seen == [attention.CPU_OP_MAX_Q_LEN]
+
+
+def test_cpu_operators_split_their_work_over_torchs_openmp_threads():
+    """ATen's at::parallel_for splits work only where the calling file is compiled with OpenMP: built without it,
+    every C++ operator ran on one core of the machine's two. And the process keeps one OpenMP runtime, torch's."""
+    ops = cpu_ops.load()
+    assert ops is not None, cpu_ops.error()
+    with open(ops.__file__, "rb") as f:
+        assert b"GOMP_parallel" in f.read(), "built without OpenMP: at::parallel_for runs on one thread"
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+def test_cpu_ops_build_with_the_pinned_ninja_whatever_is_first_on_path(tmp_path):
+    """Two ninja versions rebuilt the operators after each other (their logs hash commands differently): the
+    server's stubs ran the venv's and `.venv/bin/python` the system's. A ninja first on PATH that fails must not be
+    the one run."""
+    assert cpu_ops.load() is not None, cpu_ops.error()     # built (or found built) in this process
+    fake = tmp_path / "ninja"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\nexit 1\n")
+    fake.chmod(0o755)
+    code = "from trellm_kernels import cpu_ops; assert cpu_ops.load() is not None, cpu_ops.error()"
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not (tmp_path / "calls").exists()
+
+
+def test_cpu_ops_can_be_turned_off(monkeypatch, kernel_settings):
+    """TRELLM_CPU_OPS=0 (or a failed build) leaves the PyTorch path, and says why."""
+    monkeypatch.setattr(cpu_ops, "_module", None)
+    monkeypatch.setattr(cpu_ops, "_error", None)
+    kernel_settings(cpu_ops=False)
+    kernel_settings(force_triton=False)
+    assert cpu_ops.load() is None and "TRELLM_CPU_OPS=0" in cpu_ops.error()
+    args = paged_case([1, 3], [10, 20], 4, 2, 8, 16, F32)
+    close(attention.paged_attention(*args), attention.paged_attention_reference(*args))
+
+
+def _cpu_ops():
+    ops = cpu_ops.load()
+    assert ops is not None, cpu_ops.error()   # CI has g++ and ninja: a missing build is a failure, not a skip
+    return ops
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("rows,cols", [(1, 64), (7, 100), (300, 512)])
+def test_cpu_rms_norm_operators_match_reference(rows, cols, dtype):
+    """RMSNorm and the fused residual add (whose residual is x + residual rounded in the dtype, exactly), into new
+    tensors and in place."""
+    ops = _cpu_ops()
+    g = torch.Generator().manual_seed(rows)
+    x, res = randn(g, rows, cols, dtype=dtype) * 3, randn(g, rows, cols, dtype=dtype)
+    w = (1 + 0.1 * randn(g, cols)).to(dtype)
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, w, 1e-6)
+    close(out, rmsnorm.rms_norm_reference(x, w, 1e-6))
+    ref_normed, ref_res = rmsnorm.fused_add_rms_norm_reference(x, res, w, 1e-6)
+    normed, new_res = torch.empty_like(x), torch.empty_like(res)
+    ops.fused_add_rms_norm(normed, new_res, x, res, w, 1e-6)
+    assert torch.equal(new_res, ref_res)
+    close(normed, ref_normed)
+    ops.fused_add_rms_norm(x, res, x, res, w, 1e-6)      # out and res_out may be the inputs
+    assert torch.equal(res, ref_res)
+    close(x, ref_normed)
+
+
+@pytest.mark.parametrize("h,kvh,d,rot,dtype", [(8, 4, 64, 64, F32), (7, 1, 8, 8, F32), (4, 4, 64, 32, F32),
+                                               (8, 2, 16, 16, F16), (2, 1, 128, 128, BF16)])
+def test_cpu_rotary_operator_matches_reference(h, kvh, d, rot, dtype):
+    ops = _cpu_ops()
+    g = torch.Generator().manual_seed(9)
+    T, max_pos = 70, 4096
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    ang = torch.arange(max_pos).float()[:, None] * inv[None, :]
+    cos_sin = torch.cat((ang.cos(), ang.sin()), dim=-1)
+    positions = torch.randint(0, max_pos, (T,), generator=g, dtype=torch.int32)
+    q, k = randn(g, T, h, d, dtype=dtype), randn(g, T, kvh, d, dtype=dtype)
+    ref_q, ref_k = rotary.rotary_reference(q, k, positions, cos_sin)
+    q_in, k_in = q.clone(), k.clone()
+    ops.rotary(q_in, k_in, positions, cos_sin)
+    close(q_in, ref_q)
+    close(k_in, ref_k)
+    assert torch.equal(q_in[..., rot:], q[..., rot:])      # columns past the rotated width pass through
+
+
+@pytest.mark.parametrize("shape,dtype", [((7, 96), F32), ((3, 2200), F16), ((300, 2816), BF16), ((2, 34), F32)])
+def test_cpu_silu_and_mul_operator_matches_reference(shape, dtype):
+    ops = _cpu_ops()
+    g = torch.Generator().manual_seed(10)
+    x = randn(g, *shape, dtype=dtype) * 6
+    x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0]).to(dtype)   # exp's clamps: no inf or nan at the ends
+    out = x.new_empty(shape[0], shape[1] // 2)
+    ops.silu_and_mul(out, x)
+    close(out, activation.silu_and_mul_reference(x))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_cpu_write_kv_operator_from_a_qkv_view(dtype):
+    """k and v as strided views into a merged qkv (as the model passes them); -1 slots are skipped."""
+    ops = _cpu_ops()
+    g = torch.Generator().manual_seed(11)
+    T, kvh, d, bs, blocks = 40, 2, 16, 16, 6
+    qkv = randn(g, T, (4 + 2 * kvh) * d, dtype=dtype)
+    k = qkv[:, 4 * d:(4 + kvh) * d].view(T, kvh, d)
+    v = qkv[:, (4 + kvh) * d:].view(T, kvh, d)
+    slots = torch.randperm(blocks * bs, generator=g)[:T].to(torch.int32)
+    slots[::7] = -1
+    caches = [randn(g, blocks, bs, kvh, d, dtype=dtype) for _ in range(2)]
+    caches += [c.clone() for c in caches]
+    kv_cache.write_kv_reference(k, v, caches[0], caches[1], slots)
+    ops.write_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+def test_cpu_dispatch_uses_the_layer_operators(monkeypatch, kernel_settings):
+    """On a CPU with the operators built, each dispatch function takes its operator (and gives the reference's
+    answer); with TRELLM_CPU_OPS=0 the same calls run the references."""
+    kernel_settings(force_triton=False)
+    real, called = _cpu_ops(), []
+
+    class Spy:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(cpu_ops, "_module", Spy())
+    g = torch.Generator().manual_seed(12)
+    x, res, w = randn(g, 5, 64), randn(g, 5, 64), randn(g, 64)
+    close(rmsnorm.rms_norm(x, w, 1e-5), rmsnorm.rms_norm_reference(x, w, 1e-5))
+    ref = rmsnorm.fused_add_rms_norm_reference(x, res, w, 1e-5)
+    for got, want in zip(rmsnorm.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5), ref):
+        close(got, want)
+    gu = randn(g, 5, 128)
+    close(activation.silu_and_mul(gu), activation.silu_and_mul_reference(gu))
+    cos_sin = torch.randn(32, 16, generator=g)
+    q, k, pos = randn(g, 5, 4, 16), randn(g, 5, 2, 16), torch.arange(5, dtype=torch.int32)
+    want_q, want_k = rotary.rotary_reference(q, k, pos, cos_sin)
+    got_q, got_k = rotary.apply_rotary(q.clone(), k.clone(), pos, cos_sin)
+    close(got_q, want_q)
+    close(got_k, want_k)
+    cache = [torch.zeros(2, 16, 2, 16) for _ in range(2)]
+    kv_cache.write_kv(k, k, cache[0], cache[1], torch.arange(5, dtype=torch.int32))
+    assert torch.equal(cache[0].view(-1, 2, 16)[:5], k)
+    assert called == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary", "write_kv"]
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path):
+    """torch's cpp_extension waits forever on its lock file; one older than any build is a killed build's."""
+    import os
+    import time
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    cpu_ops.remove_stale_lock(str(tmp_path))
+    assert lock.exists(), "a build in progress keeps its lock"
+    old = time.time() - cpu_ops.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    cpu_ops.remove_stale_lock(str(tmp_path))
+    assert not lock.exists()
+
+

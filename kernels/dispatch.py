@@ -17,7 +17,7 @@ CPU_LINEAR_MODES = ("cpp", "onednn", "torch")
 
 @dataclass(frozen=True)
 class KernelSettings:
-    force_triton: bool = False       # TRELLM_FORCE_TRITON=1: Triton kernels on CPU tensors too (with TRITON_INTERPRET=1)
+    force_triton: bool = False       # TRELLM_FORCE_TRITON=1: Triton kernels on CPU tensors (with TRITON_INTERPRET=1)
     cpu_ops: bool = True             # TRELLM_CPU_OPS=0: no C++ CPU operators (the PyTorch path)
     cpu_ops_cache: str | None = None  # TRELLM_CPU_OPS_CACHE: where the C++ operators are built (cpu_ops.build_dir)
     cpu_linear: str = "cpp"          # TRELLM_CPU_LINEAR: fp32 linear layers on a CPU: cpp, onednn or torch

@@ -62,7 +62,7 @@ def test_stream_plan_holds_steps_without_text_and_sends_no_empty_chunk():
     plan = ResponsePlan(stream=True, text_of=spell, echo_prompt_ids=[1])    # echo never applies to streams
     assert plan.on_output(out([9], logprobs=[-1.0], context=[7])) is None         # a token without text: held
     first = plan.on_output(out([10], logprobs=[-2.0], context=[7, 9]))
-    assert first.text == "a" and first.token_ids == [9, 10] and first.logprobs == [-1.0, -2.0]
+    assert first.text == "a" and first.run.token_ids == [9, 10] and first.logprobs == [-1.0, -2.0]
     assert first.run.context_ids == [7], "a merged response's text is made after its first output's context"
     assert len(first.top_logprobs) == 2
     last = plan.on_output(out([], finished=True))                                   # the final response may be empty
@@ -72,14 +72,14 @@ def test_stream_plan_holds_steps_without_text_and_sends_no_empty_chunk():
 def test_stream_interval_sends_the_first_text_at_once_then_every_n_tokens_and_the_end():
     plan = ResponsePlan(stream=True, stream_interval=3, text_of=spell)
     assert plan.on_output(out([9])) is None                              # no text yet
-    assert plan.on_output(out([10])).token_ids == [9, 10]                # the first text: at once (TTFT)
+    assert plan.on_output(out([10])).run.token_ids == [9, 10]                # the first text: at once (TTFT)
     assert plan.on_output(out([11])) is None
     assert plan.on_output(out([12])) is None
     p = plan.on_output(out([13, 14]))                                    # 4 >= 3 tokens gathered
-    assert p.text == "bcde" and p.token_ids == [11, 12, 13, 14] and not p.finished
+    assert p.text == "bcde" and p.run.token_ids == [11, 12, 13, 14] and not p.finished
     assert plan.on_output(out([15])) is None
     last = plan.on_output(out([16], finished=True, cut=1))               # the end never waits; a stop's cut stays
-    assert last.text == "f" and last.token_ids == [15, 16] and last.finished and last.run.cut_chars == 1
+    assert last.text == "f" and last.run.token_ids == [15, 16] and last.finished and last.run.cut_chars == 1
     every = ResponsePlan(stream=True, text_of=spell)
     assert [every.on_output(out([t])).text for t in (10, 11, 12)] == ["a", "b", "c"]
 
@@ -88,7 +88,7 @@ def test_non_stream_plan_sends_once_with_prompt_tokens_first_when_echoed():
     plan = ResponsePlan(stream=False, text_of=spell, echo_prompt_ids=[1])
     assert plan.on_output(out([2])) is None
     p = plan.on_output(out([10], finished=True))
-    assert p.text == "Lists area" and p.token_ids == [1, 2, 10] and p.run.context_ids == [] and p.finished
+    assert p.text == "Lists area" and p.run.token_ids == [1, 2, 10] and p.run.context_ids == [] and p.finished
     assert ResponsePlan(stream=False).on_output(out([10], finished=True)).text is None
 
 

@@ -28,8 +28,8 @@ import urllib.error
 import urllib.request
 
 from trellm_backend.tools.repository import default_repository
-from trellm_backend.tools.testbed import metric_samples
 from trellm_backend.tools.supervisor import Supervisor, remove_shm_regions, server_children, stub_shm_regions
+from trellm_backend.tools.testbed import metric_samples
 
 DEFAULT_REPOSITORY = default_repository()
 MODEL_CONTROL_MODES = ("none", "poll", "explicit")
@@ -174,7 +174,8 @@ class TritonServer:
             samples = metric_samples(self.metrics_port, timeout=2)
         except OSError:
             return None
-        return int(sum(s.value for s in samples if s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting")))
+        queues = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        return int(sum(s.value for s in samples if s.name in queues))
 
     def wait_ready(self, timeout: float) -> None:
         """Block until /v2/health/ready answers 200 (every model loaded), or raise."""

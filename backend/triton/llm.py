@@ -96,10 +96,6 @@ class ResponsePayload:
     times: RequestTimes
     num_cached_tokens: int
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.run.token_ids
-
     def top_logprobs_json(self) -> str:
         return json.dumps([[rank, [[t, lp] for t, lp in top]] for rank, top in self.top_logprobs]) \
             if self.top_logprobs else ""

@@ -4,6 +4,7 @@ import functools
 import http.server
 import json
 import os
+import queue
 import re
 import shutil
 import signal
@@ -424,12 +425,16 @@ def test_healthcheck_fails_by_name_where_nothing_generates():
 # streams hang until the exit timeout (TritonServer.drain's docstring). So the stop drains the engines first.
 def test_stopping_the_server_ends_ensemble_streams_with_a_final_abort(tmp_path):
     """The stop signals the stubs first: the llm model ends every stream with finish_reason abort after
-    shutdown_grace_s (1 s here), through the whole ensemble, and only then is the server itself stopped."""
+    shutdown_grace_s (1 s here), through the whole ensemble, and only then is the server itself stopped. A stream the
+    client cancelled earlier is not still counted in flight then (2.51's dynamic batcher in postprocess made each
+    such stream a leak that kept every stop waiting out the exit timeout)."""
     repo = tmp_path / "model_repository"
     private_repository(os.path.join(REPO, "model_repository"), str(repo), {"llm": {"shutdown_grace_s": "1"}})
     http, grpc, metrics = free_ports(3)
-    server = TritonServer(str(repo), http, grpc, metrics, log_path=str(tmp_path / "server.log")).start()
+    log = tmp_path / "server.log"
+    server = TritonServer(str(repo), http, grpc, metrics, log_path=str(log)).start()
     try:
+        cancel_ensemble_stream_midway(f"localhost:{grpc}")
         ends: dict[int, tuple] = {}
         started = threading.Barrier(4)
 
@@ -458,5 +463,24 @@ def test_stopping_the_server_ends_ensemble_streams_with_a_final_abort(tmp_path):
         assert all(not t.is_alive() for t in threads), "a stream hung after the stop"
         assert [e[:3] for e in ends.values()] == [("final", "abort", True)] * 3, ends
         assert max(e[3] for e in ends.values()) - signalled_at < 5, "the streams must end within the grace"
+        counted = re.findall(r"Model '\w+' \(version \d+\) has \d+ in-flight inferences", log.read_text())
+        assert not counted, f"the stopping server still counted inferences in flight: {counted[:1]}"
     finally:
         server.stop(timeout=15)    # past its exit timeout (10 s), 2.51 may linger for minutes: no need to wait
+
+
+def cancel_ensemble_stream_midway(url: str) -> None:
+    """An ensemble stream the client cancels (gRPC stop_stream with cancel_requests) after 3 responses, while llm still
+    generates; returns once llm has had the time to end it (64 tokens of the default model: well under 3 s)."""
+    import tritonclient.grpc as grpcclient
+    from trellm_client.client import build_inputs
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: responses.put(error))
+    client.async_stream_infer("ensemble", build_inputs(grpcclient, "Once upon a time",
+                                                       dict(max_tokens=64, min_tokens=64, stream=True)))
+    for _ in range(3):
+        assert responses.get(timeout=60) is None
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    time.sleep(3)

@@ -26,8 +26,12 @@ def test_the_verdict_fails_on_a_shared_memory_region_left_and_on_a_crash_in_the_
     failures, _ = verdict(served, shm_left={"triton_python_backend_shm_region_1": "llm (stub 42): 1 MiB"})
     assert len(failures) == 1 and "/dev/shm" in failures[0] and "llm (stub 42)" in failures[0], failures
     crashes, excused = crash_lines(b"I1127 ready\nSignal (11) received.\n 0# 0x5 in tritonserver\nSignal (15) "
-                                   b"received.\nFatal Python error: Segmentation fault\n")
-    assert crashes == ["Signal (11) received.", "Fatal Python error: Segmentation fault"] and excused == []
+                                   b"received.\nFatal Python error: Segmentation fault\n"
+                                   b"I1127 Model 'ensemble' (version 1) has 3 in-flight inferences\n"
+                                   b'E1127 main.cc:535] "failed to stop server: Internal - Exit timeout expired."\n')
+    assert crashes[:2] == ["Signal (11) received.", "Fatal Python error: Segmentation fault"] and excused == []
+    assert len(crashes) == 3 and "Exit timeout expired" in crashes[2], "a stop that waited for a leaked inference"
+    crashes = crashes[:2]
     failures, _ = verdict(served, crashes=crashes)
     assert failures == ["server log: Signal (11) received.", "server log: Fatal Python error: Segmentation fault"]
     failures, unexpected = verdict(served, idle={"end": {"idle": True, "after_s": 12}})
@@ -55,6 +59,15 @@ def test_the_verdict_excuses_only_what_the_stub_kill_causes():
     crashes, excused_lines = crash_lines(log, (start, start + len(ABORT)))
     assert len(excused_lines) == 3 and len(crashes) == 3 and crashes[2] == "Signal (6) received.", crashes
     assert crash_lines(b"Signal (11) received.\n", (0, 100)) == (["Signal (11) received."], [])
+    # A final stop that waited out the exit timeout: excused (with its abort) when only models were left to unload,
+    # a failure when an inference was still counted in flight (a leak of this server's making).
+    stop = (b"Signal (15) received.\nI1127 server.cc:321] \"Timeout 10: Found 0 model versions that have in-flight "
+            b"inferences\"\n%sE1127 main.cc:535] \"failed to stop server: Internal - Exit timeout expired.\"\n"
+            b"Signal (6) received.\n")
+    crashes, excused_lines = crash_lines(stop % b"I1127 \"Timeout 0: Found 2 live models\"\n")
+    assert crashes == [] and len(excused_lines) == 2, (crashes, excused_lines)
+    crashes, excused_lines = crash_lines(stop % b"I1127 \"Model 'ensemble' (version 1) has 20 in-flight inferences\"\n")
+    assert len(crashes) == 2 and excused_lines == [], (crashes, excused_lines)
 
 
 @pytest.mark.server

@@ -35,6 +35,7 @@ INPUT_TYPES = {
     "num_return_sequences": np.int32, "return_log_probs": np.bool_, "beam_width": np.int32,
     "length_penalty": np.float32, "stream": np.bool_, "exclude_input_in_output": np.bool_,
     "return_num_input_tokens": np.bool_, "return_num_output_tokens": np.bool_, "return_perf_metrics": np.bool_,
+    "guided_decoding_guide_type": np.object_, "guided_decoding_guide": np.object_,
 }
 LIST_INPUTS = {"stop_words", "bad_words"}
 INT_LIST_INPUTS = {"stop_token_ids"}
@@ -86,6 +87,8 @@ def build_inputs(grpc_module, prompt: str | bytes | None, params: dict, messages
             add(name, np.array([[w.encode("utf-8") for w in words]], dtype=np.object_), dtype)
         elif name in INT_LIST_INPUTS:
             add(name, np.array([list(value)], dtype=dtype), dtype)
+        elif dtype is np.object_:
+            add(name, np.array([[value.encode("utf-8")]], dtype=np.object_), dtype)
         else:
             add(name, np.array([[value]], dtype=dtype), dtype)
     return inputs

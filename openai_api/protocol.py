@@ -101,15 +101,12 @@ def parse(body, chat: bool) -> Generation:
     for key, why in UNSUPPORTED.items():
         if body.get(key) not in (None, False, [], {}):
             raise invalid(why, key)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise invalid("response_format: only {\"type\": \"text\"} is supported (structured output is not built "
-                      "yet)", "response_format")
     unknown = sorted(k for k in body if k not in OPENAI_ONLY and k not in IGNORED and k not in fields.BY_JSON
                      and k not in UNSUPPORTED)
     if unknown:
         raise invalid(f"unknown parameter(s) {', '.join(unknown)}", unknown[0])
     sampling = {k: v for k, v in body.items() if k in fields.BY_JSON and k not in ("logprobs",)}
+    sampling.update(_response_format(body.get("response_format")))
     if body.get("max_completion_tokens") is not None:
         sampling["max_tokens"] = body["max_completion_tokens"]
     if "temperature" not in sampling or sampling["temperature"] is None:
@@ -143,6 +140,22 @@ def parse(body, chat: bool) -> Generation:
         raise invalid("prompt must be a non-empty string (one prompt per request)", "prompt")
     return Generation(False, model, prompt, None, params, n, stream, include_usage, _flag(body, "echo"),
                       top_logprobs=top)
+
+
+def _response_format(fmt) -> dict:
+    """The structured-output key of the vLLM contract (fields.VLLM_GUIDES) that OpenAI's response_format means."""
+    if fmt is None or fmt == {"type": "text"}:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return {"guided_json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise invalid("response_format.json_schema must be an object with a name and a schema (an object)",
+                          "response_format")
+        return {"guided_json": spec.get("schema", {})}
+    raise invalid("response_format.type must be text, json_object or json_schema", "response_format")
 
 
 def _flag(obj: dict, key: str, shown: str | None = None) -> bool:

@@ -132,6 +132,23 @@ def test_logprobs_in_both_shapes(door):
     assert "".join(t.token for t in content) == chat.choices[0].message.content
 
 
+@pytest.mark.server
+def test_response_format_constrains_the_answer(door):
+    client = sdk(door)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    out = client.chat.completions.create(
+        model="ensemble", messages=MESSAGES, max_tokens=40, temperature=1.0, seed=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    answer = json.loads(out.choices[0].message.content)
+    assert set(answer) == {"ok", "n"} and isinstance(answer["ok"], bool) and 0 <= answer["n"] <= 9
+    assert out.choices[0].finish_reason == "stop"
+    r = post(door, {"model": "ensemble", "prompt": "a", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}})
+    assert r.status_code == 400 and "'uniqueItems'" in r.json()["error"]["message"], r.text
+
+
 def post(url, body, key=None, raw=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(url + "/v1/completions", content=raw if raw is not None else json.dumps(body),
@@ -149,7 +166,7 @@ ERROR_CASES = [  # body, status, param
     ({"model": "ensemble", "prompt": "a", "logprobs": 21}, 400, "logprobs"),
     ({"model": "ensemble", "prompt": "a", "stream": "yes"}, 400, "stream"),
     ({"model": "ensemble", "prompt": "a", "unknown_knob": 1}, 400, "unknown_knob"),
-    ({"model": "ensemble", "prompt": "a", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": "ensemble", "prompt": "a", "response_format": {"type": "xml"}}, 400, "response_format"),
     ({"model": "ensemble", "prompt": "a", "logit_bias": {"5": 100}}, 400, "logit_bias"),
     ({"model": "ensemble", "prompt": ""}, 400, "prompt"),
     ({"model": "ensemble"}, 400, "prompt"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 
 from trellm_backend.engine.kv_cache_manager import KVCacheManager
@@ -18,6 +19,7 @@ from trellm_backend.engine.proposers import NgramProposer
 from trellm_backend.engine.sampler import SampledToken
 from trellm_backend.engine.scheduler import ScheduledChunk, Scheduler
 from trellm_backend.engine.stats import SchedulerStats
+from trellm_backend.engine.structured_output import GrammarCompiler, GuidedRow, fill_masks
 
 log = logging.getLogger("trellm")
 
@@ -43,6 +45,16 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.pool_tokens = self.kv.num_blocks * config.block_size
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The guide compiler, made with the first guided request (xgrammar's tokenizer tables take ~20 ms)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            return self._grammars
 
     def _speculation(self, config: EngineConfig, draft_cfg: ModelConfig | None):
         """(proposer, tokens per guess, batch size past which no step guesses) from the settings."""
@@ -80,9 +92,13 @@ class LLMEngine:
             raise ValueError(f"stop token ids (end_id, stop_token_ids) must be in [0, {vocab}), got {bad_ids}")
         if (params.stop or params.bad_words) and self.tokenizer is None:
             raise ValueError("stop strings and bad words need the engine's tokenizer")
+        if params.guide is not None and self.tokenizer is None:
+            raise ValueError("guided decoding needs the engine's tokenizer")
         if params.bad_words:
             params.bad_words_ids = self._bad_words_ids(tuple(params.bad_words))
         req = Request(request_id, list(prompt_token_ids), params, max_len=min(self.max_model_len, self.pool_tokens))
+        if params.guide is not None:
+            req.grammar_future = self.grammars.compile(params.guide)    # compiles on its own thread, cached
         if self.tokenizer is not None:
             req.output_processor = OutputProcessor(self.tokenizer, req.prompt_token_ids, params)
         return req
@@ -90,6 +106,8 @@ class LLMEngine:
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already running")
+        if req.grammar_future is not None and req.grammar is None:
+            req.grammar = self.grammars.matcher(req.grammar_future.result())   # GuideError: this request's error
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
@@ -116,7 +134,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.chunks:
             return []
-        sampled = iter(self.runner.execute(sched))
+        sampled = iter(self.runner.execute(sched, self._grammar_masks(sched)))
         outputs = []
         for chunk in sched.chunks:
             if not chunk.samples:
@@ -124,6 +142,18 @@ class LLMEngine:
             rows = [next(sampled) for _ in range(len(chunk.draft_token_ids) + 1)]
             outputs.append(self._advance(chunk, rows))
         return outputs
+
+    def _grammar_masks(self, sched):
+        """The step's token bitmask for the guided requests' rows (structured_output.py), or None."""
+        if self._grammars is None:
+            return None
+        rows = []
+        for c in sched.chunks:
+            if c.samples:
+                m = c.request.grammar
+                rows += [None if m is None else GuidedRow(m, c.draft_token_ids[:j])
+                         for j in range(len(c.draft_token_ids) + 1)]
+        return fill_masks(self._grammars, rows)
 
     def _advance(self, chunk: ScheduledChunk, rows: list[SampledToken]) -> RequestOutput:
         """Append the step's tokens to the chunk's request: the guesses the target sampled the same token for,
@@ -146,6 +176,12 @@ class LLMEngine:
             if s.logprob is not None:
                 req.cumulative_logprob += s.logprob
             reason = self._finish_reason(req, token)
+            if req.grammar is not None:
+                if not req.grammar.accept_token(token):
+                    log.warning("%s: token %d is outside its grammar; ending it", req.request_id, token)
+                    reason = "stop"
+                elif req.grammar.is_terminated():   # the grammar took a stop token: done, ignore_eos or not
+                    reason = "stop"
             if req.output_processor is None:
                 released = len(req.unsent)
             else:

@@ -60,6 +60,7 @@ class DuplicateClientId(ValueError):
 class Add:
     request: Request
     sink: OutputSink
+    compiled: bool = False     # sent when its grammar was compiled (it may have been aborted meanwhile)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,9 @@ class EngineLoop:
         self._client_ids: dict[str, set[str]] = {}
         self._client_id_of: dict[str, str] = {}
         self._clients_lock = threading.Lock()
+        # Guided requests whose grammar is compiling (not in the inbox yet), and those of them aborted meanwhile.
+        self._compiling: set[str] = set()
+        self._aborted_compiling: set[str] = set()
         self._stopping = False
         self._closed: str | None = None     # why new requests are refused (shut_down)
         self._outbox: queue.SimpleQueue[Send | Fail | Sent | None] = queue.SimpleQueue()
@@ -175,7 +179,13 @@ class EngineLoop:
                 self._client_ids[client_id] = {r.request_id for r in requests}
                 self._client_id_of.update((r.request_id, client_id) for r in requests)
         for request, sink in zip(requests, sinks):
-            self._inbox.put(Add(request, sink))
+            future = request.grammar_future
+            if future is None or future.done():
+                self._inbox.put(Add(request, sink))
+            else:   # a guided request joins the engine once its grammar is compiled; the others go on meanwhile
+                with self._clients_lock:
+                    self._compiling.add(request.request_id)
+                future.add_done_callback(lambda _, add=Add(request, sink, compiled=True): self._inbox.put(add))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))
@@ -274,6 +284,16 @@ class EngineLoop:
                 return
             block = False
             if isinstance(msg, Add):
+                rid = msg.request.request_id
+                if msg.compiled:
+                    with self._clients_lock:
+                        self._compiling.discard(rid)
+                        aborted = rid in self._aborted_compiling
+                        self._aborted_compiling.discard(rid)
+                    if aborted or self._closed is not None:
+                        self._forget(rid)
+                        self._outbox.put(Fail(msg.sink, self._closed or "aborted while its grammar compiled"))
+                        continue
                 try:
                     self.engine.add(msg.request)
                 except Exception as e:   # ValueError: the request's fault, named; anything else: ours
@@ -310,6 +330,9 @@ class EngineLoop:
         return self._sinks.pop(request_id, None)
 
     def _abort(self, request_id: str) -> None:
+        with self._clients_lock:
+            if request_id in self._compiling:
+                self._aborted_compiling.add(request_id)
         out = self.engine.abort(request_id)
         if out is not None:
             self._finished(out)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from trellm_backend.engine.structured_output import Guide
+
 
 U64_MAX = (1 << 64) - 1
 I32_MAX = (1 << 31) - 1
@@ -78,6 +80,7 @@ class SamplingParams:
     logprobs: int | None = _bounded(None, 0, 20)     # None: none; k: the sampled token's logprob and the top k
     skip_special_tokens: bool = True
     speculative_decoding: bool = True                # false: this request's steps carry no guesses (same output)
+    guide: Guide | None = None                       # structured output (structured_output.py)
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the allowed range."""
@@ -91,6 +94,8 @@ class SamplingParams:
             if chars is not None and any(len(v) > chars for v in values):
                 longest = max(len(v) for v in values)
                 raise ValueError(f"{shown} has an entry of {longest} characters; at most {chars} are allowed")
+        if self.guide is not None:
+            self.guide.validate()
 
     def bad_word_table(self) -> tuple[list[int], dict[int, dict[tuple[int, ...], list[int]]]]:
         """bad_words_ids as (ids banned always, {head length: {head: ids banned after it}}), built once: a sampling
@@ -147,6 +152,8 @@ class Request:
     num_cached_tokens: int = 0                    # prompt tokens found in the prefix cache at first admission
     spec_acceptance: float = 1.0                  # speculative guesses: recent acceptance rate (the scheduler's)
     spec_steps_since_probe: int = 0
+    grammar_future: object | None = None          # a guided request's compiled grammar (concurrent.futures.Future)
+    grammar: object | None = None                 # its xgrammar matcher, made when the engine takes the request
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

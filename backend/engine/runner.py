@@ -16,6 +16,7 @@ from trellm_backend.models.llama import AttentionMetadata, LlamaModel
 from trellm_backend.engine.sampler import SampledToken, sample
 from trellm_backend.engine.request import Request
 from trellm_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
+from trellm_backend.engine.structured_output import apply_masks
 from trellm_backend.models.weights import load_state_dict
 from trellm_kernels import cpu_ops
 from trellm_kernels.kv_cache import QMAX, SCALE_DTYPE
@@ -57,9 +58,10 @@ class ModelRunner:
         return n
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> list[SampledToken]:
+    def execute(self, sched: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None) -> list[SampledToken]:
         """Run the scheduled chunks; return the sampled tokens of each chunk that samples, in chunk order: one,
-        or with guesses one per guess and one after them (the target's own choice at each of those positions)."""
+        or with guesses one per guess and one after them (the target's own choice at each of those positions).
+        `grammar_bitmask` (structured_output.py) masks the sampled rows' logits before any sampling control."""
         chunks = sched.chunks
         ids: list[int] = []
         for c in chunks:
@@ -78,6 +80,8 @@ class ModelRunner:
         logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices.to(self.device), self.kv_scales)
         if not sampling:
             return []
+        if grammar_bitmask is not None:
+            apply_masks(logits, grammar_bitmask, self.model_cfg.vocab_size)
         return sample(logits, [r for i in sampling for r in rows_to_sample(chunks[i])], self.model_cfg.eos_token_ids)
 
 

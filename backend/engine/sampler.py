@@ -86,12 +86,12 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
 
 
 def apply_bans(logits: torch.Tensor, requests: list[Request], eos_token_ids=()) -> torch.Tensor:
-    """-inf for EOS and stop ids while a row is below min_tokens, and for the last token of each bad word whose
+    """-inf for EOS and stop ids while a row is below min_tokens (unless a grammar guides it), and for the last token of each bad word whose
     earlier tokens end the sequence so far (single-token bad words always)."""
     banned_rows, banned_ids = [], []
     for i, r in enumerate(requests):
         p = r.params
-        if r.num_output_tokens < p.min_tokens:
+        if r.num_output_tokens < p.min_tokens and r.grammar is None:   # a guided row ends where its grammar does
             ids = [*p.stop_token_ids, *([] if p.ignore_eos else eos_token_ids)]
             banned_rows += [i] * len(ids)
             banned_ids += ids

@@ -14,17 +14,24 @@ import numpy as np
 
 from trellm_backend.engine.config import parse_bool
 from trellm_backend.engine.request import I32_MAX, LIST_LIMITS, Bounds, SamplingParams
+from trellm_backend.engine.structured_output import GUIDE_TYPES, Guide
 from trellm_backend.triton.tokenization import decode_utf8
 
 TRITON_TYPES = {"int": "TYPE_INT32", "uint": "TYPE_UINT64", "float": "TYPE_FP32", "bool": "TYPE_BOOL",
-                "str_list": "TYPE_STRING", "int_list": "TYPE_INT32"}
+                "str": "TYPE_STRING", "str_list": "TYPE_STRING", "int_list": "TYPE_INT32"}
+# The vLLM contract's structured-output keys -> the guide type each one means (`structured_outputs` holds one of
+# json, regex, choice, grammar, json_object).
+VLLM_GUIDES = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+               "guided_grammar": "ebnf_grammar", "guided_json_object": "json"}
+STRUCTURED_OUTPUTS_KEYS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                           "grammar": "guided_grammar", "json_object": "guided_json_object"}
 _SAMPLING = {f.name: f for f in dataclasses.fields(SamplingParams)}
 
 
 @dataclass(frozen=True)
 class Field:
     name: str                      # SamplingParams attribute, or a request-level setting
-    kind: str                      # int, uint, float, bool, str_list, int_list
+    kind: str                      # int, uint, float, bool, str, str_list, int_list
     default: object
     bounds: Bounds | None = None   # allowed range (numbers only)
     tensors: tuple[str, ...] = ()  # ensemble/llm tensor names, aliases after the first; () = llm only, as `name`
@@ -100,6 +107,11 @@ FIELDS: list[Field] = [
               doc="false: no speculative guesses for this request (the model's speculative_method; same output)"),
     _sampling("logprobs", "int", json=("logprobs",),
               doc="logprob of each sampled token plus this many top alternatives"),
+    Field("guided_decoding_guide_type", "str", None, None, tensors=("guided_decoding_guide_type",),
+          doc=f"structured output (TRT-LLM's names): {', '.join(GUIDE_TYPES)}; json = any JSON object"),
+    Field("guided_decoding_guide", "str", None, None, tensors=("guided_decoding_guide",),
+          json=(*VLLM_GUIDES, "structured_outputs"),
+          doc="the schema, regex, choices (JSON list) or EBNF grammar; vLLM's keys set type and guide at once"),
     Field("return_log_probs", "bool", False, None, tensors=("return_log_probs",),
           doc="fill cum_log_probs and output_log_probs"),
     Field("beam_width", "int", 1, Bounds(1, 1), tensors=("beam_width",), doc="beam search is not supported: 1 only"),
@@ -158,6 +170,10 @@ def ensemble_tensor_names() -> list[str]:
 # -- values from tensors ---------------------------------------------------------------------------------------
 def _tensor_value(f: Field, shown: str, arr: np.ndarray):
     a = np.asarray(arr)
+    if f.kind == "str":
+        if (a.dtype != np.object_ and a.dtype.kind not in "SU") or a.size != 1:
+            raise ValueError(f"{shown} must be one STRING value, got {a.dtype} of shape {list(a.shape)}")
+        return decode_utf8(a.reshape(-1)[0], shown)
     if f.kind == "str_list":
         if a.dtype != np.object_ and a.dtype.kind not in "SU":
             raise ValueError(f"{shown} must be a STRING tensor, got {a.dtype}")
@@ -253,10 +269,39 @@ def values_from_json(obj: dict, shown_prefix: str = "") -> dict[str, object]:
         if f is None or raw is None:
             continue
         shown = shown_prefix + key
+        if f.name == "guided_decoding_guide":
+            if "guided_decoding_guide_type" in values:
+                raise ValueError(f"{shown}: give one structured-output key ({', '.join(f.json)})")
+            values["guided_decoding_guide_type"], values[f.name] = _vllm_guide(key, raw, shown)
+            continue
         v = _coerce(f, shown, raw)
         f.check(v, shown)
         values[f.name] = v
     return values
+
+
+def _vllm_guide(key: str, raw, shown: str) -> tuple[str, str]:
+    """(guide type, guide text) of one of the vLLM contract's structured-output keys."""
+    if key == "structured_outputs":
+        given = {k: v for k, v in raw.items() if v not in (None, False)} if isinstance(raw, dict) else None
+        if not given or len(given) != 1 or next(iter(given)) not in STRUCTURED_OUTPUTS_KEYS:
+            raise ValueError(f"{shown} must be an object with exactly one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}")
+        (sub, value), = given.items()
+        return _vllm_guide(STRUCTURED_OUTPUTS_KEYS[sub], value, f"{shown}.{sub}")
+    kind = VLLM_GUIDES[key]
+    if kind == "json":
+        if parse_bool(raw) is not True:
+            raise ValueError(f"{shown} must be true (or left out)")
+        return kind, ""
+    if kind == "json_schema":
+        return kind, raw if isinstance(raw, str) else json.dumps(raw)
+    if kind == "choice":
+        if not isinstance(raw, list):
+            raise ValueError(f"{shown} must be a list of strings")
+        return kind, json.dumps(raw)
+    if not isinstance(raw, str):
+        raise ValueError(f"{shown} must be a string")
+    return kind, raw
 
 
 def ensemble_inputs_from_values(values: dict[str, object]) -> dict[str, object]:
@@ -270,7 +315,9 @@ def tensors_from_values(values: dict[str, object]) -> dict[str, np.ndarray]:
     for name, v in values.items():
         f = BY_NAME[name]
         t = f.tensor_names[0]
-        if f.kind == "str_list":
+        if f.kind == "str":
+            out[t] = np.array([[v.encode("utf-8")]], dtype=np.object_)
+        elif f.kind == "str_list":
             out[t] = np.array([[w.encode("utf-8") for w in v]], dtype=np.object_)
         elif f.kind == "int_list":
             out[t] = np.array([v], dtype=np.int32)
@@ -291,6 +338,11 @@ def sampling_params(values: dict[str, object]) -> SamplingParams:
         kwargs["stop_token_ids"] = [*kwargs.get("stop_token_ids", []), values["end_id"]]
     if values.get("return_log_probs") and kwargs.get("logprobs") is None:
         kwargs["logprobs"] = 0
+    if values.get("guided_decoding_guide_type") is not None:
+        kwargs["guide"] = Guide(values["guided_decoding_guide_type"], values.get("guided_decoding_guide") or "")
+    elif values.get("guided_decoding_guide"):
+        raise ValueError("guided_decoding_guide needs guided_decoding_guide_type "
+                         f"({', '.join(GUIDE_TYPES)})")
     params = SamplingParams(**kwargs)
     params.validate()
     return params

@@ -1,0 +1,176 @@
+"""Structured output (backend/engine/structured_output.py): guides that are refused by name, sampled output at
+temperature 1 that always parses and validates, exactness (a guide the free answer already satisfies changes
+nothing; speculation on or off changes nothing), and the three entry points through a real tritonserver."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from test_spec_decode import REPETITIVE, engine, run
+from trellm_backend.engine.request import SamplingParams
+from trellm_backend.engine.structured_output import Guide, GuideError
+
+# Every string and list is bounded, so a random model's samples end inside max_tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "score": {"type": "number", "minimum": -1, "maximum": 1},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 1, "maxItems": 3},
+        "address": {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                                                     "ok": {"type": "boolean"}},
+                    "required": ["zip", "ok"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "score", "role", "code", "tags", "address"],
+    "additionalProperties": False,
+}
+REGEX = r"(\+|-)?[0-9]{1,4}\.[0-9]{2} [a-z]{2,6}"
+CHOICES = ["red", "green", "blue and yellow"]
+ARITHMETIC = ('root ::= term (op term){0,3}\nterm ::= num | "(" num op num ")"\nop ::= "+" | "-" | "*"\n'
+              'num ::= [0-9]{1,2}')
+
+
+def check(guide: Guide, text: str) -> None:
+    """Raise if `text` does not satisfy `guide`."""
+    if guide.type == "json_schema":
+        jsonschema.validate(json.loads(text), json.loads(guide.text))
+    elif guide.type == "json":
+        assert isinstance(json.loads(text), dict), text
+    elif guide.type == "regex":
+        assert re.fullmatch(guide.text, text), text
+    elif guide.type == "choice":
+        assert text in json.loads(guide.text), text
+    else:
+        term = r"([0-9]{1,2}|\([0-9]{1,2}[-+*][0-9]{1,2}\))"       # ARITHMETIC, written as a regex
+        assert re.fullmatch(f"{term}([-+*]{term}){{0,3}}", text), text
+
+
+# Bounded guides: every sample must end (finish_reason stop) inside max_tokens and satisfy its guide.
+GUIDES = [Guide("json_schema", json.dumps(SCHEMA)), Guide("regex", REGEX), Guide("choice", json.dumps(CHOICES)),
+          Guide("ebnf_grammar", ARITHMETIC)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("schema, named", [
+    ({"type": "array", "uniqueItems": True}, "'uniqueItems' (at #/uniqueItems)"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "'not' (at #/properties/a/not)"),
+    ({"type": "string", "format": "credit-card"}, "format 'credit-card'"),
+    ({"type": "number", "multipleOf": 0.5}, "'multipleOf'"),
+    ({"anyOf": [{"type": "string"}, {"if": {"type": "string"}}]}, "'if' (at #/anyOf/1/if)"),
+])
+def test_a_schema_keyword_that_would_not_be_enforced_is_refused_by_name(schema, named):
+    with pytest.raises(GuideError, match=re.escape(named)):
+        SamplingParams(guide=Guide("json_schema", json.dumps(schema))).validate()
+
+
+@pytest.mark.unit
+def test_guides_are_bounded_and_typed():
+    for guide, message in [(Guide("xml", "<a/>"), "guided_decoding_guide_type must be one of"),
+                           (Guide("regex", "a" * 70000), "at most 65536"),
+                           (Guide("choice", "[]"), "non-empty JSON list"),
+                           (Guide("json_schema", "{not json"), "not valid JSON"),
+                           (Guide("regex", ""), "empty")]:
+        with pytest.raises(GuideError, match=message):
+            guide.validate()
+    deep = {"type": "string"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(GuideError, match="deeper than 32"):
+        Guide("json_schema", json.dumps(deep)).validate()
+
+
+@pytest.mark.parametrize("guide", GUIDES, ids=lambda g: g.type)
+def test_sampled_output_at_temperature_one_always_satisfies_the_guide(default_model_path, tokenizer, guide):
+    eng = engine(default_model_path, tokenizer, method="none")
+    prompts = [tokenizer(p)["input_ids"] for p in ["Hello", "The answer is", "A list:", "def f(x):"]]
+    outs = run(eng, prompts * 3, None, params_of=lambda i: SamplingParams(
+        max_tokens=400, temperature=1.0, seed=i, guide=guide))
+    for o in outs:
+        assert o["reason"] == "stop", o
+        check(guide, o["text"])
+
+
+def test_any_json_object_is_an_object_wherever_it_ends(default_model_path, tokenizer):
+    """`json` (OpenAI's json_object) bounds nothing, so a random model's sample may reach max_tokens inside it; what
+    ends by itself parses as an object, and every sample is one from its first character."""
+    eng = engine(default_model_path, tokenizer, method="none")
+    prompts = [tokenizer(p)["input_ids"] for p in ["Hello", "The answer is", "A list:"]]
+    outs = run(eng, prompts * 4, None, params_of=lambda i: SamplingParams(
+        max_tokens=64, temperature=1.0, seed=i, guide=Guide("json")))
+    assert all(o["text"].startswith("{") for o in outs)
+    for o in outs:
+        if o["reason"] == "stop":
+            check(Guide("json"), o["text"])
+
+
+def test_a_guide_the_free_answer_satisfies_changes_nothing(default_model_path, tokenizer):
+    eng = engine(default_model_path, tokenizer, method="none")
+    prompts = [tokenizer(p)["input_ids"] for p in REPETITIVE]
+    free = run(eng, prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    guided = run(eng, prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                              guide=Guide("regex", r"[\s\S]*")))
+    assert [o["tokens"] for o in guided] == [o["tokens"] for o in free]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_guided_output_is_the_same_with_speculation_on_or_off(default_model_path, tokenizer, temperature):
+    prompts = [tokenizer(p)["input_ids"] for p in REPETITIVE]
+    guide = Guide("regex", r"[a-z ,.():+=\n]{0,120}")
+    params = dict(max_tokens=60, temperature=temperature, logprobs=2)
+    outs = {}
+    for method in ("none", "ngram"):
+        eng = engine(default_model_path, tokenizer, method=method, num_speculative_tokens=3)
+        outs[method] = run(eng, prompts, None, params_of=lambda i: SamplingParams(**params, seed=i, guide=guide))
+        if method == "ngram":
+            assert eng.scheduler.spec.num_draft_tokens > 0, "no step carried guesses"
+    for off, on in zip(outs["none"], outs["ngram"]):
+        assert on["tokens"] == off["tokens"] and on["reason"] == off["reason"]
+        assert on["logprobs"] == pytest.approx(off["logprobs"], abs=1e-4)
+        check(guide, on["text"])
+
+
+def test_a_grammar_that_does_not_compile_fails_its_request_only(default_model_path, tokenizer):
+    eng = engine(default_model_path, tokenizer, method="none")
+    prompt = tokenizer("Hello")["input_ids"]
+    bad = eng.make_request("bad", prompt, SamplingParams(guide=Guide("ebnf_grammar", "root ::= missing_rule")))
+    with pytest.raises(GuideError, match="missing_rule"):
+        eng.add(bad)
+    good = run(eng, [prompt], SamplingParams(max_tokens=5, guide=Guide("choice", '["yes", "no"]')))
+    assert good[0]["text"] in ("yes", "no")
+    assert eng.grammars.stats.requests == 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(default_model_path)
+
+
+# -- through a real tritonserver ------------------------------------------------------------------------------
+@pytest.mark.server
+def test_every_entry_point_takes_a_guide(triton_server):
+    import urllib.request
+
+    from trellm_client.client import LLMClient
+    schema = json.dumps(SCHEMA)
+    with LLMClient(triton_server.grpc_url) as c:
+        text = c.generate("Hello", max_tokens=300, temperature=1.0, seed=3, exclude_input_in_output=True,
+                          guided_decoding_guide_type="json_schema",
+                          guided_decoding_guide=schema)
+        check(Guide("json_schema", schema), text)
+        with pytest.raises(Exception, match="'uniqueItems'"):
+            c.generate("Hello", guided_decoding_guide_type="json_schema",
+                       guided_decoding_guide='{"type": "array", "uniqueItems": true}')
+    body = {"text_input": "Pick one", "sampling_parameters": json.dumps(
+        {"temperature": 1.0, "seed": 1, "max_tokens": 20, "guided_choice": CHOICES})}
+    req = urllib.request.Request(f"http://{triton_server.http_url}/v2/models/vllm_model/generate",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        answer = json.loads(r.read())["text_output"]
+    assert answer.removeprefix("Pick one") in CHOICES, answer

@@ -78,3 +78,18 @@ def test_speculative_decoding_counters_follow_the_snapshot():
     assert m[("vllm:spec_decode_num_accepted_tokens_total", None)].value == 8
     per_pos = [m[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(p))].value for p in range(4)]
     assert per_pos == [3, 3, 1, 1]
+
+
+def test_structured_output_counters_follow_the_snapshot():
+    reporter = MetricsReporter(FakePbUtils, {"model": "llm"}, interval_s=3600)
+    m = FakeMetricFamily.created
+    stats = [SchedulerStats(grammar_compile_requests=3, grammar_cache_hits=1, grammar_compile_s=0.5)]
+    reporter.start(lambda: stats[0])
+    reporter.update()
+    stats[0] = SchedulerStats(grammar_compile_requests=5, grammar_cache_hits=3, grammar_compile_s=0.75,
+                              grammar_mask_s=0.01, grammar_mask_steps=4)
+    reporter.update()
+    assert m[("trellm:structured_output_compile_requests_total", None)].value == 5
+    assert m[("trellm:structured_output_compile_cache_hits_total", None)].value == 3
+    assert m[("trellm:structured_output_compile_seconds_total", None)].value == 0.75
+    assert m[("trellm:structured_output_mask_steps_total", None)].value == 4

@@ -242,4 +242,10 @@ class LLMEngine:
         return self.scheduler.num_preemptions
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        s = self.scheduler.make_stats()
+        if self._grammars is None:
+            return s
+        g = self._grammars.stats
+        return dataclasses.replace(s, grammar_compile_requests=g.requests, grammar_cache_hits=g.cache_hits,
+                                   grammar_compile_s=g.compile_s, grammar_mask_s=g.mask_s,
+                                   grammar_mask_steps=g.mask_steps)

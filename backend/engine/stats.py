@@ -18,6 +18,11 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0    # the guessed tokens,
     spec_num_accepted_tokens: int = 0  # the accepted ones,
     spec_accepted_per_pos: tuple[int, ...] = ()   # and the accepted ones by position in the guess
+    grammar_compile_requests: int = 0  # structured output, since start (structured_output.CompileStats)
+    grammar_cache_hits: int = 0
+    grammar_compile_s: float = 0.0
+    grammar_mask_s: float = 0.0
+    grammar_mask_steps: int = 0
 
     @property
     def kv_usage(self) -> float:

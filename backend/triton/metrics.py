@@ -42,6 +42,11 @@ COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens_total": "Speculative decoding: guessed tokens accepted",
     "vllm:spec_decode_num_accepted_tokens_per_pos_total":
         "Speculative decoding: guessed tokens accepted, by position in the guess (label position, from 0)",
+    "trellm:structured_output_compile_requests_total": "Structured output: guides asked to be compiled",
+    "trellm:structured_output_compile_cache_hits_total": "Structured output: guides found already compiled",
+    "trellm:structured_output_compile_seconds_total": "Structured output: seconds spent compiling guides",
+    "trellm:structured_output_mask_seconds_total": "Structured output: seconds spent filling token masks",
+    "trellm:structured_output_mask_steps_total": "Structured output: steps that filled token masks",
 }
 # Counters sampled from the stats snapshot (the others count finished requests): {name: SchedulerStats field}.
 SNAPSHOT_COUNTERS = {"vllm:num_preemptions_total": "num_preemptions",
@@ -49,7 +54,12 @@ SNAPSHOT_COUNTERS = {"vllm:num_preemptions_total": "num_preemptions",
                      "vllm:prefix_cache_hits_total": "prefix_cache_hits",
                      "vllm:spec_decode_num_drafts_total": "spec_num_drafts",
                      "vllm:spec_decode_num_draft_tokens_total": "spec_num_draft_tokens",
-                     "vllm:spec_decode_num_accepted_tokens_total": "spec_num_accepted_tokens"}
+                     "vllm:spec_decode_num_accepted_tokens_total": "spec_num_accepted_tokens",
+                     "trellm:structured_output_compile_requests_total": "grammar_compile_requests",
+                     "trellm:structured_output_compile_cache_hits_total": "grammar_cache_hits",
+                     "trellm:structured_output_compile_seconds_total": "grammar_compile_s",
+                     "trellm:structured_output_mask_seconds_total": "grammar_mask_s",
+                     "trellm:structured_output_mask_steps_total": "grammar_mask_steps"}
 GAUGES = {
     "vllm:num_requests_running": "Requests in the running batch",
     "vllm:num_requests_waiting": "Requests waiting to be scheduled",

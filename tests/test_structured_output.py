@@ -7,6 +7,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 
 from test_spec_decode import REPETITIVE, engine, run
@@ -174,3 +175,53 @@ def test_every_entry_point_takes_a_guide(triton_server):
     with urllib.request.urlopen(req, timeout=60) as r:
         answer = json.loads(r.read())["text_output"]
     assert answer.removeprefix("Pick one") in CHOICES, answer
+
+
+@pytest.mark.unit
+def test_every_contract_spells_a_guide_its_own_way_and_means_the_same():
+    from trellm_backend.triton import fields
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    want = Guide("json_schema", json.dumps(schema))
+    for sampling in ({"guided_json": schema}, {"guided_json": json.dumps(schema)},
+                     {"structured_outputs": {"json": schema}}):
+        assert fields.sampling_params(fields.values_from_sampling_json(json.dumps(sampling))).guide == want
+    tensors = {"guided_decoding_guide_type": np.array([[b"json_schema"]], dtype=np.object_),
+               "guided_decoding_guide": np.array([[json.dumps(schema).encode()]], dtype=np.object_)}
+    assert fields.sampling_params(fields.values_from_tensors(tensors)).guide == want
+    # vllm_model hands its values to llm as tensors: the guide survives the trip.
+    values = fields.values_from_sampling_json('{"guided_choice": ["a", "b"]}')
+    assert fields.sampling_params(fields.values_from_tensors(fields.tensors_from_values(values))).guide == \
+        Guide("choice", '["a", "b"]')
+    assert fields.sampling_params(fields.values_from_json({"guided_json_object": True})).guide == Guide("json")
+    for sampling, message in [({"guided_regex": "a", "guided_choice": ["b"]}, "give one structured-output key"),
+                              ({"structured_outputs": {"xml": "<a/>"}}, "exactly one of"),
+                              ({"guided_choice": "a"}, "must be a list"),
+                              ({"guided_json_object": False}, "must be true")]:
+        with pytest.raises(ValueError, match=message):
+            fields.sampling_params(fields.values_from_sampling_json(json.dumps(sampling)))
+    with pytest.raises(ValueError, match="needs guided_decoding_guide_type"):
+        fields.sampling_params(fields.values_from_tensors({"guided_decoding_guide": tensors["guided_decoding_guide"]}))
+
+
+def test_preemption_prefix_caching_and_logprobs_keep_guided_output_right(default_model_path, tokenizer):
+    """Guided sequences preempted for lack of blocks (and recomputed, partly from the prefix cache) give the same
+    tokens as with room for all; logprobs are those of the masked distribution (no forbidden alternative)."""
+    prompts = [tokenizer(p)["input_ids"] for p in REPETITIVE] * 2
+    guide = Guide("json_schema", json.dumps(SCHEMA))
+    params = dict(max_tokens=200, temperature=1.0, logprobs=3, min_tokens=500)
+
+    def outputs(**kw):
+        eng = engine(default_model_path, tokenizer, method="none", block_size=16, max_num_batched_tokens=64, **kw)
+        outs = run(eng, prompts, None, params_of=lambda i: SamplingParams(**params, seed=i, guide=guide))
+        return eng, outs
+    roomy, free = outputs()
+    tight, squeezed = outputs(num_kv_blocks=20)
+    assert tight.num_preemptions > 0 and roomy.num_preemptions == 0
+    assert [o["tokens"] for o in squeezed] == [o["tokens"] for o in free]
+    for o in squeezed:
+        assert o["reason"] == "stop", "the grammar ends the answer even below min_tokens"
+        check(guide, o["text"])
+        for rank, top in o["top"]:
+            assert all(logprob > float("-inf") for _, logprob in top)
+    first = squeezed[0]["top"][0][1]     # the first token of a compact JSON object can only be "{"
+    assert len(first) == 1 and tokenizer.decode([first[0][0]]).strip() == "{"

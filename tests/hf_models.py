@@ -74,3 +74,45 @@ def model_dir_for(tmp_root: str, name: str) -> str:
     if not os.path.isfile(os.path.join(d, "model.safetensors")):
         make_variant(name, d)
     return d
+
+
+# LoRA adapters for the default model: name -> (target modules, r, lora_alpha, use_rslora). PEFT's own random
+# initialisation of A and B (init_lora_weights=False; the default makes B zero, an adapter that changes nothing),
+# so each one visibly moves the greedy output.
+LORAS = {
+    "attn-r8": (["q_proj", "k_proj", "v_proj", "o_proj"], 8, 16, False),
+    "mlp-r4-rslora": (["gate_proj", "up_proj", "down_proj"], 4, 8, True),
+    "all-r16": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 16, 8, False),
+}
+
+
+def make_lora(base_dir: str, name: str, out_dir: str) -> str:
+    """A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) for the model at `base_dir`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    targets, r, alpha, rslora = LORAS[name]
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    torch.manual_seed(sorted(LORAS).index(name) + 7)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
+                                                  lora_dropout=0.0, init_lora_weights=False))
+    peft_model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def hf_lora_greedy(base_dir: str, adapter_dir: str | None, prompts: list[list[int]], max_new_tokens: int,
+                   merged: bool = False) -> list[list[int]]:
+    """transformers + peft greedy continuations with the adapter applied unmerged (or merged into the weights with
+    merge_and_unload), one prompt at a time, EOS ignored; the base model alone when adapter_dir is None."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+        if merged:
+            model = model.merge_and_unload()
+    out = []
+    for p in prompts:
+        ids = model.generate(input_ids=torch.tensor([p]), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(ids[0, len(p):].tolist())
+    return out

@@ -54,6 +54,8 @@ class EngineConfig:
     prompt_lookup_min: int = 2            # ngram: shortest suffix that may propose
     draft_model_path: str = ""            # draft: a smaller model folder with the target's tokenizer
     speculative_disable_batch_size: int = 4   # no speculation in a step with more running sequences than this
+    lora_adapters: str = ""               # JSON {adapter name: PEFT folder}: LoRA adapters served beside the base
+    max_lora_rank: int = 64               # adapters of a higher rank are refused at load
     shutdown_grace_s: float = 7.0         # once the server stops: how long requests in flight may go on before they
                                           # end with finish_reason abort (under the server's exit timeout, 10 s here)
 

@@ -11,6 +11,7 @@ from trellm_backend.engine.kv_cache_manager import KVCacheManager
 from trellm_backend.engine.limits import context_limit, resolve_block_size, resolve_device_dtype
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.models.config import ModelConfig, load_model_config
+from trellm_backend.models.lora import adapter_table, load_adapters
 from trellm_backend.engine.runner import ModelRunner
 from trellm_backend.engine.output_processor import OutputProcessor, bad_words_ids
 from trellm_backend.engine.request import Request, RequestOutput, SamplingParams, Status
@@ -45,6 +46,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.pool_tokens = self.kv.num_blocks * config.block_size
+        self.loras, self.broken_loras = load_adapters(adapter_table(config.lora_adapters), mc, config.max_lora_rank,
+                                                      self.runner.dtype, self.runner.device)
+        for why in self.broken_loras.values():
+            log.error("%s", why)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
 
@@ -97,11 +102,22 @@ class LLMEngine:
         if params.bad_words:
             params.bad_words_ids = self._bad_words_ids(tuple(params.bad_words))
         req = Request(request_id, list(prompt_token_ids), params, max_len=min(self.max_model_len, self.pool_tokens))
+        if params.lora_name is not None:
+            req.lora = self._adapter(params.lora_name)
+            req.cache_salt = f"lora:{params.lora_name}"   # two adapters (or one and the base) never share KV
         if params.guide is not None:
             req.grammar_future = self.grammars.compile(params.guide)    # compiles on its own thread, cached
         if self.tokenizer is not None:
             req.output_processor = OutputProcessor(self.tokenizer, req.prompt_token_ids, params)
         return req
+
+    def _adapter(self, name: str):
+        if name in self.loras:
+            return self.loras[name]
+        if name in self.broken_loras:
+            raise ValueError(self.broken_loras[name])
+        known = ", ".join(sorted(self.loras)) or "none (the llm parameter lora_adapters declares them)"
+        raise ValueError(f"lora_name {name!r} is not an adapter of this model; known: {known}")
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:

@@ -81,6 +81,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     speculative_decoding: bool = True                # false: this request's steps carry no guesses (same output)
     guide: Guide | None = None                       # structured output (structured_output.py)
+    lora_name: str | None = None                     # a LoRA adapter of the model (models/lora.py); None: the base
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the allowed range."""
@@ -154,6 +155,7 @@ class Request:
     spec_steps_since_probe: int = 0
     grammar_future: object | None = None          # a guided request's compiled grammar (concurrent.futures.Future)
     grammar: object | None = None                 # its xgrammar matcher, made when the engine takes the request
+    lora: object | None = None                    # its LoRA adapter (models/lora.LoraAdapter), or None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

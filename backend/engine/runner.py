@@ -17,6 +17,7 @@ from trellm_backend.engine.sampler import SampledToken, sample
 from trellm_backend.engine.request import Request
 from trellm_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
 from trellm_backend.engine.structured_output import apply_masks
+from trellm_backend.models.lora import LoraStep, module_shapes
 from trellm_backend.models.weights import load_state_dict
 from trellm_kernels import cpu_ops
 from trellm_kernels.kv_cache import QMAX, SCALE_DTYPE
@@ -38,6 +39,7 @@ class ModelRunner:
             cpu_ops.load()   # build or load the C++ operators now, at model load, never on a request
         state = load_state_dict(model_cfg.path, self.dtype)
         self.model = LlamaModel(model_cfg, state, self.device, self.dtype, max_model_len, cfg.quantization)
+        self.lora_shapes = module_shapes(model_cfg)
         self.block_size = cfg.block_size
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache, self.kv_scales = allocate_kv_cache(model_cfg, self.num_blocks, self.block_size, self.kv_dtype,
@@ -56,6 +58,10 @@ class ModelRunner:
             raise ValueError(f"KV cache budget of {budget} bytes ({setting}) holds no block of {per_block} bytes; "
                              "raise kv_cache_bytes (CPU) or gpu_memory_utilization (GPU)")
         return n
+
+    def _lora_step(self, chunks: list[ScheduledChunk], cu: torch.Tensor) -> LoraStep | None:
+        groups = _lora_rows(chunks, cu)
+        return LoraStep(groups, self.lora_shapes) if groups else None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None) -> list[SampledToken]:
@@ -77,12 +83,24 @@ class ModelRunner:
         else:
             logits_indices = torch.cat([torch.arange(e - r, e) for e, r in zip(ends.tolist(), rows)])
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device)
-        logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices.to(self.device), self.kv_scales)
+        logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices.to(self.device), self.kv_scales,
+                                    self._lora_step(chunks, cu))
         if not sampling:
             return []
         if grammar_bitmask is not None:
             apply_masks(logits, grammar_bitmask, self.model_cfg.vocab_size)
         return sample(logits, [r for i in sampling for r in rows_to_sample(chunks[i])], self.model_cfg.eos_token_ids)
+
+
+def _lora_rows(chunks: list[ScheduledChunk], cu: torch.Tensor) -> list[tuple[object, list[tuple[int, int]]]]:
+    """[(adapter, its requests' [start, end) rows of the flat batch)] for the chunks of LoRA requests."""
+    groups: dict[str, tuple[object, list]] = {}
+    bounds = cu.tolist()
+    for i, c in enumerate(chunks):
+        adapter = c.request.lora
+        if adapter is not None:
+            groups.setdefault(adapter.name, (adapter, []))[1].append((bounds[i], bounds[i + 1]))
+    return list(groups.values())
 
 
 def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int, kv_dtype: torch.dtype,

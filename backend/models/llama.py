@@ -93,12 +93,14 @@ class LlamaModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
-                logits_indices: torch.Tensor, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                logits_indices: torch.Tensor, kv_scales: torch.Tensor | None = None,
+                lora: LoraStep | None = None) -> torch.Tensor:
         """input_ids [T] -> logits [len(logits_indices), vocab] (fp32) of the selected tokens.
 
         kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; new K/V are written into it.
         kv_scales: with an INT8/FP8 kv_cache, its float16 scales [num_layers, 2, num_blocks, block_size,
         num_kv_heads] (kernels/kv_cache.py).
+        lora: the step's LoRA adapters and their tokens (models/lora.py), added to the linears they target.
         """
         cfg = self.cfg
         T = input_ids.shape[0]
@@ -111,6 +113,8 @@ class LlamaModel:
             else:
                 x, residual = fused_add_rms_norm(h, residual, w.input_norm, cfg.rms_norm_eps)
             qkv = linear(x, w.qkv, w.qkv_bias)
+            if lora is not None:
+                lora.add(qkv, x, i, "qkv")
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(T, cfg.num_heads, cfg.head_dim)
             k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -124,10 +128,18 @@ class LlamaModel:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
             attn = paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                                    self.scale, meta.max_seqlen_q, meta.max_seqlen_k, k_scale, v_scale)
-            h = linear(attn.reshape(T, self.q_size), w.o, w.o_bias)
+            attn = attn.reshape(T, self.q_size)
+            h = linear(attn, w.o, w.o_bias)
+            if lora is not None:
+                lora.add(h, attn, i, "o")
             x, residual = fused_add_rms_norm(h, residual, w.post_norm, cfg.rms_norm_eps)
             gu = linear(x, w.gate_up, w.gate_up_bias)
-            h = linear(silu_and_mul(gu), w.down, w.down_bias)
+            if lora is not None:
+                lora.add(gu, x, i, "gate_up")
+            act = silu_and_mul(gu)
+            h = linear(act, w.down, w.down_bias)
+            if lora is not None:
+                lora.add(h, act, i, "down")
         # Only the rows that will be sampled go through the final norm and the vocabulary projection.
         h = h[logits_indices]
         residual = residual[logits_indices]

@@ -18,6 +18,7 @@ import torch
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.draft import load_draft_config
 from trellm_backend.models.config import ModelConfig, ModelConfigError, load_model_config
+from trellm_backend.models.lora import adapter_table
 from trellm_backend.engine.limits import (context_limit, kv_budget, kv_bytes_per_block, resolve_block_size,
                                          resolve_device_dtype, resolve_kv_cache_dtype)
 from trellm_backend.triton.parameters import resolve_model_path
@@ -39,6 +40,9 @@ def serving_config(params: dict[str, str], model_dir: str) -> EngineConfig:
     if params.get("draft_model_path"):
         params["draft_model_path"] = resolve_model_path(params["draft_model_path"], model_dir)
     try:
+        if params.get("lora_adapters"):
+            params["lora_adapters"] = json.dumps({name: resolve_model_path(path, model_dir) for name, path in
+                                                  adapter_table(params["lora_adapters"]).items()})
         cfg = EngineConfig.from_strings(params)
     except ValueError as e:
         raise ModelConfigError(f"{config_file}: {e}") from None

@@ -1,0 +1,170 @@
+"""LoRA adapters: PEFT folders checked against their base model, and the batched extra term of a step.
+
+An adapter adds `x @ A^T @ B^T * scale` to the output of each linear it targets (scale = lora_alpha / r, or
+lora_alpha / sqrt(r) with rsLoRA). Adapter weights stay apart from the base weights (quantized or not): a step that
+mixes requests of several adapters (and of none) runs the base linears once for every token, then, for each adapter
+in the step, the tokens of its requests through its two small matrices (a shrink to rank r, an expand back), added
+into the right columns of the fused projections (q/k/v in qkv, gate/up in gate_up). Punica's BGMV/SGMV do the same
+per token on a GPU; on a CPU one pair of matmuls per adapter and module over its contiguous rows is the fast path.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+
+from trellm_backend.models.config import ModelConfig
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The fused linear each module's output lives in.
+SITE_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
+           "up_proj": "gate_up", "down_proj": "down"}
+
+
+class AdapterError(ValueError):
+    """An adapter folder that does not fit its base model; the message names the file, the key and what differs."""
+
+
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
+    """{module: (in features, out features, first output column in its fused site)}."""
+    q, kv, h, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
+        cfg.intermediate_size
+    return {"q_proj": (h, q, 0), "k_proj": (h, kv, q), "v_proj": (h, kv, q + kv), "o_proj": (q, h, 0),
+            "gate_proj": (h, i, 0), "up_proj": (h, i, i), "down_proj": (i, h, 0)}
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    path: str
+    rank: int
+    scale: float
+    # (layer, module) -> (A [r, in], B [out, r]); the term is ((x @ A^T) @ B^T) * scale, in PEFT's order
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def target_modules(self) -> list[str]:
+        return sorted({m for _, m in self.weights}, key=MODULES.index)
+
+
+def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> LoraAdapter:
+    """A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors), checked against the base model `cfg`:
+    every weight's shape, the target modules, the rank (<= max_rank). Raises AdapterError naming what is wrong."""
+    config_path = os.path.join(path, "adapter_config.json")
+    weights_path = os.path.join(path, "adapter_model.safetensors")
+    for p in (config_path, weights_path):
+        if not os.path.isfile(p):
+            raise AdapterError(f"LoRA adapter {name!r}: {p} is missing (a PEFT folder has adapter_config.json and "
+                               "adapter_model.safetensors)")
+    try:
+        with open(config_path) as f:
+            ac = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise AdapterError(f"LoRA adapter {name!r}: {config_path} is not valid JSON: {e}") from None
+
+    def refuse(key, why):
+        raise AdapterError(f"LoRA adapter {name!r}: {config_path}: {key} {why}")
+    if ac.get("peft_type", "LORA") != "LORA":
+        refuse("peft_type", f"is {ac.get('peft_type')!r}; only LORA adapters are served")
+    for key, off in (("use_dora", False), ("fan_in_fan_out", False), ("bias", "none")):
+        if ac.get(key, off) not in (off, None):
+            refuse(key, f"is {ac[key]!r}; only {off!r} is supported")
+    for key in ("modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform"):
+        if ac.get(key):
+            refuse(key, "is set; adapters with per-module or per-layer exceptions are not supported")
+    rank = ac.get("r")
+    if not isinstance(rank, int) or not 1 <= rank <= max_rank:
+        refuse("r", f"is {rank!r}; it must be in [1, {max_rank}] (max_lora_rank)")
+    alpha = ac.get("lora_alpha", rank)
+    scale = alpha / math.sqrt(rank) if ac.get("use_rslora") else alpha / rank
+    shapes = module_shapes(cfg)
+    adapter = LoraAdapter(name, path, rank, scale)
+    prefix = "base_model.model.model.layers."
+    with safe_open(weights_path, "pt") as f:
+        keys = list(f.keys())
+        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for key in keys:
+            rest = key[len(prefix):] if key.startswith(prefix) else None
+            parts = rest.split(".") if rest else []
+            # {layer}.{self_attn|mlp}.{module}.lora_{A|B}.weight
+            if len(parts) != 5 or parts[2] not in MODULES or parts[3] not in ("lora_A", "lora_B") \
+                    or parts[4] != "weight" or not parts[0].isdigit():
+                raise AdapterError(f"LoRA adapter {name!r}: {weights_path}: key {key!r} is not a LoRA weight of "
+                                   f"{', '.join(MODULES)} (base_model.model.model.layers.N.*.MODULE.lora_A.weight)")
+            layer, module = int(parts[0]), parts[2]
+            if layer >= cfg.num_layers:
+                raise AdapterError(f"LoRA adapter {name!r}: {weights_path}: key {key!r} names layer {layer}; the "
+                                   f"base model has {cfg.num_layers}")
+            pairs.setdefault((layer, module), {})[parts[3]] = f.get_tensor(key)
+    for (layer, module), ab in sorted(pairs.items()):
+        where = f"base_model.model.model.layers.{layer}.*.{module}"
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise AdapterError(f"LoRA adapter {name!r}: {weights_path}: {where} has {sorted(ab)} but needs "
+                               "lora_A and lora_B")
+        n_in, n_out, _ = shapes[module]
+        for part, want in (("lora_A", (rank, n_in)), ("lora_B", (n_out, rank))):
+            got = tuple(ab[part].shape)
+            if got != want:
+                raise AdapterError(f"LoRA adapter {name!r}: {weights_path}: {where}.{part}.weight has shape "
+                                   f"{list(got)}; the base model and r={rank} need {list(want)}")
+        a = ab["lora_A"].to(device=device, dtype=dtype).contiguous()
+        b = ab["lora_B"].to(device=device, dtype=dtype).contiguous()
+        adapter.weights[(layer, module)] = (a, b)
+    if not adapter.weights:
+        raise AdapterError(f"LoRA adapter {name!r}: {weights_path} holds no LoRA weights")
+    declared = set(ac.get("target_modules") or []) if isinstance(ac.get("target_modules"), list) else None
+    if declared is not None and not declared <= set(MODULES):
+        refuse("target_modules", f"names {sorted(declared - set(MODULES))}; supported: {', '.join(MODULES)}")
+    return adapter
+
+
+def adapter_table(text: str) -> dict[str, str]:
+    """The `lora_adapters` setting: a JSON object {adapter name: PEFT folder} (vllm_backend's multi_lora.json)."""
+    try:
+        table = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"lora_adapters is not valid JSON: {e}") from None
+    if not isinstance(table, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
+                                              for k, v in table.items()):
+        raise ValueError('lora_adapters must be a JSON object {"adapter name": "PEFT folder", ...}')
+    return table
+
+
+def load_adapters(table: dict[str, str], cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
+                  device: torch.device) -> tuple[dict[str, LoraAdapter], dict[str, str]]:
+    """(the adapters that load, {name: why} of those that do not): a broken folder is refused by name, the
+    others serve."""
+    loaded, broken = {}, {}
+    for name, path in table.items():
+        try:
+            loaded[name] = load_adapter(name, path, cfg, max_rank, dtype, device)
+        except AdapterError as e:
+            broken[name] = str(e)
+    return loaded, broken
+
+
+@dataclass
+class LoraStep:
+    """The adapters of one step: for each, the flat-batch rows of its requests' tokens (as [start, end) ranges,
+    which are contiguous per request)."""
+    groups: list[tuple[LoraAdapter, list[tuple[int, int]]]]
+    shapes: dict[str, tuple[int, int, int]]
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, site: str) -> None:
+        """out[rows, columns of each targeted module of `site`] += ((x[rows] @ A^T) @ B^T) * scale."""
+        for adapter, ranges in self.groups:
+            for module in MODULES:
+                if SITE_OF[module] != site:
+                    continue
+                ab = adapter.weights.get((layer, module))
+                if ab is None:
+                    continue
+                a, b = ab
+                _, n_out, col = self.shapes[module]
+                for start, end in ranges:
+                    out[start:end, col:col + n_out] += ((x[start:end] @ a.T) @ b.T) * adapter.scale

@@ -1,0 +1,107 @@
+"""LoRA adapters (backend/models/lora.py): PEFT folders made with peft on the default model, served mixed in one
+batch with the base; greedy tokens equal transformers + peft (unmerged and merged) for every adapter; broken folders
+refused by name while the others serve; two adapters never share prefix-cache blocks."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from hf_models import LORAS, hf_lora_greedy, make_lora, random_prompts
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.request import SamplingParams
+from trellm_backend.models.lora import AdapterError, load_adapter
+
+
+@pytest.fixture(scope="module")
+def adapters(default_model_path, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("loras")
+    return {name: make_lora(default_model_path, name, str(root / name)) for name in LORAS}
+
+
+def engine_with(model_path, adapters, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_path, lora_adapters=json.dumps(adapters), **kw))
+
+
+def greedy(eng: LLMEngine, prompts, names, max_tokens) -> list[list[int]]:
+    """Every (prompt, adapter) pair admitted at once: one continuous batch mixing the adapters and the base."""
+    jobs = [(p, n) for n in names for p in prompts]
+    out = {i: [] for i in range(len(jobs))}
+    for i, (p, n) in enumerate(jobs):
+        eng.add_request(str(i), p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                  lora_name=n))
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[int(o.request_id)].extend(o.new_token_ids)
+    assert eng.kv_blocks_used() == 0
+    return [out[i] for i in range(len(jobs))]
+
+
+def test_mixed_batch_equals_transformers_and_peft_for_every_adapter(default_model_path, adapters):
+    prompts = random_prompts(3, 4096, [5, 17, 40])
+    names = [None, *LORAS]
+    eng = engine_with(default_model_path, adapters, max_num_batched_tokens=64)   # prefill chunks share steps
+    got = greedy(eng, prompts, names, 12)
+    by_name = {n: got[i * len(prompts):(i + 1) * len(prompts)] for i, n in enumerate(names)}
+    for n in names:
+        want = hf_lora_greedy(default_model_path, adapters.get(n), prompts, 12)
+        assert by_name[n] == want, f"adapter {n}"
+    assert len({tuple(map(tuple, v)) for v in by_name.values()}) == len(names), "each adapter changes the answer"
+    merged = hf_lora_greedy(default_model_path, adapters["all-r16"], prompts, 12, merged=True)
+    assert by_name["all-r16"] == merged
+
+
+def test_adapters_never_share_prefix_cache_blocks(default_model_path, adapters):
+    eng = engine_with(default_model_path, adapters, block_size=16)
+    prompt = random_prompts(5, 4096, [64])
+    base_first = greedy(eng, prompt, [None], 8)
+    hits = eng.kv.num_hits
+    with_adapter = greedy(eng, prompt, ["attn-r8"], 8)
+    assert eng.kv.num_hits == hits, "the adapter's prompt must not reuse the base's blocks"
+    assert greedy(eng, prompt, ["attn-r8"], 8) == with_adapter and eng.kv.num_hits > hits   # its own blocks, yes
+    assert with_adapter != base_first
+
+
+def test_a_broken_adapter_is_refused_by_name_while_the_others_serve(default_model_path, adapters, tmp_path):
+    bad_rank = tmp_path / "bad-shape"
+    shutil.copytree(adapters["attn-r8"], bad_rank)
+    weights = load_file(str(bad_rank / "adapter_model.safetensors"))
+    key = next(k for k in weights if "layers.1.self_attn.v_proj.lora_B" in k)
+    weights[key] = weights[key][:, :4].contiguous()
+    save_file(weights, str(bad_rank / "adapter_model.safetensors"))
+    no_weights = tmp_path / "empty"
+    no_weights.mkdir()
+    (no_weights / "adapter_config.json").write_text("{}")
+    eng = engine_with(default_model_path, {"good": adapters["mlp-r4-rslora"], "bad": str(bad_rank),
+                                           "empty": str(no_weights)})
+    assert sorted(eng.loras) == ["good"]
+    with pytest.raises(ValueError, match=r"'bad'.*layers\.1\.\*\.v_proj\.lora_B\.weight has shape \[\d+, 4\]; "
+                                         r"the base model and r=8 need \[\d+, 8\]"):
+        eng.add_request("x", [1, 2, 3], SamplingParams(lora_name="bad"))
+    with pytest.raises(ValueError, match="adapter_model.safetensors is missing"):
+        eng.add_request("y", [1, 2, 3], SamplingParams(lora_name="empty"))
+    with pytest.raises(ValueError, match="'nope' is not an adapter of this model; known: good"):
+        eng.add_request("z", [1, 2, 3], SamplingParams(lora_name="nope"))
+    assert greedy(eng, random_prompts(1, 4096, [6]), ["good"], 4)[0]
+
+
+@pytest.mark.unit
+def test_adapter_configs_the_engine_cannot_apply_are_named(default_model_path, adapters, tmp_path):
+    from trellm_backend.models.config import load_model_config
+    import torch
+    cfg = load_model_config(default_model_path)
+    for key, value, message in [("use_dora", True, "use_dora is True"), ("r", 99, r"r is 99; it must be in \[1, 64\]"),
+                                ("modules_to_save", ["lm_head"], "modules_to_save is set"),
+                                ("bias", "all", "bias is 'all'")]:
+        d = tmp_path / key
+        shutil.copytree(adapters["attn-r8"], d)
+        ac = json.loads((d / "adapter_config.json").read_text())
+        ac[key] = value
+        (d / "adapter_config.json").write_text(json.dumps(ac))
+        with pytest.raises(AdapterError, match=message):
+            load_adapter("x", str(d), cfg, 64, torch.float32, torch.device("cpu"))
+    assert os.path.isfile(os.path.join(adapters["attn-r8"], "adapter_model.safetensors"))

@@ -35,7 +35,7 @@ INPUT_TYPES = {
     "num_return_sequences": np.int32, "return_log_probs": np.bool_, "beam_width": np.int32,
     "length_penalty": np.float32, "stream": np.bool_, "exclude_input_in_output": np.bool_,
     "return_num_input_tokens": np.bool_, "return_num_output_tokens": np.bool_, "return_perf_metrics": np.bool_,
-    "guided_decoding_guide_type": np.object_, "guided_decoding_guide": np.object_,
+    "guided_decoding_guide_type": np.object_, "guided_decoding_guide": np.object_, "lora_name": np.object_,
 }
 LIST_INPUTS = {"stop_words", "bad_words"}
 INT_LIST_INPUTS = {"stop_token_ids"}

@@ -105,3 +105,63 @@ def test_adapter_configs_the_engine_cannot_apply_are_named(default_model_path, a
         with pytest.raises(AdapterError, match=message):
             load_adapter("x", str(d), cfg, 64, torch.float32, torch.device("cpu"))
     assert os.path.isfile(os.path.join(adapters["attn-r8"], "adapter_model.safetensors"))
+
+
+@pytest.mark.server
+def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_model_path, adapters, tmp_path):
+    """A repository whose llm declares the adapters: the ensemble (gRPC, lora_name input) and vllm_model (HTTP,
+    sampling_parameters.lora_name) give transformers + peft's greedy text for each, requests of all at once."""
+    import concurrent.futures
+    import urllib.error
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    from trellm_backend.tools.launch import TritonServer
+    from trellm_backend.tools.testbed import free_ports, private_repository
+    from trellm_client.client import LLMClient
+    repo = private_repository(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                           "model_repository"), str(tmp_path / "repo"),
+                              {"llm": {"lora_adapters": json.dumps(adapters)}})
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    prompt = "The Python language"
+    ids = tok(prompt)["input_ids"]
+    want = {n: tok.decode(hf_lora_greedy(default_model_path, adapters.get(n), [ids], 10)[0], skip_special_tokens=True)
+            for n in [None, *LORAS]}
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(repo, http, grpc, metrics, log_path=str(tmp_path / "server.log")) as server:
+        def ensemble(name):
+            with LLMClient(server.grpc_url) as c:
+                return c.generate(prompt, max_tokens=10, ignore_eos=True, exclude_input_in_output=True,
+                                  lora_name=name)
+
+        def vllm(name):
+            sampling = {"max_tokens": 10, "temperature": 0, "ignore_eos": True, **({"lora_name": name} if name else {})}
+            body = {"text_input": prompt, "exclude_input_in_output": True, "sampling_parameters": json.dumps(sampling)}
+            req = urllib.request.Request(f"http://{server.http_url}/v2/models/vllm_model/generate",
+                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return json.loads(r.read())["text_output"]
+            except urllib.error.HTTPError as e:
+                return f"HTTP {e.code}: {e.read().decode()}"
+        names = [None, *LORAS] * 2
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got_ensemble = list(pool.map(ensemble, names))
+            got_vllm = list(pool.map(vllm, names))
+        assert got_ensemble == [want[n] for n in names]
+        assert got_vllm == [want[n] for n in names]
+        with LLMClient(server.grpc_url) as c, pytest.raises(Exception, match="'nope' is not an adapter"):
+            c.generate(prompt, lora_name="nope")
+
+
+@pytest.mark.unit
+def test_lora_name_is_one_field_of_every_contract():
+    import numpy as np
+
+    from trellm_backend.triton import fields
+    assert fields.sampling_params(fields.values_from_sampling_json('{"lora_name": "sql"}')).lora_name == "sql"
+    tensors = {"lora_name": np.array([[b"sql"]], dtype=np.object_)}
+    assert fields.sampling_params(fields.values_from_tensors(tensors)).lora_name == "sql"
+    with pytest.raises(ValueError, match="sampling_parameters.lora_name must be a string, got 5"):
+        fields.values_from_sampling_json('{"lora_name": 5}')

@@ -112,6 +112,8 @@ FIELDS: list[Field] = [
     Field("guided_decoding_guide", "str", None, None, tensors=("guided_decoding_guide",),
           json=(*VLLM_GUIDES, "structured_outputs"),
           doc="the schema, regex, choices (JSON list) or EBNF grammar; vLLM's keys set type and guide at once"),
+    _sampling("lora_name", "str", tensors=("lora_name",), json=("lora_name",),
+              doc="a LoRA adapter of the model (the llm parameter lora_adapters); none: the base model"),
     Field("return_log_probs", "bool", False, None, tensors=("return_log_probs",),
           doc="fill cum_log_probs and output_log_probs"),
     Field("beam_width", "int", 1, Bounds(1, 1), tensors=("beam_width",), doc="beam search is not supported: 1 only"),
@@ -224,6 +226,10 @@ def _coerce(f: Field, shown: str, v):
             if isinstance(v, bool):
                 raise ValueError
             return float(v)
+        if f.kind == "str":
+            if not isinstance(v, str):
+                raise ValueError
+            return v
         if f.kind == "str_list":
             v = [v] if isinstance(v, str) else v
             if not isinstance(v, list) or not all(isinstance(w, str) for w in v):
@@ -235,7 +241,7 @@ def _coerce(f: Field, shown: str, v):
     except (ValueError, TypeError):
         pass
     expected = {"bool": "true or false", "int": "an integer", "uint": "a non-negative integer",
-                "float": "a number", "str_list": "a string or a list of strings",
+                "float": "a number", "str": "a string", "str_list": "a string or a list of strings",
                 "int_list": "an integer or a list of integers"}[f.kind]
     raise ValueError(f"{shown} must be {expected}, got {json.dumps(v)}")
 

@@ -55,6 +55,25 @@ def test_mixed_batch_equals_transformers_and_peft_for_every_adapter(default_mode
     assert by_name["all-r16"] == merged
 
 
+def test_max_loras_and_max_cpu_loras_bound_what_runs_and_what_stays_in_memory(default_model_path, adapters):
+    """Three adapters and the base, max_loras 1 (one adapter among the running requests; the base does not count)
+    and max_cpu_loras 1 (the others reread on use): the same tokens as without limits."""
+    prompts = random_prompts(4, 4096, [6, 9])
+    names = [*LORAS, None]
+    free = greedy(engine_with(default_model_path, adapters), prompts, names, 6)
+    eng = engine_with(default_model_path, adapters, max_loras=1, max_cpu_loras=1)
+    jobs = [(p, n) for n in names for p in prompts]
+    out = {i: [] for i in range(len(jobs))}
+    for i, (p, n) in enumerate(jobs):
+        eng.add_request(str(i), p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, lora_name=n))
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[int(o.request_id)].extend(o.new_token_ids)
+        assert len({r.lora.name for r in eng.scheduler.running if r.lora is not None}) <= 1
+    assert [out[i] for i in range(len(jobs))] == free
+    assert eng.loras.num_in_memory == 1 and eng.loras.loads >= 2 and eng.loras.evictions >= 2
+
+
 def test_adapters_never_share_prefix_cache_blocks(default_model_path, adapters):
     eng = engine_with(default_model_path, adapters, block_size=16)
     prompt = random_prompts(5, 4096, [64])
@@ -78,7 +97,7 @@ def test_a_broken_adapter_is_refused_by_name_while_the_others_serve(default_mode
     (no_weights / "adapter_config.json").write_text("{}")
     eng = engine_with(default_model_path, {"good": adapters["mlp-r4-rslora"], "bad": str(bad_rank),
                                            "empty": str(no_weights)})
-    assert sorted(eng.loras) == ["good"]
+    assert eng.loras.names == ["good"]
     with pytest.raises(ValueError, match=r"'bad'.*layers\.1\.\*\.v_proj\.lora_B\.weight has shape \[\d+, 4\]; "
                                          r"the base model and r=8 need \[\d+, 8\]"):
         eng.add_request("x", [1, 2, 3], SamplingParams(lora_name="bad"))

@@ -56,6 +56,8 @@ class EngineConfig:
     speculative_disable_batch_size: int = 4   # no speculation in a step with more running sequences than this
     lora_adapters: str = ""               # JSON {adapter name: PEFT folder}: LoRA adapters served beside the base
     max_lora_rank: int = 64               # adapters of a higher rank are refused at load
+    max_loras: int = 4                    # most adapters in one step (requests of another one wait); 0: no limit
+    max_cpu_loras: int = 0                # most adapters kept in memory (LRU; the others reread on use); 0: all
     shutdown_grace_s: float = 7.0         # once the server stops: how long requests in flight may go on before they
                                           # end with finish_reason abort (under the server's exit timeout, 10 s here)
 

@@ -11,7 +11,7 @@ from trellm_backend.engine.kv_cache_manager import KVCacheManager
 from trellm_backend.engine.limits import context_limit, resolve_block_size, resolve_device_dtype
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.models.config import ModelConfig, load_model_config
-from trellm_backend.models.lora import adapter_table, load_adapters
+from trellm_backend.models.lora import AdapterRegistry, adapter_table
 from trellm_backend.engine.runner import ModelRunner
 from trellm_backend.engine.output_processor import OutputProcessor, bad_words_ids
 from trellm_backend.engine.request import Request, RequestOutput, SamplingParams, Status
@@ -42,13 +42,13 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.long_prefill_token_threshold,
-                                   *self._speculation(config, draft_cfg))
+                                   *self._speculation(config, draft_cfg), max_loras=config.max_loras)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.pool_tokens = self.kv.num_blocks * config.block_size
-        self.loras, self.broken_loras = load_adapters(adapter_table(config.lora_adapters), mc, config.max_lora_rank,
-                                                      self.runner.dtype, self.runner.device)
-        for why in self.broken_loras.values():
+        self.loras = AdapterRegistry(adapter_table(config.lora_adapters), mc, config.max_lora_rank,
+                                     config.max_cpu_loras, self.runner.dtype, self.runner.device)
+        for why in self.loras.broken.values():
             log.error("%s", why)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -103,21 +103,13 @@ class LLMEngine:
             params.bad_words_ids = self._bad_words_ids(tuple(params.bad_words))
         req = Request(request_id, list(prompt_token_ids), params, max_len=min(self.max_model_len, self.pool_tokens))
         if params.lora_name is not None:
-            req.lora = self._adapter(params.lora_name)
+            req.lora = self.loras.get(params.lora_name)
             req.cache_salt = f"lora:{params.lora_name}"   # two adapters (or one and the base) never share KV
         if params.guide is not None:
             req.grammar_future = self.grammars.compile(params.guide)    # compiles on its own thread, cached
         if self.tokenizer is not None:
             req.output_processor = OutputProcessor(self.tokenizer, req.prompt_token_ids, params)
         return req
-
-    def _adapter(self, name: str):
-        if name in self.loras:
-            return self.loras[name]
-        if name in self.broken_loras:
-            raise ValueError(self.broken_loras[name])
-        known = ", ".join(sorted(self.loras)) or "none (the llm parameter lora_adapters declares them)"
-        raise ValueError(f"lora_name {name!r} is not an adapter of this model; known: {known}")
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:

@@ -76,8 +76,9 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
-                 speculative_disable_batch_size: int = 0):
+                 speculative_disable_batch_size: int = 0, max_loras: int = 0):
         self.kv = kv_cache_manager
+        self.max_loras = max_loras      # most LoRA adapters among the running requests (0: no limit)
         self.proposer = proposer if num_speculative_tokens > 0 else None
         self.num_speculative_tokens = num_speculative_tokens
         self.speculative_disable_batch_size = speculative_disable_batch_size
@@ -132,8 +133,15 @@ class Scheduler:
 
         # Then waiting requests, in order, while budget, sequence slots and blocks allow.
         # A cached prefix costs no budget: only the tokens after it are computed.
+        adapters = {r.lora.name for r in self.running if r.lora is not None} if self.max_loras else set()
+        passed_over = []    # requests of an adapter that would exceed max_loras: they keep their place
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if self.max_loras and req.lora is not None and req.lora.name not in adapters:
+                if len(adapters) >= self.max_loras:
+                    passed_over.append(self.waiting.popleft())
+                    continue
+                adapters.add(req.lora.name)
             hit = self.kv.get_computed_blocks(req)
             computed = len(hit) * self.kv.block_size
             remaining = req.num_tokens - computed
@@ -156,6 +164,7 @@ class Scheduler:
             self.running.append(req)
             self._schedule(out, req, n)
             budget -= n
+        self.waiting.extendleft(reversed(passed_over))
         if self.proposer is not None and out.chunks:
             self._add_drafts(out, budget)
         return out

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -135,17 +137,55 @@ def adapter_table(text: str) -> dict[str, str]:
     return table
 
 
-def load_adapters(table: dict[str, str], cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
-                  device: torch.device) -> tuple[dict[str, LoraAdapter], dict[str, str]]:
-    """(the adapters that load, {name: why} of those that do not): a broken folder is refused by name, the
-    others serve."""
-    loaded, broken = {}, {}
-    for name, path in table.items():
-        try:
-            loaded[name] = load_adapter(name, path, cfg, max_rank, dtype, device)
-        except AdapterError as e:
-            broken[name] = str(e)
-    return loaded, broken
+class AdapterRegistry:
+    """The declared adapters: each checked once at start (a broken folder is refused by name, the others serve),
+    at most `max_cpu_loras` kept in memory (least recently used out first; 0: all), the others read again from
+    their folder when a request names them. A request holds its adapter, so an eviction never touches one in use.
+    Thread-safe: requests are made on Triton's threads."""
+
+    def __init__(self, table: dict[str, str], cfg: ModelConfig, max_rank: int, max_cpu_loras: int,
+                 dtype: torch.dtype, device: torch.device):
+        self._load = lambda name: load_adapter(name, table[name], cfg, max_rank, dtype, device)
+        self.max_cpu_loras = max_cpu_loras
+        self.broken: dict[str, str] = {}
+        self._cache: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self._lock = threading.Lock()
+        self.loads = self.evictions = 0      # since start, beyond the first check
+        for name in table:
+            try:
+                self._put(self._load(name))
+            except AdapterError as e:
+                self.broken[name] = str(e)
+        self.names = sorted(n for n in table if n not in self.broken)
+
+    def get(self, name: str) -> LoraAdapter:
+        """The adapter `name`, read again from its folder when it was evicted; ValueError names an unknown or a
+        broken one."""
+        with self._lock:
+            if name in self._cache:
+                self._cache.move_to_end(name)
+                return self._cache[name]
+        if name in self.broken:
+            raise ValueError(self.broken[name])
+        if name not in self.names:
+            known = ", ".join(self.names) or "none (the llm parameter lora_adapters declares them)"
+            raise ValueError(f"lora_name {name!r} is not an adapter of this model; known: {known}")
+        adapter = self._load(name)
+        with self._lock:
+            self.loads += 1
+            self._put(adapter)
+        return adapter
+
+    def _put(self, adapter: LoraAdapter) -> None:
+        self._cache[adapter.name] = adapter
+        self._cache.move_to_end(adapter.name)
+        while self.max_cpu_loras and len(self._cache) > self.max_cpu_loras:
+            self._cache.popitem(last=False)
+            self.evictions += 1
+
+    @property
+    def num_in_memory(self) -> int:
+        return len(self._cache)
 
 
 @dataclass

@@ -59,6 +59,11 @@ def test_entries_follow_the_template(default_model_path, tmp_path):
     r = run_add_model("chat", "--remove", "--repository", str(repo))
     assert r.returncode == 0, r.stderr
     assert os.listdir(repo) == []
+    r = run_add_model("tuned", default_model_path, "--repository", str(repo), "--lora", "sql=adapters/sql",
+                      "--lora", f"chat={tmp_path}/chat-adapter")
+    assert r.returncode == 0, r.stderr
+    adapters = json.loads(read_config(repo / "tuned_llm" / "config.pbtxt").parameters["lora_adapters"].string_value)
+    assert adapters == {"sql": os.path.abspath("adapters/sql"), "chat": f"{tmp_path}/chat-adapter"}
 
 
 def test_model_path_is_relative_beside_the_repository_and_entry_names_are_rewritten(default_model_path, tmp_path):

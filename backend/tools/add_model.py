@@ -17,6 +17,7 @@ the repository breaks where only the repository is mounted (docker-compose). Re-
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -134,8 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     known = [f.name for f in fields(EngineConfig) if f.name != "model_path"]
     for key in known:   # one option per engine setting: --dtype, --kv-cache-bytes, --max-model-len, ...
         ap.add_argument("--" + key.replace("_", "-"), dest=key, metavar="VALUE", help="llm parameter (README table)")
+    ap.add_argument("--lora", action="append", default=[], metavar="NAME=FOLDER",
+                    help="a LoRA adapter served beside the model (PEFT folder; repeat for more): lora_adapters")
     args = ap.parse_args(argv)
     try:
+        if args.lora:
+            if args.lora_adapters:
+                ap.error("give adapters with --lora or with --lora-adapters, not both")
+            pairs = [spec.split("=", 1) for spec in args.lora]
+            if any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
+                ap.error("--lora takes NAME=FOLDER")
+            args.lora_adapters = json.dumps({n: os.path.abspath(folder) for n, folder in pairs})
         if args.remove:
             removed = remove_model(args.name, args.repository)
             print(f"removed {', '.join(removed)} from {args.repository}; unload them from a running server with "

@@ -17,7 +17,7 @@ from trellm_backend.engine.sampler import SampledToken, sample
 from trellm_backend.engine.request import Request
 from trellm_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
 from trellm_backend.engine.structured_output import apply_masks
-from trellm_backend.models.lora import LoraStep, module_shapes
+from trellm_backend.models.lora import LoraStep, step_rows
 from trellm_backend.models.weights import load_state_dict
 from trellm_kernels import cpu_ops
 from trellm_kernels.kv_cache import QMAX, SCALE_DTYPE
@@ -39,7 +39,6 @@ class ModelRunner:
             cpu_ops.load()   # build or load the C++ operators now, at model load, never on a request
         state = load_state_dict(model_cfg.path, self.dtype)
         self.model = LlamaModel(model_cfg, state, self.device, self.dtype, max_model_len, cfg.quantization)
-        self.lora_shapes = module_shapes(model_cfg)
         self.block_size = cfg.block_size
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache, self.kv_scales = allocate_kv_cache(model_cfg, self.num_blocks, self.block_size, self.kv_dtype,
@@ -61,7 +60,7 @@ class ModelRunner:
 
     def _lora_step(self, chunks: list[ScheduledChunk], cu: torch.Tensor) -> LoraStep | None:
         groups = _lora_rows(chunks, cu)
-        return LoraStep(groups, self.lora_shapes) if groups else None
+        return LoraStep([(adapter, step_rows(ranges, self.device)) for adapter, ranges in groups]) if groups else None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None) -> list[SampledToken]:

@@ -40,6 +40,12 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
 
 
 @dataclass
+class SiteWeights:
+    a: torch.Tensor                                   # [sum of the ranks, in]
+    parts: list[tuple[int, int, torch.Tensor]]        # (first output column, rank offset in a, B [out, r])
+
+
+@dataclass
 class LoraAdapter:
     name: str
     path: str
@@ -47,6 +53,8 @@ class LoraAdapter:
     scale: float
     # (layer, module) -> (A [r, in], B [out, r]); the term is ((x @ A^T) @ B^T) * scale, in PEFT's order
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # (layer, fused site) -> the A of its targeted modules stacked, and each module's (first column, rank offset, B)
+    sites: dict[tuple[int, str], "SiteWeights"] = field(default_factory=dict)
 
     @property
     def target_modules(self) -> list[str]:
@@ -119,6 +127,13 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, dtype: t
         adapter.weights[(layer, module)] = (a, b)
     if not adapter.weights:
         raise AdapterError(f"LoRA adapter {name!r}: {weights_path} holds no LoRA weights")
+    for layer in range(cfg.num_layers):
+        for site in dict.fromkeys(SITE_OF.values()):
+            mods = [m for m in MODULES if SITE_OF[m] == site and (layer, m) in adapter.weights]
+            if mods:
+                adapter.sites[(layer, site)] = SiteWeights(
+                    torch.cat([adapter.weights[(layer, m)][0] for m in mods]).contiguous(),
+                    [(shapes[m][2], i * rank, adapter.weights[(layer, m)][1]) for i, m in enumerate(mods)])
     declared = set(ac.get("target_modules") or []) if isinstance(ac.get("target_modules"), list) else None
     if declared is not None and not declared <= set(MODULES):
         refuse("target_modules", f"names {sorted(declared - set(MODULES))}; supported: {', '.join(MODULES)}")
@@ -190,21 +205,28 @@ class AdapterRegistry:
 
 @dataclass
 class LoraStep:
-    """The adapters of one step: for each, the flat-batch rows of its requests' tokens (as [start, end) ranges,
-    which are contiguous per request)."""
-    groups: list[tuple[LoraAdapter, list[tuple[int, int]]]]
-    shapes: dict[str, tuple[int, int, int]]
+    """The adapters of one step, each with the flat-batch rows of its requests' tokens: a slice when they are one
+    run, else an index tensor."""
+    groups: list[tuple[LoraAdapter, slice | torch.Tensor]]
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, site: str) -> None:
-        """out[rows, columns of each targeted module of `site`] += ((x[rows] @ A^T) @ B^T) * scale."""
-        for adapter, ranges in self.groups:
-            for module in MODULES:
-                if SITE_OF[module] != site:
-                    continue
-                ab = adapter.weights.get((layer, module))
-                if ab is None:
-                    continue
-                a, b = ab
-                _, n_out, col = self.shapes[module]
-                for start, end in ranges:
-                    out[start:end, col:col + n_out] += ((x[start:end] @ a.T) @ b.T) * adapter.scale
+        """out[rows, each targeted module's columns] += ((x[rows] @ A^T) @ B^T) * scale: one shrink for all the
+        site's modules (their A stacked), one expand per module."""
+        for adapter, rows in self.groups:
+            sw = adapter.sites.get((layer, site))
+            if sw is None:
+                continue
+            t = x[rows] @ sw.a.T
+            for col, r0, b in sw.parts:
+                t_m = t[:, r0:r0 + b.shape[1]]
+                if isinstance(rows, slice):      # one fused call: out += scale * (t_m @ B^T)
+                    out[rows, col:col + b.shape[0]].addmm_(t_m, b.T, alpha=adapter.scale)
+                else:
+                    out[:, col:col + b.shape[0]].index_add_(0, rows, t_m @ b.T, alpha=adapter.scale)
+
+
+def step_rows(ranges: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:
+    """[start, end) row ranges as one slice when they touch end to end, else as an index tensor on `device`."""
+    if all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):
+        return slice(ranges[0][0], ranges[-1][1])
+    return torch.cat([torch.arange(s, e) for s, e in ranges]).to(device)

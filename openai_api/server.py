@@ -71,25 +71,37 @@ class FrontDoor:
         self.limiter = Limiter()
         self.metrics = Metrics()
         self.model_repository = model_repository
-        self._models: tuple[float, list[str]] = (0.0, [])
+        self._models: tuple[float, dict[str, tuple[str, str | None]]] = (0.0, {})
         self._tokenizers: dict[str, object] = {}
 
     # -- models ------------------------------------------------------------------------------------------------
-    async def models(self) -> list[str]:
-        """READY ensembles of the repository (refreshed at most once a second)."""
-        at, names = self._models
+    async def models(self) -> dict[str, tuple[str, str | None]]:
+        """{model id: (ensemble, LoRA adapter or None)}: the READY ensembles of the repository, and each LoRA
+        adapter their engine step declares (`lora_adapters`), by its own name as vLLM lists them (`ENSEMBLE:NAME`
+        where two ensembles declare one name). Refreshed at most once a second."""
+        at, models = self._models
         if time.monotonic() - at < 1.0:
-            return names
+            return models
         index = await self.triton.get_model_repository_index(as_json=True)
-        names = []
+        models, adapters = {}, []
         for m in index.get("models", []):
             if m.get("state") != "READY":
                 continue
             config = await self.triton.get_model_config(m["name"], as_json=True)
-            if ensemble_steps(config):
-                names.append(m["name"])
-        self._models = (time.monotonic(), names)
-        return names
+            steps = ensemble_steps(config)
+            if not steps:
+                continue
+            models[m["name"]] = (m["name"], None)
+            for step in steps:
+                params = (await self.triton.get_model_config(step, as_json=True))["config"].get("parameters", {})
+                table = params.get("lora_adapters", {}).get("string_value", "")
+                if table:   # a READY llm checked it at load (models/lora.py adapter_table)
+                    adapters += [(m["name"], name) for name in json.loads(table)]
+        taken = Counter(name for _, name in adapters)
+        for ensemble, name in adapters:
+            models[name if taken[name] == 1 and name not in models else f"{ensemble}:{name}"] = (ensemble, name)
+        self._models = (time.monotonic(), models)
+        return models
 
     def client(self, model: str) -> AsyncLLMClient:
         if model not in self.clients:
@@ -151,7 +163,8 @@ class FrontDoor:
         if g.model not in models:
             raise APIError(404, f"the model {g.model!r} does not exist or is not ready; GET /v1/models lists them",
                            param="model", code="model_not_found")
-        tokenizer = await self.tokenizer(g.model) if g.top_logprobs is not None else None
+        ensemble, lora_name = models[g.model]
+        tokenizer = await self.tokenizer(ensemble) if g.top_logprobs is not None else None
         decision = self.limiter.admit(key)
         if not decision.allowed:
             self.metrics.rate_limited[key.name] += 1
@@ -159,7 +172,8 @@ class FrontDoor:
                            headers={**decision.headers, "Retry-After": str(decision.retry_after_s)})
         answer = Answer(g, tokenizer)
         try:
-            chunks = self.client(g.model).stream_chunks(g.prompt, g.messages, **g.params)
+            params = {**g.params, "lora_name": lora_name} if lora_name else g.params
+            chunks = self.client(ensemble).stream_chunks(g.prompt, g.messages, **params)
             async with contextlib.aclosing(chunks) as chunks:
                 first = await self._first(chunks)
                 if g.stream:
@@ -319,11 +333,12 @@ def make_app(door: FrontDoor) -> web.Application:
             raise APIError(401, "missing or unknown API key: send Authorization: Bearer <key>",
                            type_="authentication_error", code="invalid_api_key")
         try:
-            names = await door.models()
+            models = await door.models()
         except Exception as e:   # noqa: BLE001
             raise APIError(503, f"the inference server is not available: {e}", type_="server_error") from None
-        return web.json_response({"object": "list", "data": [{"id": n, "object": "model", "created": 0,
-                                                              "owned_by": "trellm"} for n in names]})
+        return web.json_response({"object": "list", "data": [
+            {"id": n, "object": "model", "created": 0, "owned_by": "trellm", "root": lora or n,
+             "parent": ensemble if lora else None} for n, (ensemble, lora) in models.items()]})
 
     async def health(request):
         try:

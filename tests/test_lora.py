@@ -172,6 +172,21 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
         assert got_vllm == [want[n] for n in names]
         with LLMClient(server.grpc_url) as c, pytest.raises(Exception, match="'nope' is not an adapter"):
             c.generate(prompt, lora_name="nope")
+        # The OpenAI front door lists each adapter as a model (vLLM's way) and serves it by that name.
+        import httpx2 as httpx   # the HTTP client the openai SDK (pinned) brings
+
+        from trellm_backend.tools import launch
+        port = free_ports(1)[0]
+        door = launch.start_front_door(server, port, None)
+        try:
+            listed = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"]
+            assert {m["id"]: m["parent"] for m in listed} == {"ensemble": None, **{n: "ensemble" for n in LORAS}}
+            for name in LORAS:
+                out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+                    "model": name, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).json()
+                assert out["choices"][0]["text"] == want[name], name
+        finally:
+            launch.stop_front_door(door)
 
 
 @pytest.mark.unit

@@ -323,7 +323,7 @@ def test_a_failure_after_the_answer_began_is_an_error_event_or_a_500():
         door.clients["m"] = FailingStream()
 
         async def models():
-            return ["m"]
+            return {"m": ("m", None)}
         door.models = models
         async with TestClient(TestServer(make_app(door))) as c:
             streamed = await c.post("/v1/completions", json={"model": "m", "prompt": "p", "stream": True})

@@ -93,3 +93,30 @@ def test_structured_output_counters_follow_the_snapshot():
     assert m[("trellm:structured_output_compile_cache_hits_total", None)].value == 3
     assert m[("trellm:structured_output_compile_seconds_total", None)].value == 0.75
     assert m[("trellm:structured_output_mask_steps_total", None)].value == 4
+
+
+def test_lora_gauge_names_the_running_and_waiting_adapters():
+    reporter = MetricsReporter(FakePbUtils, {"model": "llm"}, interval_s=3600)
+    m = FakeMetricFamily.created
+    made = []
+    metric = FakeMetricFamily.Metric
+
+    def spy(self, labels, buckets=None):
+        if self.name == "vllm:lora_requests_info":
+            made.append(labels)
+        return metric(self, labels, buckets)
+    FakeMetricFamily.Metric = spy
+    try:
+        stats = [SchedulerStats()]
+        reporter.start(lambda: stats[0])
+        reporter.update()
+        assert made == [], "no series for a model without adapters"
+        stats[0] = SchedulerStats(max_loras=4, running_loras=("chat", "sql"), waiting_loras=("sql",), lora_loads=2,
+                                  lora_evictions=3)
+        reporter.update()
+        reporter.update()
+        assert made == [{"model": "llm", "max_lora": "4", "running_lora_adapters": "chat,sql",
+                         "waiting_lora_adapters": "sql"}], "one series per label set"
+        assert m[("trellm:lora_evictions_total", None)].value == 3 and m[("trellm:lora_loads_total", None)].value == 2
+    finally:
+        FakeMetricFamily.Metric = metric

@@ -251,9 +251,15 @@ class LLMEngine:
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler.make_stats()
-        if self._grammars is None:
-            return s
-        g = self._grammars.stats
-        return dataclasses.replace(s, grammar_compile_requests=g.requests, grammar_cache_hits=g.cache_hits,
-                                   grammar_compile_s=g.compile_s, grammar_mask_s=g.mask_s,
-                                   grammar_mask_steps=g.mask_steps)
+        if self._grammars is not None:
+            g = self._grammars.stats
+            s = dataclasses.replace(s, grammar_compile_requests=g.requests, grammar_cache_hits=g.cache_hits,
+                                    grammar_compile_s=g.compile_s, grammar_mask_s=g.mask_s,
+                                    grammar_mask_steps=g.mask_steps)
+        if self.loras.names:
+            def names(reqs):
+                return tuple(sorted({r.lora.name for r in reqs if r.lora is not None}))
+            s = dataclasses.replace(s, max_loras=self.config.max_loras, running_loras=names(self.scheduler.running),
+                                    waiting_loras=names(self.scheduler.waiting), lora_loads=self.loras.loads,
+                                    lora_evictions=self.loras.evictions)
+        return s

@@ -23,6 +23,11 @@ class SchedulerStats:
     grammar_compile_s: float = 0.0
     grammar_mask_s: float = 0.0
     grammar_mask_steps: int = 0
+    max_loras: int = 0                 # LoRA (0 when the model declares no adapter): the max_loras setting,
+    running_loras: tuple[str, ...] = ()   # the adapters of running requests and of waiting ones (sorted),
+    waiting_loras: tuple[str, ...] = ()
+    lora_loads: int = 0                # and since start, adapters read again after an eviction, and evictions
+    lora_evictions: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 from typing import Callable
 
@@ -47,6 +48,8 @@ COUNTERS = {
     "trellm:structured_output_compile_seconds_total": "Structured output: seconds spent compiling guides",
     "trellm:structured_output_mask_seconds_total": "Structured output: seconds spent filling token masks",
     "trellm:structured_output_mask_steps_total": "Structured output: steps that filled token masks",
+    "trellm:lora_loads_total": "LoRA adapters read again from their folder after an eviction (max_cpu_loras)",
+    "trellm:lora_evictions_total": "LoRA adapters dropped from memory, least recently used first (max_cpu_loras)",
 }
 # Counters sampled from the stats snapshot (the others count finished requests): {name: SchedulerStats field}.
 SNAPSHOT_COUNTERS = {"vllm:num_preemptions_total": "num_preemptions",
@@ -59,7 +62,12 @@ SNAPSHOT_COUNTERS = {"vllm:num_preemptions_total": "num_preemptions",
                      "trellm:structured_output_compile_cache_hits_total": "grammar_cache_hits",
                      "trellm:structured_output_compile_seconds_total": "grammar_compile_s",
                      "trellm:structured_output_mask_seconds_total": "grammar_mask_s",
-                     "trellm:structured_output_mask_steps_total": "grammar_mask_steps"}
+                     "trellm:structured_output_mask_steps_total": "grammar_mask_steps",
+                     "trellm:lora_loads_total": "lora_loads",
+                     "trellm:lora_evictions_total": "lora_evictions"}
+# vLLM's LoRA gauge: its labels say which adapters run and wait (comma lists) and max_lora; its value is the time
+# of the sample. One series at a time: a new label set replaces the previous one.
+LORA_INFO = "vllm:lora_requests_info"
 GAUGES = {
     "vllm:num_requests_running": "Requests in the running batch",
     "vllm:num_requests_waiting": "Requests waiting to be scheduled",
@@ -95,6 +103,9 @@ class MetricsReporter:
         self._per_pos = lambda pos: counters[per_pos].Metric(labels={**labels, "position": str(pos)})
         self.accepted_per_pos: list = []          # one counter per position, made when first reported
         self.gauge = {n: family(n, d, kind.GAUGE).Metric(labels=labels) for n, d in GAUGES.items()}
+        self._labels = labels
+        self._lora_family = family(LORA_INFO, "Running and waiting LoRA adapters (labels); the sample's time", kind.GAUGE)
+        self._lora_info: tuple[tuple, object] | None = None    # (its label values, the series)
         self._reported = dict.fromkeys(SNAPSHOT_COUNTERS, 0)
         self._reported_per_pos: list[int] = []
         self._stats: Callable[[], SchedulerStats] | None = None
@@ -122,6 +133,15 @@ class MetricsReporter:
             except Exception:  # metrics must never take serving down
                 log.exception("updating metrics failed")
 
+    def _report_loras(self, s: SchedulerStats) -> None:
+        if not s.max_loras and not s.running_loras and not s.waiting_loras:
+            return
+        key = (str(s.max_loras), ",".join(s.running_loras), ",".join(s.waiting_loras))
+        if self._lora_info is None or self._lora_info[0] != key:
+            self._lora_info = (key, self._lora_family.Metric(labels={
+                **self._labels, "max_lora": key[0], "running_lora_adapters": key[1], "waiting_lora_adapters": key[2]}))
+        self._lora_info[1].set(time.time())
+
     def update(self) -> None:
         """Record every finished request since the last call and sample the gauges."""
         while True:
@@ -136,6 +156,7 @@ class MetricsReporter:
         self.gauge["trellm:kv_cache_used_blocks"].set(s.kv_used_blocks)
         self.gauge["trellm:kv_cache_total_blocks"].set(s.kv_total_blocks)
         self.gauge["vllm:kv_cache_usage_perc"].set(s.kv_usage)
+        self._report_loras(s)
         for name, attr in SNAPSHOT_COUNTERS.items():
             now = getattr(s, attr)
             if now > self._reported[name]:

@@ -26,6 +26,7 @@ from trellm_kernels import activation, attention, cpu_ops, dispatch, kv_cache, l
 from trellm_kernels import triton_activation, triton_attention, triton_kv_cache, triton_rmsnorm, triton_rotary
 
 from trellm_kernels import triton_linear
+from trellm_kernels import lora, triton_lora
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Where the Triton kernels run: unset, on the tests' own CPU tensors (interpreted); "cuda", compiled on the GPU.
@@ -41,7 +42,8 @@ CPU_OPS_OFF = os.environ.get("TRELLM_CPU_OPS") == "0"
 ENTRY_POINTS = [(triton_attention, "paged_attention_triton"), (triton_kv_cache, "write_kv_triton"),
                 (triton_rmsnorm, "rms_norm_triton"), (triton_rmsnorm, "fused_add_rms_norm_triton"),
                 (triton_rotary, "rotary_triton"), (triton_activation, "silu_and_mul_triton"),
-                (triton_linear, "int8_linear_triton"), (triton_linear, "int4_linear_triton")]
+                (triton_linear, "int8_linear_triton"), (triton_linear, "int4_linear_triton"),
+                (triton_lora, "lora_shrink_triton"), (triton_lora, "lora_expand_triton")]
 
 
 def on_device(fn, device: str):
@@ -429,6 +431,30 @@ def test_silu_and_mul(shape, dtype):
     g = torch.Generator().manual_seed(10)
     x = randn(g, *shape, dtype=dtype) * 3
     close(triton_activation.silu_and_mul_triton(x), activation.silu_and_mul_reference(x))
+
+
+# ------------------------------------------------------------------------------------------------------- LoRA
+
+@pytest.mark.parametrize("tokens,k,r,n,dtype", [(7, 48, 8, 40, F32), (5, 200, 16, 130, F16), (3, 32, 4, 24, BF16)])
+def test_lora_shrink_and_expand_follow_each_tokens_adapter(tokens, k, r, n, dtype):
+    """Three adapters and tokens of none (-1), interleaved: each token goes through its own slot's matrices, into
+    the columns [col0, col0 + n) of a wider output at rank offset r0 of the shrunk rows."""
+    g = torch.Generator().manual_seed(13)
+    x = randn(g, tokens, k, dtype=dtype)
+    a = randn(g, 3, 2 * r, k, dtype=dtype) * 0.2
+    b = randn(g, 3, n, r, dtype=dtype) * 0.2
+    slots = torch.tensor([(i % 4) - 1 for i in range(tokens)], dtype=torch.int32)
+    scales = torch.tensor([0.5, 2.0, 1.25])
+    t = triton_lora.lora_shrink_triton(x, a, slots)
+    t_ref = lora.lora_shrink_reference(x, a, slots)
+    close(t, t_ref, dtype)
+    out = randn(g, tokens, n + 20, dtype=dtype)
+    ref = out.clone()
+    triton_lora.lora_expand_triton(out, t_ref, b, slots, scales, 10, r)
+    lora.lora_expand_reference(ref, t_ref, b, slots, scales, 10, r)
+    close(out, ref, dtype)
+    untouched = slots == -1
+    assert torch.equal(out[untouched], ref[untouched])
 
 
 # ---------------------------------------------------------------------------------------------------- dispatch

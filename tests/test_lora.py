@@ -199,3 +199,38 @@ def test_lora_name_is_one_field_of_every_contract():
     assert fields.sampling_params(fields.values_from_tensors(tensors)).lora_name == "sql"
     with pytest.raises(ValueError, match="sampling_parameters.lora_name must be a string, got 5"):
         fields.values_from_sampling_json('{"lora_name": 5}')
+
+
+@pytest.mark.unit
+def test_the_kernels_stacked_layout_adds_what_the_grouped_matmuls_add(default_model_path, adapters):
+    """The two ways a step adds its adapters' term: grouped matmuls over each adapter's rows (CPU) and the
+    stacked matrices with a slot per token that the Triton kernels read (here through their PyTorch references),
+    for interleaved requests of adapters of different ranks and modules, and of none."""
+    import torch
+
+    from trellm_backend.models.config import load_model_config
+    from trellm_backend.models.lora import LoraStep, module_shapes, stack_adapters, step_rows
+    cfg = load_model_config(default_model_path)
+    loaded = [load_adapter(n, adapters[n], cfg, 64, torch.float32, torch.device("cpu")) for n in LORAS]
+    # rows: 0-2 adapter 0, 3-4 none, 5 adapter 1, 6-8 adapter 0, 9-10 adapter 2
+    ranges = {0: [(0, 3), (6, 9)], 1: [(5, 6)], 2: [(9, 11)]}
+    grouped = LoraStep([(loaded[i], step_rows(r, torch.device("cpu"))) for i, r in ranges.items()])
+    slots = torch.full((11,), -1, dtype=torch.int32)
+    for i, rs in ranges.items():
+        for s, e in rs:
+            slots[s:e] = i
+    stacked = LoraStep(stack=stack_adapters(loaded, cfg), slots=slots)
+    shapes = module_shapes(cfg)
+    g = torch.Generator().manual_seed(0)
+    for site, n_in, n_out in [("qkv", cfg.hidden_size, shapes["v_proj"][1] + shapes["v_proj"][2]),
+                              ("o", shapes["o_proj"][0], cfg.hidden_size),
+                              ("gate_up", cfg.hidden_size, 2 * cfg.intermediate_size),
+                              ("down", cfg.intermediate_size, cfg.hidden_size)]:
+        x = torch.randn(11, n_in, generator=g)
+        base = torch.randn(11, n_out, generator=g)
+        want, got = base.clone(), base.clone()
+        grouped.add(want, x, 1, site)
+        stacked.add(got, x, 1, site)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[3:5], base[3:5]), "rows of no adapter are left alone"
+        assert not torch.equal(want, base), f"the adapters target {site}"

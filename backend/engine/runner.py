@@ -17,9 +17,10 @@ from trellm_backend.engine.sampler import SampledToken, sample
 from trellm_backend.engine.request import Request
 from trellm_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
 from trellm_backend.engine.structured_output import apply_masks
-from trellm_backend.models.lora import LoraStep, step_rows
+from trellm_backend.models.lora import AdapterStack, LoraStep, stack_adapters, step_rows
 from trellm_backend.models.weights import load_state_dict
 from trellm_kernels import cpu_ops
+from trellm_kernels.dispatch import use_triton
 from trellm_kernels.kv_cache import QMAX, SCALE_DTYPE
 
 log = logging.getLogger("trellm")
@@ -39,6 +40,7 @@ class ModelRunner:
             cpu_ops.load()   # build or load the C++ operators now, at model load, never on a request
         state = load_state_dict(model_cfg.path, self.dtype)
         self.model = LlamaModel(model_cfg, state, self.device, self.dtype, max_model_len, cfg.quantization)
+        self._lora_stacks: dict[tuple[str, ...], AdapterStack] = {}   # the adapter sets of recent steps, stacked
         self.block_size = cfg.block_size
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache, self.kv_scales = allocate_kv_cache(model_cfg, self.num_blocks, self.block_size, self.kv_dtype,
@@ -60,7 +62,21 @@ class ModelRunner:
 
     def _lora_step(self, chunks: list[ScheduledChunk], cu: torch.Tensor) -> LoraStep | None:
         groups = _lora_rows(chunks, cu)
-        return LoraStep([(adapter, step_rows(ranges, self.device)) for adapter, ranges in groups]) if groups else None
+        if not groups:
+            return None
+        if not use_triton(self.kv_cache):   # a CPU: grouped matmuls over each adapter's rows
+            return LoraStep([(adapter, step_rows(ranges, self.device)) for adapter, ranges in groups])
+        # The kernels: the step's adapters stacked (kept for the next steps with the same set) and a slot per token.
+        names = tuple(adapter.name for adapter, _ in groups)
+        stack = self._lora_stacks.pop(names, None) or stack_adapters([a for a, _ in groups], self.model_cfg)
+        self._lora_stacks[names] = stack
+        while len(self._lora_stacks) > 4:
+            self._lora_stacks.pop(next(iter(self._lora_stacks)))
+        slots = torch.full((int(cu[-1]),), -1, dtype=torch.int32)
+        for slot, (_, ranges) in enumerate(groups):
+            for start, end in ranges:
+                slots[start:end] = slot
+        return LoraStep(stack=stack, slots=slots.to(self.device))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None) -> list[SampledToken]:

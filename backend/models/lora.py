@@ -4,8 +4,9 @@ An adapter adds `x @ A^T @ B^T * scale` to the output of each linear it targets 
 lora_alpha / sqrt(r) with rsLoRA). Adapter weights stay apart from the base weights (quantized or not): a step that
 mixes requests of several adapters (and of none) runs the base linears once for every token, then, for each adapter
 in the step, the tokens of its requests through its two small matrices (a shrink to rank r, an expand back), added
-into the right columns of the fused projections (q/k/v in qkv, gate/up in gate_up). Punica's BGMV/SGMV do the same
-per token on a GPU; on a CPU one pair of matmuls per adapter and module over its contiguous rows is the fast path.
+into the right columns of the fused projections (q/k/v in qkv, gate/up in gate_up). On a GPU, Triton kernels do it
+for every adapter in one launch through a token -> slot index (Punica's BGMV; kernels/triton_lora.py) over the
+step's adapters stacked (`stack_adapters`); on a CPU, one shrink and one fused expand per adapter over its rows.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from trellm_backend.models.config import ModelConfig
+from trellm_kernels.lora import lora_expand, lora_shrink
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The fused linear each module's output lives in.
@@ -204,14 +206,66 @@ class AdapterRegistry:
 
 
 @dataclass
+class StackedSite:
+    """One fused site of a step's adapters stacked for the kernels: each targeted module gets a rank slot of width R
+    (the largest rank; zero-padded, and zero where an adapter does not target the module)."""
+    a: torch.Tensor                                   # [adapters, modules * R, in]
+    parts: list[tuple[int, int, torch.Tensor]]        # per module: (first output column, rank offset, B [adapters, out, R])
+
+
+@dataclass
+class AdapterStack:
+    names: tuple[str, ...]
+    scales: torch.Tensor                              # [adapters] float32
+    sites: dict[tuple[int, str], StackedSite]
+
+
+def stack_adapters(adapters: list[LoraAdapter], cfg: ModelConfig) -> AdapterStack:
+    """The adapters' matrices stacked per (layer, site), slot i being adapters[i] (kernels/lora.py)."""
+    shapes = module_shapes(cfg)
+    rank = max(a.rank for a in adapters)
+    some = next(iter(adapters[0].weights.values()))[0]
+    sites = {}
+    for layer in range(cfg.num_layers):
+        for site in dict.fromkeys(SITE_OF.values()):
+            mods = [m for m in MODULES if SITE_OF[m] == site and any((layer, m) in ad.weights for ad in adapters)]
+            if not mods:
+                continue
+            n_in = shapes[mods[0]][0]
+            a = some.new_zeros(len(adapters), len(mods) * rank, n_in)
+            parts = []
+            for i, m in enumerate(mods):
+                b = some.new_zeros(len(adapters), shapes[m][1], rank)
+                for slot, ad in enumerate(adapters):
+                    if (layer, m) in ad.weights:
+                        wa, wb = ad.weights[(layer, m)]
+                        a[slot, i * rank:i * rank + ad.rank] = wa
+                        b[slot, :, :ad.rank] = wb
+                parts.append((shapes[m][2], i * rank, b))
+            sites[(layer, site)] = StackedSite(a, parts)
+    scales = torch.tensor([a.scale for a in adapters], dtype=torch.float32, device=some.device)
+    return AdapterStack(tuple(a.name for a in adapters), scales, sites)
+
+
+@dataclass
 class LoraStep:
-    """The adapters of one step, each with the flat-batch rows of its requests' tokens: a slice when they are one
-    run, else an index tensor."""
-    groups: list[tuple[LoraAdapter, slice | torch.Tensor]]
+    """The adapters of one step. On a CPU, `groups`: each adapter with the flat-batch rows of its requests' tokens
+    (a slice when they are one run, else an index tensor), run as grouped matmuls. With the kernels (a GPU),
+    `stack` and `slots` instead: every adapter's matrices stacked and each token's slot in them (-1: none)."""
+    groups: list[tuple[LoraAdapter, slice | torch.Tensor]] = field(default_factory=list)
+    stack: AdapterStack | None = None
+    slots: torch.Tensor | None = None
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, site: str) -> None:
-        """out[rows, each targeted module's columns] += ((x[rows] @ A^T) @ B^T) * scale: one shrink for all the
-        site's modules (their A stacked), one expand per module."""
+        """out[rows, each targeted module's columns] += ((x[rows] @ A^T) @ B^T) * scale."""
+        if self.stack is not None:
+            sw = self.stack.sites.get((layer, site))
+            if sw is not None:
+                t = lora_shrink(x, sw.a, self.slots)
+                for col, r0, b in sw.parts:
+                    lora_expand(out, t, b, self.slots, self.stack.scales, col, r0)
+            return
+        # One shrink for all the site's modules (their A stacked), one fused expand per module.
         for adapter, rows in self.groups:
             sw = adapter.sites.get((layer, site))
             if sw is None:
@@ -219,7 +273,7 @@ class LoraStep:
             t = x[rows] @ sw.a.T
             for col, r0, b in sw.parts:
                 t_m = t[:, r0:r0 + b.shape[1]]
-                if isinstance(rows, slice):      # one fused call: out += scale * (t_m @ B^T)
+                if isinstance(rows, slice):      # out += scale * (t_m @ B^T)
                     out[rows, col:col + b.shape[0]].addmm_(t_m, b.T, alpha=adapter.scale)
                 else:
                     out[:, col:col + b.shape[0]].index_add_(0, rows, t_m @ b.T, alpha=adapter.scale)

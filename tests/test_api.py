@@ -54,6 +54,7 @@ def test_llm_inputs_are_the_field_table():
                          dims=spec["dims"], optional=spec["optional"])
     llm = declared(config)
     llm.pop("stop")   # the TRT-LLM-style stop request, not a request field
+    llm.pop("lora_control")   # the LoRA control request, neither
     assert list(llm) == fields.llm_tensor_names()
     assert {k: v for k, v in llm.items() if k not in fields.LLM_PROMPT_INPUTS} == expected_field_inputs(fields.FIELDS)
 

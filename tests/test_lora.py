@@ -172,6 +172,31 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
         assert got_vllm == [want[n] for n in names]
         with LLMClient(server.grpc_url) as c, pytest.raises(Exception, match="'nope' is not an adapter"):
             c.generate(prompt, lora_name="nope")
+        # Adapters added and removed while serving: a control request to llm.
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+
+        def control(command):
+            client = grpcclient.InferenceServerClient(server.grpc_url)
+            answers = []
+            client.start_stream(callback=lambda result, error: answers.append((result, error)))
+            t = grpcclient.InferInput("lora_control", [1, 1], "BYTES")
+            t.set_data_from_numpy(np.array([[json.dumps(command).encode()]], dtype=np.object_))
+            client.async_stream_infer("llm", [t])
+            client.stop_stream()
+            client.close()
+            result, error = answers[0]
+            if error is not None:
+                raise error
+            return json.loads(result.as_numpy("text_output").reshape(-1)[0])
+        assert control({"load": {"again": adapters["attn-r8"]}, "unload": ["all-r16"]})["adapters"] == \
+            ["again", "attn-r8", "mlp-r4-rslora"]
+        assert ensemble("again") == want["attn-r8"]
+        with pytest.raises(Exception, match="'all-r16' is not an adapter"):
+            ensemble("all-r16")
+        with pytest.raises(Exception, match="adapter_config.json is missing"):
+            control({"load": {"broken": str(tmp_path)}})
+        assert control({"load": {"all-r16": adapters["all-r16"]}, "unload": ["again"]})["adapters"] == sorted(LORAS)
         # The OpenAI front door lists each adapter as a model (vLLM's way) and serves it by that name.
         import httpx2 as httpx   # the HTTP client the openai SDK (pinned) brings
 

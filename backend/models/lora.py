@@ -162,7 +162,8 @@ class AdapterRegistry:
 
     def __init__(self, table: dict[str, str], cfg: ModelConfig, max_rank: int, max_cpu_loras: int,
                  dtype: torch.dtype, device: torch.device):
-        self._load = lambda name: load_adapter(name, table[name], cfg, max_rank, dtype, device)
+        self._table = dict(table)
+        self._load = lambda name: load_adapter(name, self._table[name], cfg, max_rank, dtype, device)
         self.max_cpu_loras = max_cpu_loras
         self.broken: dict[str, str] = {}
         self._cache: OrderedDict[str, LoraAdapter] = OrderedDict()
@@ -192,6 +193,37 @@ class AdapterRegistry:
             self.loads += 1
             self._put(adapter)
         return adapter
+
+    def add(self, name: str, path: str) -> None:
+        """Declare (or replace) adapter `name` while serving: checked now, AdapterError if it does not fit; requests
+        already running keep the adapter they started with."""
+        with self._lock:
+            previous = self._table.get(name)
+            self._table[name] = path
+        try:
+            adapter = self._load(name)
+        except AdapterError:
+            with self._lock:
+                if previous is None:
+                    del self._table[name]
+                else:
+                    self._table[name] = previous
+            raise
+        with self._lock:
+            self.broken.pop(name, None)
+            self._cache.pop(name, None)
+            self._put(adapter)
+            self.names = sorted(set(self.names) | {name})
+
+    def remove(self, name: str) -> None:
+        """Undeclare adapter `name`: new requests naming it are refused; running ones finish with it."""
+        with self._lock:
+            if name not in self._table:
+                raise ValueError(f"lora adapter {name!r} is not declared; declared: {', '.join(self.names) or 'none'}")
+            del self._table[name]
+            self._cache.pop(name, None)
+            self.broken.pop(name, None)
+            self.names = [n for n in self.names if n != name]
 
     def _put(self, adapter: LoraAdapter) -> None:
         self._cache[adapter.name] = adapter

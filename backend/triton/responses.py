@@ -24,6 +24,15 @@ def is_stop_request(pb_utils, request) -> bool:
     return t is not None and bool(t.as_numpy().reshape(-1)[0])
 
 
+def lora_control(pb_utils, request) -> str | None:
+    """The JSON of a LoRA control request (its `lora_control` input), or None for any other request."""
+    t = pb_utils.get_input_tensor_by_name(request, "lora_control")
+    if t is None:
+        return None
+    value = t.as_numpy().reshape(-1)[0]
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
 class ResponseGroup:
     """The response sender of one Triton request, shared by its n sequences."""
 

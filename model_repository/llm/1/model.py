@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trellm_backend.engine.cores import yield_process
@@ -16,10 +17,10 @@ from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.loop import DuplicateClientId, EngineLoop, QueueFull
 from trellm_backend.triton.checks import serving_config
 from trellm_backend.triton.fields import auto_complete_llm_inputs, llm_tensor_names
-from trellm_backend.triton.llm import ResponsePlan, fan_out, parse_llm_inputs
+from trellm_backend.triton.llm import ResponsePlan, apply_lora_control, fan_out, parse_llm_inputs
 from trellm_backend.triton.metrics import MetricsReporter
 from trellm_backend.triton.parameters import model_parameters
-from trellm_backend.triton.responses import ResponseGroup, SequenceSink, fail, is_stop_request
+from trellm_backend.triton.responses import ResponseGroup, SequenceSink, fail, is_stop_request, lora_control
 from trellm_backend.triton.shutdown import watch_server_shutdown
 from trellm_backend.triton.tokenization import load_tokenizer
 
@@ -37,6 +38,7 @@ class TritonPythonModel:
         params = model_parameters(json.loads(args["model_config"]))
         # Checks the folder, the KV budget and memory first; a failure names the file and value (Triton's load error).
         config = serving_config(params, args["model_repository"])
+        self.model_dir = args["model_repository"]
         # The engine needs text (stop strings are matched on it), so it gets the model folder's tokenizer.
         self.tokenizer = load_tokenizer(config.model_path)
         self.engine = LLMEngine(config, tokenizer=self.tokenizer)
@@ -70,6 +72,18 @@ class TritonPythonModel:
                 # one final response without outputs. Works where a client cancel cannot reach (an ensemble step).
                 self.loop.abort_client_id(request.request_id())
                 sender.send(pb_utils.InferenceResponse(output_tensors=[]),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            control = lora_control(pb_utils, request)
+            if control is not None:
+                # Adds or removes LoRA adapters; requests in flight go on with the adapter they started with.
+                try:
+                    result = apply_lora_control(self.engine.loras, control, self.model_dir)
+                except ValueError as e:   # AdapterError included: the folder, key and shape at fault
+                    fail(pb_utils, sender, str(e))
+                    continue
+                text = np.array([[json.dumps(result).encode()]], dtype=np.object_)
+                sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("text_output", text)]),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             try:

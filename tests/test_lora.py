@@ -259,3 +259,24 @@ def test_the_kernels_stacked_layout_adds_what_the_grouped_matmuls_add(default_mo
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert torch.equal(got[3:5], base[3:5]), "rows of no adapter are left alone"
         assert not torch.equal(want, base), f"the adapters target {site}"
+
+
+def test_thirty_two_adapters_with_max_loras_4_serve_a_mixed_workload(default_model_path, adapters):
+    """32 declared adapters (copies of the three folders under 32 names), max_loras 4, max_cpu_loras 8: 64 mixed
+    requests all finish, adapters are evicted and reread, and each answer is its folder's."""
+    folders = sorted(LORAS)
+    table = {f"a{i:02d}": adapters[folders[i % 3]] for i in range(32)}
+    eng = engine_with(default_model_path, table, max_loras=4, max_cpu_loras=8)
+    prompt = random_prompts(9, 4096, [7])
+    names = [f"a{i % 32:02d}" for i in range(64)]
+    out = {i: [] for i in range(64)}
+    for i, n in enumerate(names):
+        eng.add_request(str(i), prompt[0], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                          lora_name=n))
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[int(o.request_id)].extend(o.new_token_ids)
+        assert len({r.lora.name for r in eng.scheduler.running if r.lora is not None}) <= 4
+    by_folder = {f: greedy(engine_with(default_model_path, adapters), prompt, [f], 5)[0] for f in folders}
+    assert all(out[i] == by_folder[folders[int(n[1:]) % 3]] for i, n in enumerate(names))
+    assert eng.loras.num_in_memory == 8 and eng.loras.evictions >= 24 and eng.loras.loads > 0

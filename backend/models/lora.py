@@ -43,8 +43,11 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
 
 @dataclass
 class SiteWeights:
+    """An adapter's matrices for one fused site: the targeted modules' A stacked, and their B as one block-diagonal
+    matrix over the site's whole output width (zero for untargeted modules' columns), so the term is one shrink and
+    one expand whatever the number of modules."""
     a: torch.Tensor                                   # [sum of the ranks, in]
-    parts: list[tuple[int, int, torch.Tensor]]        # (first output column, rank offset in a, B [out, r])
+    b: torch.Tensor                                   # [the site's output width, sum of the ranks]
 
 
 @dataclass
@@ -133,9 +136,13 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, dtype: t
         for site in dict.fromkeys(SITE_OF.values()):
             mods = [m for m in MODULES if SITE_OF[m] == site and (layer, m) in adapter.weights]
             if mods:
+                width = sum(shapes[m][1] for m in MODULES if SITE_OF[m] == site)
+                b = torch.zeros(width, rank * len(mods), dtype=dtype, device=device)
+                for i, m in enumerate(mods):
+                    col, n_out = shapes[m][2], shapes[m][1]
+                    b[col:col + n_out, i * rank:(i + 1) * rank] = adapter.weights[(layer, m)][1]
                 adapter.sites[(layer, site)] = SiteWeights(
-                    torch.cat([adapter.weights[(layer, m)][0] for m in mods]).contiguous(),
-                    [(shapes[m][2], i * rank, adapter.weights[(layer, m)][1]) for i, m in enumerate(mods)])
+                    torch.cat([adapter.weights[(layer, m)][0] for m in mods]).contiguous(), b)
     declared = set(ac.get("target_modules") or []) if isinstance(ac.get("target_modules"), list) else None
     if declared is not None and not declared <= set(MODULES):
         refuse("target_modules", f"names {sorted(declared - set(MODULES))}; supported: {', '.join(MODULES)}")
@@ -297,18 +304,16 @@ class LoraStep:
                 for col, r0, b in sw.parts:
                     lora_expand(out, t, b, self.slots, self.stack.scales, col, r0)
             return
-        # One shrink for all the site's modules (their A stacked), one fused expand per module.
+        # Per adapter: one shrink for all the site's modules, one fused expand (out += scale * (t @ B^T)).
         for adapter, rows in self.groups:
             sw = adapter.sites.get((layer, site))
             if sw is None:
                 continue
             t = x[rows] @ sw.a.T
-            for col, r0, b in sw.parts:
-                t_m = t[:, r0:r0 + b.shape[1]]
-                if isinstance(rows, slice):      # out += scale * (t_m @ B^T)
-                    out[rows, col:col + b.shape[0]].addmm_(t_m, b.T, alpha=adapter.scale)
-                else:
-                    out[:, col:col + b.shape[0]].index_add_(0, rows, t_m @ b.T, alpha=adapter.scale)
+            if isinstance(rows, slice):
+                out[rows].addmm_(t, sw.b.T, alpha=adapter.scale)
+            else:
+                out.index_add_(0, rows, t @ sw.b.T, alpha=adapter.scale)
 
 
 def step_rows(ranges: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:

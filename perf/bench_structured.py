@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
-from test_structured_output import ARITHMETIC, CHOICES, GUIDES, REGEX, SCHEMA, check  # noqa: E402,F401
+from test_structured_output import GUIDES, check  # noqa: E402
 from trellm_backend.engine.config import EngineConfig  # noqa: E402
 from trellm_backend.engine.engine import LLMEngine  # noqa: E402
 from trellm_backend.engine.request import SamplingParams  # noqa: E402

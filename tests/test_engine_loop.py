@@ -204,3 +204,42 @@ def test_a_responder_behind_the_steps_sends_each_request_one_merged_response_los
         assert "".join(o.text for o in outs) == tokenizer.decode(tokens)
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert outs[-1].num_output_tokens == len(tokens) and outs[-1].finish_reason == "length"
+
+
+def test_a_guided_request_waits_for_its_grammar_while_others_run_and_times_out_by_name(default_model_path,
+                                                                                        monkeypatch):
+    """A guided request joins the engine only once its grammar is compiled; one whose compile does not finish in
+    COMPILE_TIMEOUT_S fails with a named error, a stop request reaches one still compiling, and the others run."""
+    from concurrent.futures import Future
+
+    from trellm_backend.engine import loop as loop_module
+    from trellm_backend.engine.structured_output import Guide
+    monkeypatch.setattr(loop_module, "COMPILE_TIMEOUT_S", 0.5)
+    engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20),
+                       tokenizer=load_tokenizer(default_model_path))
+    lp = EngineLoop(engine)
+    try:
+        stuck = engine.make_request("stuck", [1, 50, 60], SamplingParams(max_tokens=4, guide=Guide("regex", "a+")))
+        stuck.grammar_future = Future()          # a compile that never ends
+        held = engine.make_request("held", [1, 50, 60], SamplingParams(max_tokens=4, guide=Guide("regex", "b+")))
+        held_future = held.grammar_future = Future()
+        sinks = {name: Sink() for name in ("stuck", "held", "free", "guided")}
+        lp.submit([stuck], [sinks["stuck"]])
+        lp.submit([held], [sinks["held"]], client_id="client-held")
+        lp.submit([engine.make_request("free", [1, 50, 60], SamplingParams(max_tokens=4))], [sinks["free"]])
+        lp.submit([engine.make_request("guided", [1, 50, 60], SamplingParams(
+            max_tokens=8, guide=Guide("choice", '["yes", "no"]')))], [sinks["guided"]])
+        lp.abort_client_id("client-held")
+        assert sinks["held"].done.wait(30)
+        assert sinks["held"].errors == ["aborted while its grammar compiled"]
+        for name in ("stuck", "free", "guided"):
+            assert sinks[name].done.wait(30), name
+        assert sinks["stuck"].errors == ["compiling the regex guide took longer than 0.5 s; send a smaller one"]
+        assert sinks["free"].outputs[-1].finished and not sinks["free"].errors
+        assert "".join(o.text for o in sinks["guided"].outputs) in ("yes", "no")
+        held_future.set_result(engine.grammars.compile(Guide("regex", "b+")).result())   # its compile ends later
+        time.sleep(0.2)
+        assert sinks["held"].errors == ["aborted while its grammar compiled"] and not sinks["held"].outputs
+        wait_until(lambda: engine.kv_blocks_used() == 0 and not engine.has_unfinished())
+    finally:
+        lp.stop()

@@ -153,6 +153,10 @@ def tokenizer(default_model_path):
     return AutoTokenizer.from_pretrained(default_model_path)
 
 
+def text_before(text: str, stop: str) -> str:
+    return text[:text.index(stop)]
+
+
 # -- through a real tritonserver ------------------------------------------------------------------------------
 @pytest.mark.server
 def test_every_entry_point_takes_a_guide(triton_server):
@@ -165,6 +169,18 @@ def test_every_entry_point_takes_a_guide(triton_server):
                           guided_decoding_guide_type="json_schema",
                           guided_decoding_guide=schema)
         check(Guide("json_schema", schema), text)
+        # n = 2: each sample has its own matcher (and seed); a stop string still ends a guided answer.
+        texts = {0: "", 1: ""}
+        for chunk in c.stream_chunks("Hello", stream=True, max_tokens=300, temperature=1.0, seed=5,
+                                     num_return_sequences=2, guided_decoding_guide_type="json_schema",
+                                     guided_decoding_guide=schema):
+            texts[chunk.sequence_index] += chunk.text
+        for sample in texts.values():
+            check(Guide("json_schema", schema), sample)
+        assert texts[0] != texts[1]
+        cut = c.generate("Hello", max_tokens=300, temperature=1.0, seed=3, exclude_input_in_output=True,
+                         stop_words=['"age"'], guided_decoding_guide_type="json_schema", guided_decoding_guide=schema)
+        assert text_before(text, '"age"') == cut, "the stop string cuts the same guided answer"
         with pytest.raises(Exception, match="'uniqueItems'"):
             c.generate("Hello", guided_decoding_guide_type="json_schema",
                        guided_decoding_guide='{"type": "array", "uniqueItems": true}')

@@ -64,6 +64,16 @@ class Add:
 
 
 @dataclass(frozen=True)
+class CompileTimeout:
+    """A guided request whose grammar was still compiling COMPILE_TIMEOUT_S after it came."""
+    add: Add
+
+
+# How long a guided request may wait for its grammar (the compile goes on for the cache; the request fails by name).
+COMPILE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
 class Abort:
     request_id: str
 
@@ -125,16 +135,15 @@ class EngineLoop:
         self.max_queue_size = engine.config.max_queue_size
         self._on_finished = on_finished
         self._stats = engine.stats()
-        self._inbox: queue.Queue[Add | Abort | AbortClient | AbortAll | Stop] = queue.Queue()
+        self._inbox: queue.Queue[Add | CompileTimeout | Abort | AbortClient | AbortAll | Stop] = queue.Queue()
         self._sinks: dict[str, OutputSink] = {}
         # A client's request id -> its engine requests not over yet, and back. Filled when submitted (so a
         # duplicate id is refused at once), emptied by the loop thread, hence the lock.
         self._client_ids: dict[str, set[str]] = {}
         self._client_id_of: dict[str, str] = {}
         self._clients_lock = threading.Lock()
-        # Guided requests whose grammar is compiling (not in the inbox yet), and those of them aborted meanwhile.
-        self._compiling: set[str] = set()
-        self._aborted_compiling: set[str] = set()
+        # Guided requests whose grammar is compiling (not in the inbox yet): request id -> the Add to make of it.
+        self._compiling: dict[str, Add] = {}
         self._stopping = False
         self._closed: str | None = None     # why new requests are refused (shut_down)
         self._outbox: queue.SimpleQueue[Send | Fail | Sent | None] = queue.SimpleQueue()
@@ -183,9 +192,13 @@ class EngineLoop:
             if future is None or future.done():
                 self._inbox.put(Add(request, sink))
             else:   # a guided request joins the engine once its grammar is compiled; the others go on meanwhile
+                add = Add(request, sink, compiled=True)
                 with self._clients_lock:
-                    self._compiling.add(request.request_id)
-                future.add_done_callback(lambda _, add=Add(request, sink, compiled=True): self._inbox.put(add))
+                    self._compiling[request.request_id] = add
+                timer = threading.Timer(COMPILE_TIMEOUT_S, lambda add=add: self._inbox.put(CompileTimeout(add)))
+                timer.daemon = True
+                timer.start()
+                future.add_done_callback(lambda _, add=add, timer=timer: (timer.cancel(), self._inbox.put(add)))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))
@@ -283,16 +296,25 @@ class EngineLoop:
             except queue.Empty:
                 return
             block = False
+            if isinstance(msg, CompileTimeout):
+                rid = msg.add.request.request_id
+                with self._clients_lock:
+                    waiting = self._compiling.pop(rid, None) is not None
+                if waiting:
+                    self._forget(rid)
+                    guide = msg.add.request.params.guide
+                    self._outbox.put(Fail(msg.add.sink, f"compiling the {guide.type} guide took longer than "
+                                                        f"{COMPILE_TIMEOUT_S:g} s; send a smaller one"))
+                continue
             if isinstance(msg, Add):
                 rid = msg.request.request_id
                 if msg.compiled:
                     with self._clients_lock:
-                        self._compiling.discard(rid)
-                        aborted = rid in self._aborted_compiling
-                        self._aborted_compiling.discard(rid)
-                    if aborted or self._closed is not None:
+                        if self._compiling.pop(rid, None) is None:
+                            continue    # it timed out or was aborted meanwhile: already answered
+                    if self._closed is not None:
                         self._forget(rid)
-                        self._outbox.put(Fail(msg.sink, self._closed or "aborted while its grammar compiled"))
+                        self._outbox.put(Fail(msg.sink, self._closed))
                         continue
                 try:
                     self.engine.add(msg.request)
@@ -331,8 +353,11 @@ class EngineLoop:
 
     def _abort(self, request_id: str) -> None:
         with self._clients_lock:
-            if request_id in self._compiling:
-                self._aborted_compiling.add(request_id)
+            compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:     # not in the engine yet: it ends now, its compile goes on for the cache
+            self._forget(request_id)
+            self._outbox.put(Fail(compiling.sink, "aborted while its grammar compiled"))
+            return
         out = self.engine.abort(request_id)
         if out is not None:
             self._finished(out)

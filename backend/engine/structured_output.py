@@ -6,8 +6,9 @@ into a per-step token mask, with xgrammar (what vLLM and TensorRT-LLM default to
   log and drops a keyword it cannot enforce (`uniqueItems`, `not`, `if`, `multipleOf` on numbers...), so the output
   would not follow the schema as sent; here such a keyword is refused by name and path instead.
 - `GrammarCompiler` compiles on its own worker thread (xgrammar releases the GIL), one guide at a time, behind a
-  cache keyed by the guide: a request waits for its own grammar (loop.py adds it to the engine once it is compiled)
-  while every other request keeps decoding. A failed compile fails that request only.
+  cache keyed by the guide: a request waits for its own grammar (loop.py adds it to the engine once it is compiled,
+  or fails it after loop.COMPILE_TIMEOUT_S) while every other request keeps decoding. A failed compile fails that
+  request only.
 - `fill_masks` writes the step's bitmask: one batched xgrammar call for the rows without guesses; a row with
   speculative guesses is filled after its matcher accepts each guess, then rolled back (the engine accepts what
   verification keeps). A guess the grammar forbids is masked at its own row, so it is rejected like any other

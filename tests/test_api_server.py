@@ -206,18 +206,24 @@ def test_ensemble_parallel_samples_logprobs_and_perf_metrics(triton_server):
 
 
 def perf_analyzer(server, model: str, input_data: str, export, concurrency: int, requests: int) -> None:
-    """perf_analyzer (tritonclient's wheel) streaming over gRPC, its per-request export written to `export`."""
+    """perf_analyzer (tritonclient's wheel) streaming over gRPC, its per-request export written to `export`. Run
+    again once if it exits 0 with an empty export: 2.51's perf_analyzer did so once in a full suite run on a busy
+    2-core host (2026-11-27) and not in isolation; a second empty export fails the test with its output."""
     env = dict(os.environ)
     cudart = os.path.join(os.path.dirname(os.path.dirname(sys.executable)), "lib",
                           f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages", "nvidia",
                           "cuda_runtime", "lib")
     env["LD_LIBRARY_PATH"] = cudart + os.pathsep + env.get("LD_LIBRARY_PATH", "")
-    run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "perf_analyzer"), "-m", model,
-                          "-u", server.grpc_url, "-i", "grpc", "--streaming", "--input-data", input_data,
-                          "--concurrency-range", str(concurrency), "--request-count", str(requests),
-                          "--profile-export-file", str(export)],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stdout + run.stderr
+    for attempt in range(2):
+        run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "perf_analyzer"), "-m", model,
+                              "-u", server.grpc_url, "-i", "grpc", "--streaming", "--input-data", input_data,
+                              "--concurrency-range", str(concurrency), "--request-count", str(requests),
+                              "--profile-export-file", str(export)],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert run.returncode == 0, run.stdout + run.stderr
+        if os.path.exists(export) and os.path.getsize(export) > 0:
+            return
+    raise AssertionError(f"perf_analyzer exited 0 twice with an empty {export}:\n{run.stdout}{run.stderr}")
 
 
 @pytest.mark.parametrize("model, inputs", [("ensemble", "tensorrtllm.json"), ("vllm_model", "vllm.json")])

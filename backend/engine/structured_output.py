@@ -185,9 +185,6 @@ class GrammarCompiler:
     def matcher(self, compiled):
         return self._xgr.GrammarMatcher(compiled)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 @dataclass
 class GuidedRow:

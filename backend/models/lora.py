@@ -61,10 +61,6 @@ class LoraAdapter:
     # (layer, fused site) -> the A of its targeted modules stacked, and each module's (first column, rank offset, B)
     sites: dict[tuple[int, str], "SiteWeights"] = field(default_factory=dict)
 
-    @property
-    def target_modules(self) -> list[str]:
-        return sorted({m for _, m in self.weights}, key=MODULES.index)
-
 
 def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> LoraAdapter:

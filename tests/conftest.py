@@ -29,6 +29,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(REPO, "hf_models", "tiny-llama")
 
 
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    """The default model's tokenizer (transformers'), one per test module."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(default_model_path)
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     """The repository's default model (built by `make model`; built here if a test run starts without it)."""

@@ -1,7 +1,6 @@
 """Streamed text: runs of tokens detokenized without state concatenate to exactly the full decode, and the engine's
 text (output_processor.py) is what a stateless step (postprocess) remakes from each output's tokens."""
 import pytest
-from transformers import AutoTokenizer
 
 from trellm_backend.engine.detokenizer import TokenRun, prompt_context, run_text
 from trellm_backend.engine.output_processor import OutputProcessor
@@ -14,11 +13,6 @@ TEXTS = [
     "combining marks: e\u0301 n\u0303 a\u0308",
     "def f(x):\n    return x ** 2  # squares",
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    return AutoTokenizer.from_pretrained(default_model_path)
 
 
 def after_prompt(tok, prompt, ids):

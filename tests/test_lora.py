@@ -27,8 +27,9 @@ def engine_with(model_path, adapters, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model_path, lora_adapters=json.dumps(adapters), **kw))
 
 
-def greedy(eng: LLMEngine, prompts, names, max_tokens) -> list[list[int]]:
-    """Every (prompt, adapter) pair admitted at once: one continuous batch mixing the adapters and the base."""
+def greedy(eng: LLMEngine, prompts, names, max_tokens, after_step=None) -> list[list[int]]:
+    """Every (prompt, adapter) pair admitted at once: one continuous batch mixing the adapters and the base.
+    `after_step()`, if given, runs after every step (a test's per-step check)."""
     jobs = [(p, n) for n in names for p in prompts]
     out = {i: [] for i in range(len(jobs))}
     for i, (p, n) in enumerate(jobs):
@@ -37,8 +38,14 @@ def greedy(eng: LLMEngine, prompts, names, max_tokens) -> list[list[int]]:
     while eng.has_unfinished():
         for o in eng.step():
             out[int(o.request_id)].extend(o.new_token_ids)
+        if after_step is not None:
+            after_step()
     assert eng.kv_blocks_used() == 0
     return [out[i] for i in range(len(jobs))]
+
+
+def running_adapters_at_most(eng: LLMEngine, n: int) -> None:
+    assert len({r.lora.name for r in eng.scheduler.running if r.lora is not None}) <= n
 
 
 def test_mixed_batch_equals_transformers_and_peft_for_every_adapter(default_model_path, adapters):
@@ -62,15 +69,7 @@ def test_max_loras_and_max_cpu_loras_bound_what_runs_and_what_stays_in_memory(de
     names = [*LORAS, None]
     free = greedy(engine_with(default_model_path, adapters), prompts, names, 6)
     eng = engine_with(default_model_path, adapters, max_loras=1, max_cpu_loras=1)
-    jobs = [(p, n) for n in names for p in prompts]
-    out = {i: [] for i in range(len(jobs))}
-    for i, (p, n) in enumerate(jobs):
-        eng.add_request(str(i), p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, lora_name=n))
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[int(o.request_id)].extend(o.new_token_ids)
-        assert len({r.lora.name for r in eng.scheduler.running if r.lora is not None}) <= 1
-    assert [out[i] for i in range(len(jobs))] == free
+    assert greedy(eng, prompts, names, 6, after_step=lambda: running_adapters_at_most(eng, 1)) == free
     assert eng.loras.num_in_memory == 1 and eng.loras.loads >= 2 and eng.loras.evictions >= 2
 
 
@@ -269,14 +268,7 @@ def test_thirty_two_adapters_with_max_loras_4_serve_a_mixed_workload(default_mod
     eng = engine_with(default_model_path, table, max_loras=4, max_cpu_loras=8)
     prompt = random_prompts(9, 4096, [7])
     names = [f"a{i % 32:02d}" for i in range(64)]
-    out = {i: [] for i in range(64)}
-    for i, n in enumerate(names):
-        eng.add_request(str(i), prompt[0], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
-                                                          lora_name=n))
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[int(o.request_id)].extend(o.new_token_ids)
-        assert len({r.lora.name for r in eng.scheduler.running if r.lora is not None}) <= 4
+    out = greedy(eng, prompt, names, 5, after_step=lambda: running_adapters_at_most(eng, 4))
     by_folder = {f: greedy(engine_with(default_model_path, adapters), prompt, [f], 5)[0] for f in folders}
     assert all(out[i] == by_folder[folders[int(n[1:]) % 3]] for i, n in enumerate(names))
     assert eng.loras.num_in_memory == 8 and eng.loras.evictions >= 24 and eng.loras.loads > 0

@@ -22,12 +22,6 @@ REPETITIVE = ["def add(a, b):\n    return a + b\n\ndef add(a, b):",
               "1, 2, 3, 4, 5, 6, 7, 8,", "Once upon a time there was a cat. Once upon a time"]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(default_model_path)
-
-
 def engine(path, tokenizer=None, method="ngram", **kw):
     kw.setdefault("speculative_disable_batch_size", 64)
     return LLMEngine(EngineConfig(path, speculative_method=method, **kw), tokenizer)

@@ -147,11 +147,6 @@ def test_a_grammar_that_does_not_compile_fails_its_request_only(default_model_pa
     assert eng.grammars.stats.requests == 2
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(default_model_path)
-
 
 def text_before(text: str, stop: str) -> str:
     return text[:text.index(stop)]

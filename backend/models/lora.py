@@ -151,9 +151,14 @@ def adapter_table(text: str) -> dict[str, str]:
         table = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as e:
         raise ValueError(f"lora_adapters is not valid JSON: {e}") from None
+    return checked_table(table, "lora_adapters")
+
+
+def checked_table(table, shown: str) -> dict[str, str]:
+    """`table` if it maps adapter names to folders (non-empty strings both), else ValueError naming `shown`."""
     if not isinstance(table, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
                                               for k, v in table.items()):
-        raise ValueError('lora_adapters must be a JSON object {"adapter name": "PEFT folder", ...}')
+        raise ValueError(f'{shown} must be a JSON object {{"adapter name": "PEFT folder", ...}}')
     return table
 
 

@@ -210,6 +210,7 @@ def apply_lora_control(registry, text: str, model_dir: str) -> dict:
     """A LoRA control request's JSON, {"load": {name: folder}, "unload": [name]}, applied to the engine's adapter
     registry (models/lora.AdapterRegistry); folders resolve like model_path. Returns {"adapters": [names]} after it;
     raises ValueError naming what is wrong (nothing is applied past the first failure)."""
+    from trellm_backend.models.lora import checked_table
     from trellm_backend.triton.parameters import resolve_model_path
     try:
         command = json.loads(text)
@@ -218,10 +219,7 @@ def apply_lora_control(registry, text: str, model_dir: str) -> dict:
     if not isinstance(command, dict) or set(command) - {"load", "unload"} or not command:
         raise ValueError('lora_control must be a JSON object with "load": {"NAME": "folder"} and/or "unload": '
                          '["NAME"]')
-    load, unload = command.get("load", {}), command.get("unload", [])
-    if not isinstance(load, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
-                                             for k, v in load.items()):
-        raise ValueError('lora_control.load must map adapter names to PEFT folders')
+    load, unload = checked_table(command.get("load", {}), "lora_control.load"), command.get("unload", [])
     if not isinstance(unload, list) or not all(isinstance(n, str) for n in unload):
         raise ValueError("lora_control.unload must be a list of adapter names")
     for name in unload:

@@ -13,26 +13,20 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path[:0] = [os.path.join(REPO, "tests"), os.path.dirname(os.path.abspath(__file__))]
 
 from hf_models import LORAS, make_lora, random_prompts  # noqa: E402
 from trellm_backend.engine.config import EngineConfig  # noqa: E402
 from trellm_backend.engine.engine import LLMEngine  # noqa: E402
-from trellm_backend.engine.request import SamplingParams  # noqa: E402
+from workload import run_at_once  # noqa: E402
 
 
 def tok_per_s(engine: LLMEngine, prompts, names, max_tokens: int) -> float:
     """Output tokens per second of the prompts admitted at once, prompt i with adapter names[i % len(names)]."""
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                                     lora_name=names[i % len(names)]))
-    tokens, start = 0, time.perf_counter()
-    while engine.has_unfinished():
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
-    return tokens / (time.perf_counter() - start)
+    run = run_at_once(engine, [(p, max_tokens) for p in prompts], [names[i % len(names)] for i in range(len(prompts))])
+    return run.output_tokens / run.wall_s
 
 
 def main():

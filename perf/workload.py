@@ -103,15 +103,17 @@ class EngineRun:
         return sum(len(t) for t in self.tokens)
 
 
-def run_at_once(engine, requests: list[tuple[list[int], int]]) -> EngineRun:
+def run_at_once(engine, requests: list[tuple[list[int], int]], lora_names: list[str | None] | None = None) -> EngineRun:
     """Add every (prompt ids, output tokens) request to an LLMEngine at t=0, greedy and exactly that many output
-    tokens each, and step until all are done (the engine-alone baselines and perf/bench_*.py)."""
+    tokens each (request i on LoRA adapter lora_names[i] where given), and step until all are done (the engine-alone
+    baselines and perf/bench_*.py)."""
     from trellm_backend.engine.request import SamplingParams
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
     first: dict[str, float] = {}
     start = time.perf_counter()
     for i, (ids, n) in enumerate(requests):
-        engine.add_request(str(i), ids, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True))
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True,
+                                                       lora_name=lora_names[i] if lora_names else None))
     while engine.has_unfinished():
         outputs = engine.step()
         now = time.perf_counter()

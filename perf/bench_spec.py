@@ -74,7 +74,7 @@ def run_closed_loop(engine: LLMEngine, reqs, concurrency: int) -> dict:
 class WrongGuesses:
     """k guesses of token 0 (<unk>, which the models never make): every one is rejected."""
 
-    def propose(self, chunks, num_tokens):
+    def propose(self, chunks, requests, num_tokens):
         return [[0] * k for k in num_tokens]
 
     def forget(self, request_id):

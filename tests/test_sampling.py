@@ -11,15 +11,17 @@ from hf_models import random_prompts
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.request import Request, SamplingParams
-from trellm_backend.engine.sampler import apply_bans, apply_penalties, sample
+from trellm_backend.engine.sampler import SamplingRow, apply_bans, apply_penalties, sample
+from trellm_backend.engine.scheduler import sampling_row
 
 V = 12
 
 
-def req(prompt, output=(), **params) -> Request:
+def req(prompt, output=(), **params) -> SamplingRow:
+    """The row the scheduler plans for a request with this prompt and output so far."""
     r = Request("r", list(prompt), SamplingParams(**params), max_len=1000)
     r.token_ids += list(output)
-    return r
+    return sampling_row(r)
 
 
 def draws(logits_row, n=400, **params) -> set[int]:
@@ -86,7 +88,7 @@ def test_bad_word_bans_equal_a_comparison_per_word():
         words = [[rng.randrange(V) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 12))]
         tokens = [rng.randrange(V) for _ in range(rng.randint(1, 6))]
         r = req(tokens[:1], tokens[1:], bad_words_ids=words)
-        expected = {w[-1] for w in words if len(w) == 1 or r.token_ids[-(len(w) - 1):] == w[:-1]}
+        expected = {w[-1] for w in words if len(w) == 1 or tokens[-(len(w) - 1):] == w[:-1]}
         got = apply_bans(torch.zeros(1, V), [r])
         assert {i for i in range(V) if got[0, i] == float("-inf")} == expected, (words, tokens)
 

@@ -64,10 +64,10 @@ class FakeGuesses:
     def __init__(self, seed: int):
         self.rng = random.Random(seed)
 
-    def propose(self, chunks, num_tokens):
+    def propose(self, chunks, requests, num_tokens):
         out = []
-        for c, k in zip(chunks, num_tokens):
-            tokens, guess = list(c.request.token_ids), []
+        for r, k in zip(requests, num_tokens):
+            tokens, guess = list(r.token_ids), []
             right = self.rng.randint(0, k)
             for j in range(k):
                 t = next_token(tokens)
@@ -130,14 +130,15 @@ def test_scheduler_and_kv_cache_manager_invariants(w):
         check_invariants(bm, sched, out, w["budget"])
         if w["chunked"] and w["cap"]:
             assert all(c.num_new_tokens - len(c.draft_token_ids) <= w["cap"] for c in out.chunks), "a prefill chunk exceeded the cap"
+        by_id = {r.request_id: r for r in live.values()}
         for c in out.chunks:            # the fake forward pass
-            req = c.request
+            req = by_id[c.request_id]
             assert c.start + c.num_new_tokens == req.num_computed_tokens, "planned progress is the request's"
             seen = fake_forward(kv, bs, c)
             assert seen == (req.token_ids + c.draft_token_ids)[:len(seen)], \
                 "attention must read this request's own tokens"
         for c in out.chunks:
-            req = c.request
+            req = by_id[c.request_id]
             if c.samples:       # the target's token after each accepted guess; stop at the first disagreement
                 drafts, new = c.draft_token_ids, []
                 while True:
@@ -181,13 +182,15 @@ def run_fake_model(manager_cls, prefix_caching: bool, num_blocks: int):
             for i in range(6)]
     for r in reqs:
         sched.add(r)
+    by_id = {r.request_id: r for r in reqs}
     while sched.has_work():
         for c in sched.schedule().chunks:
             seen = fake_forward(kv, 4, c)
             if c.samples:
-                c.request.token_ids.append(next_token(seen))
-                if c.request.num_output_tokens >= 6:
-                    sched.finish(c.request, "length")
+                req = by_id[c.request_id]
+                req.token_ids.append(next_token(seen))
+                if req.num_output_tokens >= 6:
+                    sched.finish(req, "length")
     return [r.token_ids for r in reqs], bm.num_hits
 
 
@@ -205,7 +208,7 @@ def test_outputs_do_not_depend_on_prefix_cache_or_pool():
 
 def test_a_lookup_changes_nothing_and_planning_fixes_the_step():
     """get_computed_blocks leaves the request and the pool alone; the scheduler alone moves num_computed_tokens,
-    and a chunk's facts (start, tokens, table, whether it samples) stay as planned when the request moves on."""
+    and a chunk's facts (start, tokens, table, what its sampling reads) stay as planned when the request moves on."""
     bm = KVCacheManager(8, 4)
     sched = Scheduler(bm, 4, 64, True)
     first = Request("a", list(range(10)), SamplingParams(max_tokens=2), max_len=32)
@@ -214,6 +217,7 @@ def test_a_lookup_changes_nothing_and_planning_fixes_the_step():
     assert (chunk.start, chunk.num_new_tokens, chunk.samples) == (0, 10, True) and first.num_computed_tokens == 10
     first.token_ids.append(7)
     assert chunk.token_ids == list(range(10)) and chunk.samples and len(chunk.block_ids) == 3
+    assert chunk.sampling[0].num_output_tokens == 0, "what the sampler reads is the request as planned"
     second = Request("b", list(range(10)), SamplingParams(), max_len=32)
     used, free, queries = bm.num_used, list(bm.free_ids), bm.num_queries
     hit = bm.get_computed_blocks(second)

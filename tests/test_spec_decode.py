@@ -137,7 +137,7 @@ class WrongGuesses:
     def __init__(self, token: int):
         self.token = token
 
-    def propose(self, chunks, num_tokens):
+    def propose(self, chunks, requests, num_tokens):
         return [[self.token] * k for k in num_tokens]
 
     def forget(self, request_id):
@@ -151,11 +151,11 @@ class WrongThenRight:
     def __init__(self, answer: list[int], wrong_calls: int):
         self.answer, self.wrong_calls, self.calls = answer, wrong_calls, 0
 
-    def propose(self, chunks, num_tokens):
+    def propose(self, chunks, requests, num_tokens):
         self.calls += 1
         out = []
-        for c, k in zip(chunks, num_tokens):
-            n = c.request.num_tokens
+        for r, k in zip(requests, num_tokens):
+            n = r.num_tokens
             out.append([0] * k if self.calls <= self.wrong_calls else self.answer[n:n + k])
         return out
 
@@ -237,16 +237,12 @@ def test_ngram_proposer_guesses_from_the_latest_match_and_repeats_loops():
     from trellm_backend.engine.request import Request
     p = NgramProposer(1, 3)
     req = Request("r", [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7], SamplingParams(), max_len=100)
-
-    class Chunk:
-        request = req
-    assert p.propose([Chunk], [3]) == [[1, 2, 5]], "the latest earlier occurrence of [5, 6, 7] continues 1, 2, 5"
+    assert p.propose([None], [req], [3]) == [[1, 2, 5]], "the latest earlier occurrence of [5, 6, 7] continues 1, 2, 5"
     req.token_ids += [1, 2, 5, 6]
-    assert p.propose([Chunk], [2]) == [[7, 1]], "the index grew with the new tokens"
+    assert p.propose([None], [req], [2]) == [[7, 1]], "the index grew with the new tokens"
     loop = Request("l", [3, 4, 3, 4, 3], SamplingParams(), max_len=100)
-    Chunk.request = loop
-    assert p.propose([Chunk], [5]) == [[4, 3, 4, 3, 4]], "a match near the end is read as a repeating span"
-    assert p.propose([Chunk], [0]) == [[]]
+    assert p.propose([None], [loop], [5]) == [[4, 3, 4, 3, 4]], "a match near the end is read as a repeating span"
+    assert p.propose([None], [loop], [0]) == [[]]
     p.forget("l")
     assert "l" not in p.index
     with pytest.raises(ValueError, match="prompt_lookup_min"):

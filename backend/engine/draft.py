@@ -12,7 +12,7 @@ nothing (a batch past `speculative_disable_batch_size` costs the draft nothing; 
 guessing resumes), or on a preempted request, which starts over with the target. A request's first chunk trusts
 the draft K/V of the prefix-cache blocks it reuses; blocks computed while the draft was behind hold none, which
 makes guesses over such a prefix worse, never the output wrong. The guesses are the draft's argmax: a point-mass
-proposal, which verification (engine.py, sampler.py) turns into exactly the target's distribution. An EAGLE-style
+proposal, which verification (scheduler.verify, sampler.py) turns into exactly the target's distribution. An EAGLE-style
 head would be another proposer with the same two methods, reading the target's hidden states instead of running a
 model of its own.
 """
@@ -42,23 +42,22 @@ class DraftModelProposer:
         self.computed: dict[str, int] = {}     # request id -> positions whose draft K/V are written
 
     @torch.inference_mode()
-    def propose(self, chunks: list, num_tokens: list[int]) -> list[list[int]]:
+    def propose(self, chunks: list, requests: list, num_tokens: list[int]) -> list[list[int]]:
         guesses: list[list[int]] = [[] for _ in chunks]
         if not any(num_tokens):
             # A step without guesses (a large batch) costs the draft nothing: it only notes where a request it has
             # not seen starts (the cached prefix before its first chunk), and catches up later.
             for c in chunks:
-                self.computed.setdefault(c.request.request_id, c.start)
+                self.computed.setdefault(c.request_id, c.start)
             return guesses
         # Pass 1: every chunk, from where its draft K/V end; logits of the last row of those that guess.
         starts, tokens, tables, guessing = [], [], [], []
-        for i, (c, k) in enumerate(zip(chunks, num_tokens)):
-            req = c.request
-            start = min(self.computed.get(req.request_id, c.start), c.start)
+        for i, (c, req, k) in enumerate(zip(chunks, requests, num_tokens)):
+            start = min(self.computed.get(c.request_id, c.start), c.start)
             starts.append(start)
             tokens.append(req.token_ids[start:c.start] + c.token_ids)
             tables.append(c.block_ids)
-            self.computed[req.request_id] = c.start + c.num_new_tokens
+            self.computed[c.request_id] = c.start + c.num_new_tokens
             if k > 0:
                 guessing.append(i)
         last = self._forward(starts, tokens, tables, guessing)
@@ -74,7 +73,7 @@ class DraftModelProposer:
                                  list(range(len(rows))))
             for i, p, t in zip(rows, pos, last):
                 guesses[i].append(t)
-                self.computed[chunks[i].request.request_id] = p + 1
+                self.computed[chunks[i].request_id] = p + 1
         return guesses
 
     def _forward(self, starts, tokens, tables, sample_rows) -> list[int]:

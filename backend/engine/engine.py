@@ -55,7 +55,8 @@ class LLMEngine:
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """The guide compiler, made with the first guided request (xgrammar's tokenizer tables take ~20 ms)."""
+        """The guide compiler, made with the first guided request: building xgrammar's tokenizer tables takes time
+        that an engine without guided requests need not spend (perf/RESULTS.md, section "Structured output")."""
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
@@ -76,8 +77,11 @@ class LLMEngine:
 
     # -- requests in ---------------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Validate and build a request; it reads the engine's settings and its thread-safe bad-words cache only,
-        so any thread may call it (Triton's execute does, while the loop steps)."""
+        """Validate and build a request. Any thread may call it (Triton's execute does, while the loop steps): it
+        reads the engine's settings and touches only state that is locked for that, namely the bad-words cache, the
+        adapter registry (which may read an adapter from disk and evict another: models/lora.py) and the grammar
+        compiler (which starts compiling the request's guide on its own thread). It also fills
+        `params.bad_words_ids` from `params.bad_words`."""
         params.validate()
         n = len(prompt_token_ids)
         if n == 0:
@@ -158,7 +162,7 @@ class LLMEngine:
         rows = []
         for c in sched.chunks:
             if c.samples:
-                m = c.request.grammar
+                m = self.requests[c.request_id].grammar
                 rows += [None if m is None else GuidedRow(m, c.draft_token_ids[:j])
                          for j in range(len(c.draft_token_ids) + 1)]
         return fill_masks(self._grammars, rows)
@@ -168,7 +172,7 @@ class LLMEngine:
         then the target's token at the first disagreement (or after the last guess); stop at the first token that
         finishes the request (the rest are dropped, so max_tokens and stops are never overshot). The output carries the
         tokens whose text is settled (output_processor.py); the rest wait in `req.unsent`."""
-        req, drafts = chunk.request, chunk.draft_token_ids
+        req, drafts = self.requests[chunk.request_id], chunk.draft_token_ids
         accepted = self.scheduler.verify(req, drafts, [r.token_id for r in rows]) if drafts else 0
         rows = rows[:accepted + 1]
         if req.generator is not None and rows[-1].rng_state is not None:

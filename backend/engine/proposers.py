@@ -1,5 +1,5 @@
 """Speculative decoding's proposers: cheap guesses of a sequence's next tokens, which the target model then checks
-in one forward pass (the scheduler appends them to a decode chunk; engine.py keeps the longest prefix the target
+in one forward pass (the scheduler appends them to a decode chunk; the scheduler's `verify` keeps the longest prefix the target
 agrees with). A guess never changes the output, only how many tokens a step yields.
 
 A proposer sees every chunk of every step it is asked about, so one that keeps state of its own (a draft model's
@@ -21,9 +21,10 @@ from trellm_backend.engine.request import Request
 
 
 class Proposer(Protocol):
-    def propose(self, chunks: list, num_tokens: list[int]) -> list[list[int]]:
+    def propose(self, chunks: list, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
         """Up to num_tokens[i] guessed tokens following chunk i's tokens (0: none wanted, but the chunk still runs
-        this step). `chunks` are the step's ScheduledChunks, in order."""
+        this step). `chunks` are the step's ScheduledChunks, in order; requests[i] is chunk i's request, which a
+        proposer only reads (its tokens so far)."""
         ...
 
     def forget(self, request_id: str) -> None:
@@ -38,8 +39,8 @@ class NgramProposer:
         # request id -> ({n-gram: index of the token after its latest occurrence}, tokens indexed so far)
         self.index: dict[str, tuple[dict[tuple[int, ...], int], list[int]]] = {}
 
-    def propose(self, chunks: list, num_tokens: list[int]) -> list[list[int]]:
-        return [self.lookup(c.request, k) if k > 0 else [] for c, k in zip(chunks, num_tokens)]
+    def propose(self, chunks: list, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        return [self.lookup(r, k) if k > 0 else [] for r, k in zip(requests, num_tokens)]
 
     def lookup(self, req: Request, k: int) -> list[int]:
         tokens = req.token_ids

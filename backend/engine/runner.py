@@ -4,7 +4,6 @@ Batch preparation works on whole tensors: Python touches each scheduled sequence
 """
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
@@ -14,7 +13,6 @@ from trellm_backend.engine.limits import kv_budget, kv_bytes_per_block, resolve_
 from trellm_backend.models.config import ModelConfig
 from trellm_backend.models.llama import AttentionMetadata, LlamaModel
 from trellm_backend.engine.sampler import SampledToken, sample
-from trellm_backend.engine.request import Request
 from trellm_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
 from trellm_backend.engine.structured_output import apply_masks
 from trellm_backend.models.lora import AdapterStack, LoraStep, stack_adapters, step_rows
@@ -91,7 +89,7 @@ class ModelRunner:
                                       [c.block_ids for c in chunks], self.block_size, self.device)
         # Logits of each sampling chunk's last row, and with guesses of one row per guess before it too.
         sampling = [i for i, c in enumerate(chunks) if c.samples]
-        rows = [len(chunks[i].draft_token_ids) + 1 for i in sampling]
+        rows = [len(chunks[i].sampling) for i in sampling]
         ends = cu[1:][sampling]
         if sum(rows) == len(sampling):
             logits_indices = ends - 1
@@ -104,7 +102,7 @@ class ModelRunner:
             return []
         if grammar_bitmask is not None:
             apply_masks(logits, grammar_bitmask, self.model_cfg.vocab_size)
-        return sample(logits, [r for i in sampling for r in rows_to_sample(chunks[i])], self.model_cfg.eos_token_ids)
+        return sample(logits, [r for c in chunks for r in c.sampling], self.model_cfg.eos_token_ids)
 
 
 def _lora_rows(chunks: list[ScheduledChunk], cu: torch.Tensor) -> list[tuple[object, list[tuple[int, int]]]]:
@@ -112,7 +110,7 @@ def _lora_rows(chunks: list[ScheduledChunk], cu: torch.Tensor) -> list[tuple[obj
     groups: dict[str, tuple[object, list]] = {}
     bounds = cu.tolist()
     for i, c in enumerate(chunks):
-        adapter = c.request.lora
+        adapter = c.adapter
         if adapter is not None:
             groups.setdefault(adapter.name, (adapter, []))[1].append((bounds[i], bounds[i + 1]))
     return list(groups.values())
@@ -149,14 +147,3 @@ def attention_metadata(starts: list[int], q_lens: list[int], tables: list[list[i
         max_seqlen_q=max(q_lens), max_seqlen_k=int(seq_lens.max()))
     return meta, cu
 
-
-def rows_to_sample(chunk: ScheduledChunk) -> list[Request]:
-    """The request as each sampled row of `chunk` sees it: row j follows the first j guesses, so penalties,
-    bad words and min_tokens apply to the sequence as it would be had they been generated."""
-    req = chunk.request
-    views = [req]
-    for j in range(1, len(chunk.draft_token_ids) + 1):
-        view = copy.copy(req)
-        view.token_ids = req.token_ids + chunk.draft_token_ids[:j]
-        views.append(view)
-    return views

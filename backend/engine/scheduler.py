@@ -15,12 +15,13 @@ is no longer bound by reading the weights, and verifying guesses costs more than
 only for requests whose guesses have been paying: one whose recent acceptance fell below `MIN_ACCEPTANCE` guesses a
 single token every `PROBE_EVERY` steps until its guesses are right again (failed guesses cost a CPU step about as
 much as extra sequences do). The guesses get KV slots like any token and count as computed; after the forward
-pass, `verified` takes back the rejected ones (vLLM v1 does the same) and returns blocks that only they needed.
+pass, `verify` takes back the rejected ones (vLLM v1 does the same) and returns blocks that only they needed.
 
 The scheduler alone advances request progress: once a step is planned, each scheduled request's
 `num_computed_tokens` already counts that step's tokens (vLLM v1 does the same), and the output is plain data fixed
-at planning time (where each chunk starts, its tokens, its block table, whether it samples), so the model runner
-and the engine read facts that no later update can change.
+at planning time (where each chunk starts, its tokens, its block table, what sampling its rows reads, its adapter),
+so the model runner and the sampler read facts that no later update can change and never see a live `Request`.
+Only the scheduler, its proposers and the engine (which applies a step's outcome) hold those.
 """
 from __future__ import annotations
 
@@ -32,27 +33,43 @@ from dataclasses import dataclass, field
 from trellm_backend.engine.kv_cache_manager import KVCacheManager
 from trellm_backend.engine.proposers import Proposer
 from trellm_backend.engine.request import Request, Status
+from trellm_backend.engine.sampler import SamplingRow
 from trellm_backend.engine.stats import SchedulerStats
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    request: Request          # for the sampler: its settings, tokens and generator
+    request_id: str
     start: int                # position of the first new token (the request's computed tokens before this step)
     token_ids: list[int]      # the tokens run this step: token_ids[start:start + num_new_tokens]
     block_ids: list[int]      # the request's block table for this step
-    samples: bool             # the chunk reaches the end of the known tokens, so a next token is sampled
+    # One row per sampled position: none when the chunk ends before the known tokens do (a prefill chunk), one
+    # after the last token, and with guesses one at each guess's position before that.
+    sampling: tuple[SamplingRow, ...] = ()
     draft_token_ids: list[int] = field(default_factory=list)   # guesses at the end of token_ids, to verify
+    adapter: object | None = None   # the request's LoRA adapter (models/lora.LoraAdapter), or None
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def samples(self) -> bool:
+        return bool(self.sampling)
 
 
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+
+
+def sampling_row(req: Request) -> SamplingRow:
+    """What sampling `req`'s next token reads of it, as it stands now. The tokens are copied only for a request
+    whose penalties or bad words read them."""
+    p = req.params
+    history = list(req.token_ids) if p.needs_penalties or p.bad_words_ids else []
+    return SamplingRow(p, req.num_prompt_tokens, req.num_tokens, history, req.generator, req.grammar is not None)
 
 
 # A request's acceptance rate (a moving average over its verified steps) under which it stops guessing but for a
@@ -100,16 +117,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _schedule(self, out: SchedulerOutput, req: Request, n: int) -> None:
+    def _schedule(self, out: SchedulerOutput, planned: list[Request], req: Request, n: int) -> None:
         """Plan `n` tokens of `req` for this step and count them as computed."""
         start = req.num_computed_tokens
         req.num_computed_tokens = start + n
-        out.chunks.append(ScheduledChunk(req, start, req.token_ids[start:start + n],
+        samples = req.num_computed_tokens == req.num_tokens
+        out.chunks.append(ScheduledChunk(req.request_id, start, req.token_ids[start:start + n],
                                          list(self.kv.block_ids(req.request_id)),
-                                         samples=req.num_computed_tokens == req.num_tokens))
+                                         (sampling_row(req),) if samples else (), adapter=req.lora))
+        planned.append(req)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        planned: list[Request] = []     # the request of each chunk
         budget = self.max_num_batched_tokens
 
         # Running requests first, oldest first; preempt from the newest end when blocks run out.
@@ -127,7 +147,7 @@ class Scheduler:
             if req.status is not Status.RUNNING:   # it preempted itself
                 break
             self.kv.allocate_slots(req, target)
-            self._schedule(out, req, n)
+            self._schedule(out, planned, req, n)
             budget -= n
             i += 1
 
@@ -162,21 +182,21 @@ class Scheduler:
                 req.times.first_scheduled_ns = time.time_ns()
             req.status = Status.RUNNING
             self.running.append(req)
-            self._schedule(out, req, n)
+            self._schedule(out, planned, req, n)
             budget -= n
         self.waiting.extendleft(reversed(passed_over))
         if self.proposer is not None and out.chunks:
-            self._add_drafts(out, budget)
+            self._add_drafts(out, planned, budget)
         return out
 
-    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+    def _add_drafts(self, out: SchedulerOutput, planned: list[Request], budget: int) -> None:
         """Give decode chunks guessed tokens from the budget and free blocks the step left over. The guesses never
         take a sampled token past max_tokens or the context (a step yields at most its guesses plus one)."""
         speculate = len(self.running) <= self.speculative_disable_batch_size
         free = self.kv.num_free
         wanted = []
-        for c in out.chunks:
-            req, k = c.request, 0
+        for c, req in zip(out.chunks, planned):
+            k = 0
             if speculate and c.samples and c.num_new_tokens == 1 and req.params.speculative_decoding:
                 k = min(self._guesses_for(req), budget, req.params.max_tokens - req.num_output_tokens - 1,
                         req.max_len - req.num_tokens - 1)
@@ -189,23 +209,25 @@ class Scheduler:
         # Slots for the most guesses first (a draft model writes its K/V there while guessing), then back to what
         # the guesses used.
         asked = []
-        for c, k in zip(out.chunks, wanted):
+        for c, req, k in zip(out.chunks, planned, wanted):
             if k:
-                self.kv.allocate_slots(c.request, c.request.num_computed_tokens + k)
-                c = dataclasses.replace(c, block_ids=list(self.kv.block_ids(c.request.request_id)))
+                self.kv.allocate_slots(req, req.num_computed_tokens + k)
+                c = dataclasses.replace(c, block_ids=list(self.kv.block_ids(req.request_id)))
             asked.append(c)
-        proposals = self.proposer.propose(asked, wanted)
-        for i, (c, k, drafts) in enumerate(zip(out.chunks, wanted, proposals)):
+        proposals = self.proposer.propose(asked, planned, wanted)
+        for i, (c, req, k, drafts) in enumerate(zip(out.chunks, planned, wanted, proposals)):
             if not k:
                 continue
             drafts = drafts[:k]
-            req = c.request
             req.num_computed_tokens += len(drafts)
             self.kv.trim(req, req.num_computed_tokens)
             if drafts:
-                out.chunks[i] = ScheduledChunk(req, c.start, c.token_ids + drafts,
-                                               list(self.kv.block_ids(req.request_id)), samples=True,
-                                               draft_token_ids=drafts)
+                # Row j follows the first j guesses, so penalties, bad words and min_tokens see the sequence as it
+                # would be had they been generated.
+                rows = tuple(c.sampling[0].after(drafts[:j]) for j in range(len(drafts) + 1))
+                out.chunks[i] = dataclasses.replace(c, token_ids=c.token_ids + drafts, sampling=rows,
+                                                    block_ids=list(self.kv.block_ids(req.request_id)),
+                                                    draft_token_ids=drafts)
 
     def _guesses_for(self, req: Request) -> int:
         """How many tokens `req` may guess this step: all, or while its guesses keep failing a probe of one now and

@@ -8,8 +8,9 @@ import sys
 import pytest
 import torch
 
-from trellm_kernels import activation, attention, cpu_ops, kv_cache, rmsnorm, rotary
-from test_kernels import BF16, F16, F32, KV_QUANT, close, paged_case, quantized, randn
+from trellm_kernels import activation, attention, cpu_ops, dispatch, kv_cache, linear, rmsnorm, rotary
+from test_kernels import (BF16, F16, F32, KV_QUANT, QUANTIZED_WRITE_CASES, check_quantized_write, close, paged_case,
+                          quantized, randn)
 
 pytestmark = pytest.mark.kernels
 
@@ -276,3 +277,64 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path):
     assert not lock.exists()
 
 
+
+
+@pytest.mark.parametrize("cache_dtype", KV_QUANT)
+@pytest.mark.parametrize("kvh,d,bs,dtype", [c for c in QUANTIZED_WRITE_CASES if c[3] in (F32, BF16)])
+def test_cpu_quantized_write_kv_operator_matches_the_reference_bit_for_bit(cache_dtype, kvh, d, bs, dtype):
+    ops = _cpu_ops()
+    check_quantized_write(lambda k, v, kc, vc, slots, ks, vs: ops.write_kv_quantized(
+        k, v, kc.view(torch.int8), vc.view(torch.int8), ks, vs, slots.to(torch.int32), cache_dtype == torch.int8),
+        cache_dtype, kvh, d, bs, dtype)
+
+
+@pytest.mark.parametrize("tokens, out_f, in_f", [(1, 96, 80), (7, 96, 80), (33, 256, 1408), (33, 64, 8)])
+def test_cpu_int8_linear_packs_for_the_driver_and_rows_do_not_depend_on_their_batch(tokens, out_f, in_f):
+    """fp32 INT8 weights on a CPU are packed in the C++ driver's blocks, and a token's result does not depend on
+    what shares the call. (The values against the dequantizing reference: test_kernels.py.)"""
+    g = torch.Generator().manual_seed(1)
+    q = linear.prepare_weight(randn(g, out_f, in_f, dtype=F32), "int8")
+    assert q.qweight.dim() == 3, "fp32 CPU weights are packed for the C++ operator"
+    assert q.qweight.shape[2] == linear.CPU_BLOCK == _cpu_ops().linear_block, "the packing is the driver's"
+    x = randn(g, tokens, in_f, dtype=F32)
+    together = linear.linear(x, q)
+    for i in range(tokens):
+        assert torch.equal(linear.linear(x[i:i + 1], q), together[i:i + 1])
+
+
+@pytest.mark.parametrize("mode", ["cpp", "onednn", "torch"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("out_f", [300, 320])
+def test_linear_prepared_weight(monkeypatch, mode, dtype, out_f, kernel_settings):
+    """A weight prepared once (for fp32 on a CPU: the C++ operator's blocks on an AVX-512 build when the outputs
+    fill them, else oneDNN's layout) serves every token count, with and without a bias, and agrees with torch's
+    linear."""
+    kernel_settings(cpu_linear=mode)
+    g = torch.Generator().manual_seed(0)
+    w, b = randn(g, out_f, 96, dtype=dtype), randn(g, out_f, dtype=dtype)
+    prepared = linear.prepare_weight(w)
+    ops = cpu_ops.load()
+    packed = mode == "cpp" and dtype == F32 and out_f % linear.CPU_BLOCK == 0 and ops is not None and ops.avx512
+    assert (prepared.packed is not None) == packed
+    assert (prepared.prepared is not None) == (mode != "torch" and dtype == F32 and not packed)
+    held = [t for t in (prepared.dense, prepared.prepared, prepared.packed) if t is not None]
+    assert len(held) == 1, "one copy of the weight"
+    assert torch.equal(prepared.tensor(), w)
+    for tokens in (1, 7, 13, 26, 64, 513):
+        x = randn(g, tokens, 96, dtype=dtype)
+        close(linear.linear(x, prepared, b), torch.nn.functional.linear(x, w, b))
+        close(linear.linear(x, prepared), linear.linear_reference(x, prepared))
+    if packed:   # a token's result does not depend on what shares the call (each sum runs over k in order)
+        x = randn(g, 40, 96, dtype=dtype)
+        together = linear.linear(x, prepared, b)
+        for i in (0, 11, 12, 39):
+            assert torch.equal(linear.linear(x[i:i + 1], prepared, b), together[i:i + 1])
+
+
+def test_kernel_settings_are_checked_where_they_are_read():
+    with pytest.raises(ValueError, match="TRELLM_CPU_LINEAR='mkl'"):
+        dispatch.KernelSettings.from_env({"TRELLM_CPU_LINEAR": "mkl"})
+    with pytest.raises(ValueError, match="TRELLM_ATTN_SPLITS='0'"):
+        dispatch.KernelSettings.from_env({"TRELLM_ATTN_SPLITS": "0"})
+    s = dispatch.KernelSettings.from_env({"TRELLM_FORCE_TRITON": "1", "TRELLM_CPU_OPS": "0", "TRELLM_ATTN_SPLITS": "3"})
+    assert s.force_triton and not s.cpu_ops and s.attn_splits == 3 and s.cpu_linear == "cpp"

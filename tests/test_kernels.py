@@ -22,22 +22,18 @@ import sys
 import pytest
 import torch
 
-from trellm_kernels import activation, attention, cpu_ops, dispatch, kv_cache, linear, rmsnorm, rotary
+from trellm_kernels import activation, attention, dispatch, kv_cache, linear, rmsnorm, rotary
 from trellm_kernels import triton_activation, triton_attention, triton_kv_cache, triton_rmsnorm, triton_rotary
 
 from trellm_kernels import triton_linear
 from trellm_kernels import lora, triton_lora
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = dispatch.settings().triton_interpret
 # Where the Triton kernels run: unset, on the tests' own CPU tensors (interpreted); "cuda", compiled on the GPU.
 KERNEL_DEVICE = os.environ.get("TRELLM_KERNEL_TEST_DEVICE")
 pytestmark = [pytest.mark.kernels,
               pytest.mark.skipif(not INTERPRETED and KERNEL_DEVICE != "cuda",
                                  reason="needs TRITON_INTERPRET=1 from process start, or TRELLM_KERNEL_TEST_DEVICE=cuda")]
-
-# The GPU check turns the C++ CPU operators off (TRELLM_CPU_OPS=0: the GPU image is not set up to build them; their
-# own tests are test_cpu_ops.py); the kernel tests that also check an operator then check the kernel alone.
-CPU_OPS_OFF = os.environ.get("TRELLM_CPU_OPS") == "0"
 
 ENTRY_POINTS = [(triton_attention, "paged_attention_triton"), (triton_kv_cache, "write_kv_triton"),
                 (triton_rmsnorm, "rms_norm_triton"), (triton_rmsnorm, "fused_add_rms_norm_triton"),
@@ -264,11 +260,19 @@ def dequantized(args, scales):
             kv_cache.dequantize_kv(args[2], scales["v_scale"], dtype), *args[3:])
 
 
+QUANTIZED_WRITE_CASES = [(2, 64, 16, F32), (1, 8, 32, F16), (4, 16, 16, BF16), (3, 64, 32, BF16)]
+
+
 @pytest.mark.parametrize("cache_dtype", KV_QUANT)
-@pytest.mark.parametrize("kvh,d,bs,dtype", [(2, 64, 16, F32), (1, 8, 32, F16), (4, 16, 16, BF16), (3, 64, 32, BF16)])
-def test_quantized_write_kv_kernels_match_the_reference_bit_for_bit(cache_dtype, kvh, d, bs, dtype):
-    """The Triton kernel and (fp32/bf16 inputs) the C++ operator store the reference's bytes and float16 scales;
-    -1 slots stay untouched; each value reads back within the format's rounding of its token-and-head scale."""
+@pytest.mark.parametrize("kvh,d,bs,dtype", QUANTIZED_WRITE_CASES)
+def test_quantized_write_kv_kernel_matches_the_reference_bit_for_bit(cache_dtype, kvh, d, bs, dtype):
+    check_quantized_write(triton_kv_cache.write_kv_triton, cache_dtype, kvh, d, bs, dtype)
+
+
+def check_quantized_write(write, cache_dtype, kvh, d, bs, dtype):
+    """`write` (a quantized K/V writer: write(k, v, k_cache, v_cache, slots, k_scale, v_scale)) stores the
+    reference's bytes and float16 scales; -1 slots stay untouched; each value reads back within the format's
+    rounding of its token-and-head scale."""
     g = torch.Generator().manual_seed(13)
     T, num_blocks = 19, 4
     qkv = randn(g, T, (2 + 2 * kvh) * d, dtype=dtype) * 4
@@ -284,18 +288,11 @@ def test_quantized_write_kv_kernels_match_the_reference_bit_for_bit(cache_dtype,
     (kc, vc), (ks, vs) = fresh()
     ref = [t.clone() for t in (kc, vc, ks, vs)]
     kv_cache.write_kv_reference(k, v, *ref[:2], slots, *ref[2:])
-    writers = [lambda *a: triton_kv_cache.write_kv_triton(*a)]
-    if dtype in (F32, BF16) and not CPU_OPS_OFF:
-        ops = cpu_ops.load()
-        assert ops is not None, cpu_ops.error()
-        writers.append(lambda k, v, kc, vc, slots, ks, vs: ops.write_kv_quantized(
-            k, v, kc.view(torch.int8), vc.view(torch.int8), ks, vs, slots.to(torch.int32), cache_dtype == torch.int8))
-    for write in writers:
-        got = [t.clone() for t in (kc, vc, ks, vs)]
-        write(k, v, *got[:2], slots, *got[2:])
-        for a, e in zip(got, ref):
-            assert torch.equal(a.view(torch.int8) if a.dtype == cache_dtype else a,
-                               e.view(torch.int8) if e.dtype == cache_dtype else e)
+    got = [t.clone() for t in (kc, vc, ks, vs)]
+    write(k, v, *got[:2], slots, *got[2:])
+    for a, e in zip(got, ref):
+        assert torch.equal(a.view(torch.int8) if a.dtype == cache_dtype else a,
+                           e.view(torch.int8) if e.dtype == cache_dtype else e)
     untouched = torch.ones(num_blocks * bs, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     raw = lambda c: c.view(torch.int8).view(-1, kvh, d)   # noqa: E731
@@ -578,44 +575,6 @@ def test_dispatch_over_a_quantized_cache_routes_to_triton_when_forced(monkeypatc
 
 # ------------------------------------------------------------------------------------------------ linear layers
 
-@pytest.mark.parametrize("mode", ["cpp", "onednn", "torch"])
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("out_f", [300, 320])
-def test_linear_prepared_weight(monkeypatch, mode, dtype, out_f, kernel_settings):
-    """A weight prepared once (for fp32 on a CPU: the C++ operator's blocks on an AVX-512 build when the outputs
-    fill them, else oneDNN's layout) serves every token count, with and without a bias, and agrees with torch's
-    linear."""
-    kernel_settings(cpu_linear=mode)
-    g = torch.Generator().manual_seed(0)
-    w, b = randn(g, out_f, 96, dtype=dtype), randn(g, out_f, dtype=dtype)
-    prepared = linear.prepare_weight(w)
-    ops = cpu_ops.load()
-    packed = mode == "cpp" and dtype == F32 and out_f % linear.CPU_BLOCK == 0 and ops is not None and ops.avx512
-    assert (prepared.packed is not None) == packed
-    assert (prepared.prepared is not None) == (mode != "torch" and dtype == F32 and not packed)
-    held = [t for t in (prepared.dense, prepared.prepared, prepared.packed) if t is not None]
-    assert len(held) == 1, "one copy of the weight"
-    assert torch.equal(prepared.tensor(), w)
-    for tokens in (1, 7, 13, 26, 64, 513):
-        x = randn(g, tokens, 96, dtype=dtype)
-        close(linear.linear(x, prepared, b), torch.nn.functional.linear(x, w, b))
-        close(linear.linear(x, prepared), linear.linear_reference(x, prepared))
-    if packed:   # a token's result does not depend on what shares the call (each sum runs over k in order)
-        x = randn(g, 40, 96, dtype=dtype)
-        together = linear.linear(x, prepared, b)
-        for i in (0, 11, 12, 39):
-            assert torch.equal(linear.linear(x[i:i + 1], prepared, b), together[i:i + 1])
-
-
-def test_kernel_settings_are_checked_where_they_are_read():
-    with pytest.raises(ValueError, match="TRELLM_CPU_LINEAR='mkl'"):
-        dispatch.KernelSettings.from_env({"TRELLM_CPU_LINEAR": "mkl"})
-    with pytest.raises(ValueError, match="TRELLM_ATTN_SPLITS='0'"):
-        dispatch.KernelSettings.from_env({"TRELLM_ATTN_SPLITS": "0"})
-    s = dispatch.KernelSettings.from_env({"TRELLM_FORCE_TRITON": "1", "TRELLM_CPU_OPS": "0", "TRELLM_ATTN_SPLITS": "3"})
-    assert s.force_triton and not s.cpu_ops and s.attn_splits == 3 and s.cpu_linear == "cpp"
-
-
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize("tokens, out_f, in_f", [(1, 96, 80), (7, 96, 80), (33, 256, 1408), (5, 100, 130),
                                                  (33, 64, 8)])
@@ -642,12 +601,6 @@ def test_int8_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype,
         expected = torch.nn.functional.linear(x.float(), w32, None if bias is None else bias.float())
         near(triton_linear.int8_linear_triton(x, q.int8_rows(), q.scales, bias), expected)
         near(linear.linear(x, q, bias), expected)      # the C++ operator for packed fp32, else the reference
-    if dtype == F32 and out_f % 32 == 0 and not CPU_OPS_OFF:
-        assert q.qweight.dim() == 3, "fp32 CPU weights are packed for the C++ operator"
-        assert q.qweight.shape[2] == linear.CPU_BLOCK == cpu_ops.load().linear_block, "the packing is the driver's"
-        together = linear.linear(x, q)
-        for i in range(tokens):      # a token's result does not depend on what shares the call
-            assert torch.equal(linear.linear(x[i:i + 1], q), together[i:i + 1])
 
 
 def test_quantization_is_checked():

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
 import numpy as np
+from tritonclient.utils import np_to_triton_dtype
 
 # numpy type of each ensemble input (tests/test_api.py checks this against backend/triton/fields.py FIELDS).
 INPUT_TYPES = {
@@ -39,7 +40,6 @@ INPUT_TYPES = {
 }
 LIST_INPUTS = {"stop_words", "bad_words"}
 INT_LIST_INPUTS = {"stop_token_ids"}
-TRITON_DTYPES = {np.int32: "INT32", np.float32: "FP32", np.uint64: "UINT64", np.bool_: "BOOL", np.object_: "BYTES"}
 
 
 class ServerUnavailable(ConnectionError):
@@ -66,16 +66,14 @@ def build_inputs(grpc_module, prompt: str | bytes | None, params: dict, messages
     as it is (a test's invalid UTF-8)."""
     inputs = []
 
-    def add(name, array, dtype):
-        i = grpc_module.InferInput(name, list(array.shape), TRITON_DTYPES[dtype])
-        i.set_data_from_numpy(array)
-        inputs.append(i)
+    def add(name, array):
+        inputs.append(infer_input(grpc_module, name, array))
 
     if prompt is not None:
         raw = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
-        add("text_input", np.array([[raw]], dtype=np.object_), np.object_)
+        add("text_input", np.array([[raw]], dtype=np.object_))
     if messages is not None:
-        add("messages", np.array([[json.dumps(messages).encode("utf-8")]], dtype=np.object_), np.object_)
+        add("messages", np.array([[json.dumps(messages).encode("utf-8")]], dtype=np.object_))
     for name, value in params.items():
         if value is None:
             continue
@@ -84,13 +82,43 @@ def build_inputs(grpc_module, prompt: str | bytes | None, params: dict, messages
         dtype = INPUT_TYPES[name]
         if name in LIST_INPUTS:
             words = [value] if isinstance(value, str) else list(value)
-            add(name, np.array([[w.encode("utf-8") for w in words]], dtype=np.object_), dtype)
+            add(name, np.array([[w.encode("utf-8") for w in words]], dtype=np.object_))
         elif name in INT_LIST_INPUTS:
-            add(name, np.array([list(value)], dtype=dtype), dtype)
+            add(name, np.array([list(value)], dtype=dtype))
         elif dtype is np.object_:
-            add(name, np.array([[value.encode("utf-8")]], dtype=np.object_), dtype)
+            add(name, np.array([[value.encode("utf-8")]], dtype=np.object_))
         else:
-            add(name, np.array([[value]], dtype=dtype), dtype)
+            add(name, np.array([[value]], dtype=dtype))
+    return inputs
+
+
+def infer_input(grpc_module, name: str, array):
+    """The input `name` holding `array`, its Triton type read from the numpy dtype (an object array is BYTES).
+    `grpc_module`: tritonclient.grpc or tritonclient.http."""
+    array = np.asarray(array)
+    i = grpc_module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+    i.set_data_from_numpy(array)
+    return i
+
+
+def llm_inputs(grpc_module, ids: list[int] | None, **fields) -> list:
+    """Inputs for `llm` directly: prompt token ids and the same fields as the ensemble's."""
+    inputs = build_inputs(grpc_module, None, fields)
+    if ids is not None:
+        inputs.append(infer_input(grpc_module, "input_ids", np.array([ids], dtype=np.int32)))
+    return inputs
+
+
+def vllm_inputs(grpc_module, prompt: str | bytes, sampling: dict | str | None = None, stream: bool = True,
+                **switches: bool) -> list:
+    """Inputs for `vllm_model` (vllm_backend's contract: [1]-shaped tensors, settings as a JSON string); `switches`
+    are its other BOOL inputs (exclude_input_in_output, return_finish_reason, return_logprobs, ...)."""
+    raw = prompt if isinstance(prompt, bytes) else prompt.encode()
+    inputs = [infer_input(grpc_module, "text_input", np.array([raw], dtype=np.object_))]
+    inputs += [infer_input(grpc_module, k, np.array([v])) for k, v in {"stream": stream, **switches}.items()]
+    if sampling is not None:
+        text = sampling if isinstance(sampling, str) else json.dumps(sampling)
+        inputs.append(infer_input(grpc_module, "sampling_parameters", np.array([text.encode()], dtype=np.object_)))
     return inputs
 
 

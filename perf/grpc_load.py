@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trellm_backend.tools.testbed import metric_samples
+from trellm_client.client import build_inputs, infer_input, llm_inputs
 
 # vLLM's gauge of KV-cache use (a fraction, 0..1; newer vLLM names it kv_cache_usage_perc), read from the server's
 # metrics endpoint when it exports one.
@@ -26,15 +27,6 @@ class RequestTiming:
     e2e: float                  # last response - send
     itl: float | None           # (last - first) / (output_tokens - 1), genai-perf's inter-token latency
     error: str | None = None
-
-
-def _input(grpc, name: str, value, triton_type: str):
-    arr = np.array([[value]], dtype=object if triton_type == "BYTES" else None)
-    if triton_type != "BYTES":
-        arr = arr.astype({"INT32": np.int32, "BOOL": np.bool_}[triton_type])
-    t = grpc.InferInput(name, [1, 1], triton_type)
-    t.set_data_from_numpy(arr)
-    return t
 
 
 async def model_inputs(url: str, model: str) -> set[str]:
@@ -61,16 +53,13 @@ def _timing(item, start_offset: float, start: float, arrivals: list[float], num_
 
 
 async def _one(client, grpc, model: str, item, send_min_tokens: bool, t0: float, send_ids: bool) -> RequestTiming:
+    fields = dict(max_tokens=item.output_tokens, stream=True, return_num_output_tokens=True,
+                  min_tokens=item.output_tokens if send_min_tokens else None)
     if send_ids:   # `llm` directly: the prompt's token ids, no tokenizing step
-        ids = grpc.InferInput("input_ids", [1, len(item.prompt_ids)], "INT32")
-        ids.set_data_from_numpy(np.array([item.prompt_ids], dtype=np.int32))
-        inputs = [ids, _input(grpc, "input_lengths", len(item.prompt_ids), "INT32")]
+        inputs = llm_inputs(grpc, item.prompt_ids, **fields)
+        inputs.append(infer_input(grpc, "input_lengths", np.array([[len(item.prompt_ids)]], dtype=np.int32)))
     else:
-        inputs = [_input(grpc, "text_input", item.prompt.encode(), "BYTES")]
-    inputs += [_input(grpc, "max_tokens", item.output_tokens, "INT32"), _input(grpc, "stream", True, "BOOL"),
-               _input(grpc, "return_num_output_tokens", True, "BOOL")]
-    if send_min_tokens:
-        inputs.append(_input(grpc, "min_tokens", item.output_tokens, "INT32"))
+        inputs = build_inputs(grpc, item.prompt, fields)
 
     async def requests():
         yield {"model_name": model, "inputs": inputs,

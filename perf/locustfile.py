@@ -71,6 +71,7 @@ class GrpcStreamUser(User):
         self.client.close()
 
     def _inputs(self, prompt: str, max_tokens: int):
+        # Built here rather than by trellm_client's build_inputs: this file runs in .venv-locust, without the project.
         values = [("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
                   ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
                   ("stream", np.array([[True]]), "BOOL"),

@@ -3,6 +3,7 @@ error classes, the request tensors (the client's build_inputs where the ensemble
 requests with a deadline, and the client process that perf/soak.py kills mid-stream (`soak.py --child`)."""
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import queue
@@ -15,9 +16,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException
 
-from trellm_client.client import build_inputs, chunk_from_result
+from trellm_client.client import build_inputs, chunk_from_result, infer_input
+from trellm_client.client import llm_inputs as client_llm_inputs, vllm_inputs as client_vllm_inputs
 
 CONNECTION_WORDS = ("socket closed", "connect", "connection", "unavailable", "not healthy", "broken pipe", "reset",
                     "refused", "eof")
@@ -70,32 +72,14 @@ def is_connection_error(outcome: str) -> bool:
     return outcome.startswith("error") and any(w in outcome.lower() for w in CONNECTION_WORDS)
 
 
-# -- request builders ---------------------------------------------------------------------------------------------
-def tensor(name: str, array):
-    array = np.asarray(array)
-    t = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-    t.set_data_from_numpy(array)
-    return t
+# -- request builders (the client's, on gRPC) -----------------------------------------------------------------------
+tensor = functools.partial(infer_input, grpcclient)
+llm_inputs = functools.partial(client_llm_inputs, grpcclient)
+vllm_inputs = functools.partial(client_vllm_inputs, grpcclient)
 
 
 def ensemble_inputs(prompt: str | bytes | None, **fields) -> list:
     return build_inputs(grpcclient, prompt, fields)
-
-
-def llm_inputs(ids: list[int] | None, **fields) -> list:
-    inputs = build_inputs(grpcclient, None, fields)
-    if ids is not None:
-        inputs.append(tensor("input_ids", np.array([ids], dtype=np.int32)))
-    return inputs
-
-
-def vllm_inputs(prompt: str | bytes, sampling: dict | str | None = None, stream: bool = True) -> list:
-    raw = prompt if isinstance(prompt, bytes) else prompt.encode()
-    inputs = [tensor("text_input", np.array([raw], dtype=np.object_)), tensor("stream", np.array([stream]))]
-    if sampling is not None:
-        text = sampling if isinstance(sampling, str) else json.dumps(sampling)
-        inputs.append(tensor("sampling_parameters", np.array([text.encode()], dtype=np.object_)))
-    return inputs
 
 
 def words(name: str, items: list[bytes]):

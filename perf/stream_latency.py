@@ -10,11 +10,7 @@ import time
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-
-def tensor(name, arr, triton_type):
-    t = grpcclient.InferInput(name, list(arr.shape), triton_type)
-    t.set_data_from_numpy(arr)
-    return t
+from trellm_client.client import infer_input
 
 
 def main():
@@ -26,11 +22,12 @@ def main():
     client = grpcclient.InferenceServerClient(args.url)
     arrivals: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: arrivals.put((time.perf_counter(), error)))
-    common = [tensor("max_tokens", np.array([[args.tokens]], dtype=np.int32), "INT32"),
-              tensor("stream", np.array([[True]]), "BOOL")]
+    common = [infer_input(grpcclient, "max_tokens", np.array([[args.tokens]], dtype=np.int32)),
+              infer_input(grpcclient, "stream", np.array([[True]]))]
     cases = {
-        "llm": [tensor("input_ids", np.array([[1, 347, 1656, 829, 82]], dtype=np.int32), "INT32")] + common,
-        "ensemble": [tensor("text_input", np.array([[b"The import statement"]], dtype=object), "BYTES")] + common,
+        "llm": [infer_input(grpcclient, "input_ids", np.array([[1, 347, 1656, 829, 82]], dtype=np.int32))] + common,
+        "ensemble": [infer_input(grpcclient, "text_input", np.array([[b"The import statement"]], dtype=object))]
+        + common,
     }
     for _ in range(args.repeat):
         for model, inputs in cases.items():

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from trellm_client.client import LLMClient, http_generate
+from trellm_client.client import LLMClient, http_generate, vllm_inputs
 from trellm_backend.tools.testbed import metric_samples
 
 pytestmark = pytest.mark.server
@@ -27,16 +27,8 @@ def vllm_stream(url, prompt, sampling: dict | str, **switches) -> list[dict]:
     client = grpcclient.InferenceServerClient(url)
     q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
-    inputs = []
-    for name, value, dtype, ttype in [("text_input", prompt.encode(), np.object_, "BYTES"),
-                                      ("sampling_parameters", (sampling if isinstance(sampling, str)
-                                                               else json.dumps(sampling)).encode(), np.object_,
-                                       "BYTES"),
-                                      *((k, v, np.bool_, "BOOL") for k, v in switches.items())]:
-        i = grpcclient.InferInput(name, [1], ttype)
-        i.set_data_from_numpy(np.array([value], dtype=dtype))
-        inputs.append(i)
-    client.async_stream_infer("vllm_model", inputs, enable_empty_final_response=True)
+    client.async_stream_infer("vllm_model", vllm_inputs(grpcclient, prompt, sampling, **switches),
+                              enable_empty_final_response=True)
     responses = []
     try:
         while True:
@@ -271,14 +263,7 @@ def test_vllm_model_client_cancel_aborts_the_generation(triton_server):
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
-    inputs = []
-    sampling = json.dumps({"max_tokens": 1000, "min_tokens": 1000, "ignore_eos": True}).encode()
-    for name, value, dtype, ttype in [("text_input", PROMPT.encode(), np.object_, "BYTES"),
-                                      ("sampling_parameters", sampling, np.object_, "BYTES"),
-                                      ("stream", True, np.bool_, "BOOL")]:
-        i = grpcclient.InferInput(name, [1], ttype)
-        i.set_data_from_numpy(np.array([value], dtype=dtype))
-        inputs.append(i)
+    inputs = vllm_inputs(grpcclient, PROMPT, {"max_tokens": 1000, "min_tokens": 1000, "ignore_eos": True})
     client.async_stream_infer("vllm_model", inputs)
     for _ in range(3):
         assert q.get(timeout=60)[1] is None

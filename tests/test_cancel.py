@@ -21,6 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from trellm_backend.tools.testbed import metric_samples, private_repository
+from trellm_client.client import infer_input, llm_inputs as client_llm_inputs, vllm_inputs as client_vllm_inputs
 
 from conftest import REPO, free_ports
 
@@ -58,19 +59,11 @@ def wait_for_blocks(server, predicate, timeout=10.0) -> float:
 
 
 def tensor(name, value, dtype):
-    arr = np.array([[value]], dtype=dtype)
-    t = grpcclient.InferInput(name, list(arr.shape), {np.int32: "INT32", np.bool_: "BOOL",
-                                                      np.object_: "BYTES"}[dtype])
-    t.set_data_from_numpy(arr)
-    return t
+    return infer_input(grpcclient, name, np.array([[value]], dtype=dtype))
 
 
 def llm_inputs(max_tokens=5000):
-    ids = np.array([[1, 100, 200, 300, 400]], dtype=np.int32)
-    t = grpcclient.InferInput("input_ids", list(ids.shape), "INT32")
-    t.set_data_from_numpy(ids)
-    return [t, tensor("max_tokens", max_tokens, np.int32), tensor("ignore_eos", True, np.bool_),
-            tensor("stream", True, np.bool_)]
+    return client_llm_inputs(grpcclient, [1, 100, 200, 300, 400], max_tokens=max_tokens, ignore_eos=True, stream=True)
 
 
 def open_stream(server):
@@ -182,13 +175,7 @@ def test_full_queue_answers_unavailable(server):
 
 
 def vllm_inputs(max_tokens: int):
-    def one(name, value, triton_type):
-        t = grpcclient.InferInput(name, [1], triton_type)
-        t.set_data_from_numpy(np.array([value], dtype=np.object_ if triton_type == "BYTES" else np.bool_))
-        return t
-    sampling = json.dumps({"max_tokens": max_tokens, "ignore_eos": True})
-    return [one("text_input", b"The Python language", "BYTES"), one("stream", True, "BOOL"),
-            one("sampling_parameters", sampling.encode(), "BYTES")]
+    return client_vllm_inputs(grpcclient, "The Python language", {"max_tokens": max_tokens, "ignore_eos": True})
 
 
 def test_vllm_model_refuses_past_its_concurrency_and_frees_the_slots(server):

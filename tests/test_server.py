@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from repository_helpers import greedy_texts
-from trellm_client.client import LLMClient, http_generate
+from trellm_client.client import LLMClient, http_generate, infer_input
 
 pytestmark = pytest.mark.server
 
@@ -82,48 +82,45 @@ def _infer_error(url, inputs) -> str:
     return str(error)
 
 
-def _input(name, value, dtype, triton_type):
-    i = grpcclient.InferInput(name, [1, 1], triton_type)
-    i.set_data_from_numpy(np.array([[value]], dtype=dtype))
-    return i
+def _input(name, value, dtype):
+    return infer_input(grpcclient, name, np.array([[value]], dtype=dtype))
 
 
 def _words(name, words):
-    i = grpcclient.InferInput(name, [1, len(words)], "BYTES")
-    i.set_data_from_numpy(np.array([[w if isinstance(w, bytes) else w.encode() for w in words]], dtype=np.object_))
-    return i
+    return infer_input(grpcclient, name, np.array([[w if isinstance(w, bytes) else w.encode() for w in words]],
+                                                  dtype=np.object_))
 
 
 def _text(prompt):
-    return _input("text_input", prompt.encode(), np.object_, "BYTES")
+    return _input("text_input", prompt.encode(), np.object_)
 
 
 @pytest.mark.parametrize("inputs, message", [
-    (lambda: [_input("max_tokens", 5, np.int32, "INT32")], "text_input"),
-    (lambda: [_input("text_input", 3, np.int32, "INT32")], "text_input"),
-    (lambda: [_text("hello"), _input("max_tokens", 0, np.int32, "INT32")], "max_tokens"),
-    (lambda: [_text("hello"), _input("max_tokens", -3, np.int32, "INT32")], "max_tokens"),
+    (lambda: [_input("max_tokens", 5, np.int32)], "text_input"),
+    (lambda: [_input("text_input", 3, np.int32)], "text_input"),
+    (lambda: [_text("hello"), _input("max_tokens", 0, np.int32)], "max_tokens"),
+    (lambda: [_text("hello"), _input("max_tokens", -3, np.int32)], "max_tokens"),
     (lambda: [_text("")], "empty"),
     (lambda: [_text("hello " * 3000)], "context length"),
     (lambda: [_text("x" * 70000)], "text_input has 70000 characters; at most 65536 are allowed"),
-    (lambda: [_text("hello"), _input("top_p", 1.5, np.float32, "FP32")], "top_p must be in (0, 1]"),
-    (lambda: [_text("hello"), _input("min_p", -0.1, np.float32, "FP32")], "min_p must be in [0, 1]"),
-    (lambda: [_text("hello"), _input("repetition_penalty", 0.0, np.float32, "FP32")],
+    (lambda: [_text("hello"), _input("top_p", 1.5, np.float32)], "top_p must be in (0, 1]"),
+    (lambda: [_text("hello"), _input("min_p", -0.1, np.float32)], "min_p must be in [0, 1]"),
+    (lambda: [_text("hello"), _input("repetition_penalty", 0.0, np.float32)],
      "repetition_penalty must be in (0, 100]"),
-    (lambda: [_text("hello"), _input("presence_penalty", 9.0, np.float32, "FP32")], "presence_penalty must be in"),
-    (lambda: [_text("hello"), _input("min_length", -1, np.int32, "INT32")], "min_length must be in [0, 1048576]"),
-    (lambda: [_text("hello"), _input("num_return_sequences", 0, np.int32, "INT32")],
+    (lambda: [_text("hello"), _input("presence_penalty", 9.0, np.float32)], "presence_penalty must be in"),
+    (lambda: [_text("hello"), _input("min_length", -1, np.int32)], "min_length must be in [0, 1048576]"),
+    (lambda: [_text("hello"), _input("num_return_sequences", 0, np.int32)],
      "num_return_sequences must be in [1, 16]"),
-    (lambda: [_text("hello"), _input("beam_width", 4, np.int32, "INT32")], "beam_width must be in [1, 1]"),
-    (lambda: [_text("hello"), _input("end_id", 99999, np.int32, "INT32")], "stop token ids"),
-    (lambda: [_text("hello"), _input("seed", 1, np.uint64, "UINT64"), _input("random_seed", 2, np.uint64, "UINT64")],
+    (lambda: [_text("hello"), _input("beam_width", 4, np.int32)], "beam_width must be in [1, 1]"),
+    (lambda: [_text("hello"), _input("end_id", 99999, np.int32)], "stop token ids"),
+    (lambda: [_text("hello"), _input("seed", 1, np.uint64), _input("random_seed", 2, np.uint64)],
      "aliases"),
     (lambda: [_text("hello"), _words("bad_words", ["w"] * 1025)], "bad_words has 1025 entries; at most 1024"),
     (lambda: [_text("hello"), _words("bad_words", [b"\xff"])], "bad_words is not valid UTF-8"),
     (lambda: [_text("hello"), _words("stop_words", ["w"] * 65)], "stop_words / stop has 65 entries; at most 64"),
-    (lambda: [_input("messages", b"[{\"role\": \"user\"}]", np.object_, "BYTES")], "messages[0]"),
-    (lambda: [_input("messages", b"not json", np.object_, "BYTES")], "messages is not valid JSON"),
-    (lambda: [_text("hello"), _input("messages", b"[]", np.object_, "BYTES")], "not both"),
+    (lambda: [_input("messages", b"[{\"role\": \"user\"}]", np.object_)], "messages[0]"),
+    (lambda: [_input("messages", b"not json", np.object_)], "messages is not valid JSON"),
+    (lambda: [_text("hello"), _input("messages", b"[]", np.object_)], "not both"),
 ])
 def test_malformed_requests_get_named_errors_while_others_stream(triton_server, expected, inputs, message):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -202,8 +202,8 @@ def _sdpa_chunk(q, k_cache, v_cache, table_row, ctx: int, scale, k_scale=None, v
 
 
 def _gather_dequantized(cache, scales, blocks, dtype):
-    """cache[blocks] * scales[blocks] in `dtype`: the C++ operator on a CPU (one pass: 0.015-0.03 ms for a 512-token
-    context of the anchor's shape, where torch's gather, cast and multiply took 0.3 ms), else torch."""
+    """cache[blocks] * scales[blocks] in `dtype`: the C++ operator on a CPU (one pass, many times faster than torch's
+    gather, cast and multiply: perf/RESULTS.md, section "KV cache in INT8 / FP8"), else torch."""
     ops = cpu_ops.for_tensor(cache)
     if ops is None or dtype not in (torch.float32, torch.bfloat16):
         return dequantize_kv(cache[blocks], scales[blocks], dtype)

@@ -91,8 +91,9 @@ def pinned_ninja():
     """torch builds with the first `ninja` on PATH. Ninja 1.12 changed how its log in the build folder hashes a
     command, so two versions (the pip package beside this project's Python, and a system one such as Debian's
     1.11) each took the other's log for changed commands and rebuilt everything: the server's stubs (the venv
-    first on PATH) and a process started as `.venv/bin/python` (the system ninja first) took turns, ~100 s of
-    compiling per turn on 2 cores. The pinned `ninja` package's binary is put first while building."""
+    first on PATH) and a process started as `.venv/bin/python` (the system ninja first) took turns, each turn a full
+    rebuild (perf/RESULTS.md, "The C++ operators were rebuilt over and over"). The pinned `ninja` package's binary is
+    put first while building."""
     try:
         import ninja
         bin_dir = ninja.BIN_DIR

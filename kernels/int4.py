@@ -17,8 +17,9 @@ Layouts of `packed`:
 - torch's CPU int4pack (`torch._convert_weight_to_int4pack_for_cpu`), set when `cpu_scales_zeros` is: an opaque,
   ISA-dependent layout that only `torch._weight_int4pack_mm_for_cpu` reads; that operator dequantizes as
   (q - 8) * scale + zero, so it is given zero = (8 - zeros) * scales, in bf16 as it requires (its fp32 activation
-  path is a scalar loop, 10-60x slower than the bf16 one, measured 2026-11-25). q is recovered from it exactly by
-  running the operator on an identity matrix with scale 1 and zero 8 (`q()`), so nothing depends on the layout.
+  path is a scalar loop, many times slower than the bf16 one: perf/RESULTS.md, section "Weight-only INT4"). q is
+  recovered from it exactly by running the operator on an identity matrix with scale 1 and zero 8 (`q()`), so
+  nothing depends on the layout.
 
 The quantizer is round-to-nearest over [min(w, 0), max(w, 0)] of each group (GPTQ's quantizer without its error
 feedback): 0 is always on the grid and every weight lies within half a step of its dequantized value.

@@ -3,16 +3,18 @@
 On a CPU, torch's fp32 `linear` calls MKL's sgemm, which is slow at the small token counts of decode steps;
 oneDNN's matmul (`mkldnn._linear_pointwise`, what torch.compile's CPU freezing path emits) is faster there and no
 slower for large prefill chunks (perf/RESULTS.md, "Linear layers"). Faster still at decode sizes, where the
-weights stream from memory every step, is the C++ operator (cpu/fp32_linear.cpp: 1.2-2x oneDNN up to 48 tokens,
-level above), on AVX-512 builds for weights whose outputs are a multiple of its 32-output blocks; other fp32 weights
-take oneDNN. bf16 `linear` already runs oneDNN. On CUDA, `linear` is cuBLAS and the weight is used as it is.
+weights stream from memory every step, is the C++ operator (cpu/fp32_linear.cpp: faster than oneDNN up to 48 tokens,
+level above; perf/RESULTS.md, "fp32 linear layers on AVX-512: a C++ operator"), on AVX-512 builds for weights whose
+outputs are a multiple of its 32-output blocks; other fp32 weights take oneDNN. bf16 `linear` already runs oneDNN.
+On CUDA, `linear` is cuBLAS and the weight is used as it is.
 TRELLM_CPU_LINEAR chooses on a CPU: `cpp` (the default, as just said), `onednn`, or `torch` (torch's own path).
 
 Weight-only INT8 (`quantization="int8"`): each output row of W is scaled by its largest magnitude / 127 and rounded
 to int8 at load, so a decode step reads a quarter of the fp32 bytes. The reference dequantizes and multiplies; CUDA
 runs the Triton kernel (triton_linear.py); a CPU the C++ operator (cpu/int8_linear.cpp) on fp32 activations, with the
-weights packed in blocks of 32 outputs at load. (torch's own `_weight_int8pack_mm` was slower than fp32 oneDNN:
-0.45-0.64x for one token; its bf16 form crashed on rows not a multiple of its vector.)
+weights packed in blocks of 32 outputs at load. (torch's own `_weight_int8pack_mm` was slower than fp32 oneDNN
+even for one token, perf/RESULTS.md, "Weight-only INT8 on a CPU"; its bf16 form crashed on rows not a multiple of
+its vector.)
 
 Weight-only INT4 (`quantization="int4"`, or "int4-g64"/"int4-g32" for smaller groups; GPTQ and AWQ checkpoints):
 group-wise with zero points (int4.py says why and how it is laid out). CUDA runs the Triton kernel
@@ -139,7 +141,7 @@ def fp32_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 
 # The C++ INT8 operator at every token count with AVX-512: it beat dequantizing for one fp32 GEMM at every count
-# measured. With AVX2 only (16 registers: 3 tokens' sums at a time) it runs at about half of fp32 from 16 tokens up,
+# measured. With AVX2 only (16 registers: 3 tokens' sums at a time) it runs well behind fp32 from 16 tokens up,
 # and from 128 tokens dequantizing for one fp32 GEMM is faster, so prefill chunks take that path there
 # (perf/RESULTS.md, "Weight-only INT8 on a CPU" and the Zen 3 section, has the per-layer times).
 DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512 = 128

@@ -14,9 +14,10 @@ weights: each k of the tile loads byte k // 2 (the second load of a byte hits th
 so the unpacking is fused into the load and the weight never exists unpacked in memory. A K tile never spans two
 groups (its size divides the group), so each tile loads one scale and zero per output column; the tile is
 dequantized in registers, (q - zero) * scale in fp32, and rounded to the activations' dtype before the dot, exactly
-as the reference rounds its dequantized weight. On an H100 (2026-11-25, fp16, g128) it runs at 0.16-0.46x of
-cuBLAS's fp16 GEMM: correct, not yet fast (per-element scale loads were 3x slower still; loading the bytes once for
-two dots, even and odd inputs, was slower too). A split-K decode variant is what is left for speed.
+as the reference rounds its dequantized weight. On a GPU it runs well behind cuBLAS's fp16 GEMM: correct, not yet
+fast (per-element scale loads were slower still; loading the bytes once for two dots, even and odd inputs, was
+slower too; perf/RESULTS.md, section "Weight-only INT4", its CUDA table). A split-K decode variant is what is left
+for speed.
 """
 import torch
 import triton

@@ -7,8 +7,9 @@ anchor workload served on 2 cores (perf/RESULTS.md).
    workers of every pool, and once they outnumber the cores cuts each worker's spinning to 100 rounds: a worker
    then sleeps between any two operators and every parallel region pays a futex wake-up. The Triton stub loads
    the model on its main thread (a pool) and steps on another (engine/loop.py, a second pool), so on 2 cores every
-   operator of every step ran throttled: a decode-sized linear layer took 1.2-1.6x as long on the stepping thread,
-   and the anchor workload ran 14% slower through the engine loop than stepped on the main thread.
+   operator of every step ran throttled: a decode-sized linear layer took longer on the stepping thread, and the
+   anchor workload ran slower through the engine loop than stepped on the main thread (perf/RESULTS.md, section
+   "What the served run lost, and the two fixes").
    `release_thread_pool()` on the loading thread, once its work is done, ends its pool.
 
 2. Every other busy thread, the engine loop's responder and cancellation watcher and tritonserver's own threads,
@@ -17,8 +18,8 @@ anchor workload served on 2 cores (perf/RESULTS.md).
    worker, and a preempted worker holds the step at the next barrier. In SCHED_IDLE they take a core only when
    the compute leaves it, between operators and between steps; when the cores stay busy the responder falls
    behind and merges the tokens queued meanwhile into one response (engine/loop.py), so serving costs less
-   exactly when the compute needs the cores. Served `llm` went from 550 to 605-620 out tok/s with the loop's
-   helpers idle, and to 636-664 (`ensemble` too) with tritonserver's threads idle as well. The other models'
+   exactly when the compute needs the cores. Served `llm` (and `ensemble`) got faster with the loop's helpers
+   idle, and faster again with tritonserver's threads idle as well (the same section). The other models'
    stubs (the ensemble's postprocess detokenizes every streamed response) join them. Under full load a
    stream's tokens then come a few at a time; with at most 4 streams the stepping thread waits for each step's
    responses to go out (engine/loop.py), so an interactive stream still gets every token as it is made. Lowering

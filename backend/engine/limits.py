@@ -33,7 +33,8 @@ def context_limit(cfg: EngineConfig, mc: ModelConfig) -> int:
 
 # Tokens per KV block when the parameter is 0. CUDA: the Triton kernels' key tile. CPU: the C++ attention reads a
 # block's keys for all heads front to back, so longer blocks mean longer streams and fewer softmax rescales;
-# decoding 192 sequences of 1k tokens, 128-token blocks took 0.69x the time of 16-token ones (perf/RESULTS.md).
+# decoding 192 sequences of 1k tokens, 128-token blocks were clearly faster than 16-token ones (perf/RESULTS.md,
+# section "CPU attention options now").
 # vLLM's CPU build picks 128 too. The cost is coarser prefix caching: only whole blocks are shared.
 DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
 

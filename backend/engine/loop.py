@@ -114,14 +114,15 @@ class Sent:
 
 class EngineLoop:
     # How often the watcher asks every running request whether its client cancelled. In Triton each ask is an IPC
-    # round trip through tritonserver; every 5 ms with 48 streams took 7% of served tokens/s on 2 cores. At most
+    # round trip through tritonserver; every 5 ms with 48 streams took a visible share of served tokens/s on 2 cores
+    # (perf/RESULTS.md, section "...: decode attention, fused layer steps, fused prefill attention"). At most
     # MAX_CANCEL_ASKS_PER_S asks a second in all: with many streams a sweep spreads out (48: every 0.24 s) instead
-    # of costing ~1,000 IPCs a second, three times the responses the tokens themselves need on the anchor workload
-    # (perf/RESULTS.md, served throughput 2-13% higher in three sittings).
+    # of costing ~1,000 IPCs a second, more than the responses the tokens themselves need on the anchor workload
+    # (perf/RESULTS.md, "Cancellation asks are budgeted": served throughput higher in each of three sittings).
     CANCEL_POLL_S = 0.05
     MAX_CANCEL_ASKS_PER_S = 200
     # With idle-class helpers (cores.py) a step's responses wait for a gap in the compute, so a lone stream would
-    # get its tokens a few at a time (gaps of up to 58 ms at a 9 ms inter-token latency, anchor model), and a
+    # get its tokens a few at a time (gaps of several inter-token latencies: perf/RESULTS.md, "A lone stream"), and a
     # first token made in a long prefill step could wait for the next gap. The stepping thread therefore queues
     # the step's urgent outputs first (all of them when at most LATENCY_STREAMS streams got one, else the first
     # tokens of their requests) and waits, at most DELIVERY_WAIT_S, until the responder has sent those: a pause

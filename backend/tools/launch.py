@@ -89,10 +89,11 @@ def prepare_server() -> tuple[list[str], dict[str, str]]:
 def openmp_wait_defaults(environ) -> dict[str, str]:
     """How long an idle OpenMP worker of torch spins before it sleeps, unless the caller chose (torch's wheels use
     libgomp). The server, the stubs and the engine share the cores: libgomp's default (~3 ms of spinning) cut
-    streamed throughput by 3x on 2 cores, while sleeping at once (OMP_WAIT_POLICY=PASSIVE) pays a futex wake-up on
+    streamed throughput severalfold on 2 cores (perf/RESULTS.md, section "CPU (2 cores, 24 GiB, default model
+    `hf_models/tiny-llama`, float32)"), while sleeping at once (OMP_WAIT_POLICY=PASSIVE) pays a futex wake-up on
     every parallel region of a step. ~0.1 ms keeps the workers awake between the back-to-back operations of one
-    forward pass and asleep between steps: 1.1-1.2x engine tokens/s, the same on a small model
-    (perf/RESULTS.md)."""
+    forward pass and asleep between steps: more engine tokens/s than sleeping at once, on a small model too
+    (perf/RESULTS.md, section "OpenMP wait: ~0.1 ms of spinning against sleeping at once")."""
     if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
         return {}
     return {"GOMP_SPINCOUNT": "10000"}

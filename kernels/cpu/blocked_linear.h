@@ -40,7 +40,7 @@ void run(const char* name, torch::Tensor y, torch::Tensor x, torch::Tensor packe
   TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && packed.is_contiguous(), name, ": contiguous tensors");
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * BLOCK;
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == BLOCK, name,
-              ": the weight must be packed [N/32, K, 32]");
+              ": the weight must be packed [N/", BLOCK, ", K, ", BLOCK, "]");
   TORCH_CHECK(y.size(0) == M && y.size(1) == N, name, ": y must be [M, N]");
   static constexpr auto tiles = tile_table<Kernel>(std::make_index_sequence<MT_MAX>{});
   const float* xp = x.data_ptr<float>();

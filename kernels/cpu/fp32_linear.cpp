@@ -1,7 +1,7 @@
 // Float32 linear on AVX-512 CPUs: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); the driver is cpu/blocked_linear.h.
 //
 // Why: a decode step multiplies a few dozen tokens by every weight of the model, and the weights (4 bytes each) come
-// from memory, not cache, every step. oneDNN's fp32 matmul read them at half the machine's bandwidth for a few tokens
+// from memory, not cache, every step. oneDNN's fp32 matmul read them far below the machine's bandwidth for a few tokens
 // and did not overlap the reads with its arithmetic for a few dozen (perf/RESULTS.md has the rates). Here the next
 // block's weights are prefetched while the current block's products run, so the memory stream and the FMAs overlap.
 // The tile: for each k the block's 32 weights are two 16-lane loads, multiplied by each token's x[m, k] broadcast

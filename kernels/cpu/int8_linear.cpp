@@ -2,13 +2,14 @@
 // cpu/blocked_linear.h.
 //
 // Why: a decode step reads every weight once, so int8 weights (a quarter of fp32's bytes) make that read up to 4x
-// cheaper, but only if they are read once per call and widened in registers. torch's _weight_int8pack_mm ran at
-// 0.45-0.64x of fp32 oneDNN for one token (perf/RESULTS.md).
+// cheaper, but only if they are read once per call and widened in registers. torch's _weight_int8pack_mm was slower
+// than fp32 oneDNN even for one token (perf/RESULTS.md, section "Weight-only INT8 on a CPU").
 // Layout: packed at load (kernels/linear.py) into blocks of 32 outputs, [N/32][K][32] int8: for each k, the 32
 // weights of the block's outputs are one 32-byte load, widened once into two 16-lane vectors and multiplied by each
 // token's x[m, k] broadcast (an outer product, as a GEMM micro-kernel does): 24 FMAs for 12 tokens per 6 widening
 // instructions, where the first version of this operator (16 k-lanes per output, folded at the end) spent about as
-// many instructions widening as multiplying and ran at half of oneDNN's fp32 rate from 16 tokens up.
+// many instructions widening as multiplying and fell well behind oneDNN's fp32 from 16 tokens up (the same
+// section's table).
 #include "blocked_linear.h"
 
 #include <cstring>
@@ -43,8 +44,8 @@ inline void int8_tile(const float* x, int64_t K, const int8_t* blk, const float*
 #elif defined(TRELLM_AVX2)
 // AVX2 only (16 registers): G <= 3 tokens at a time, 4 accumulators of 8 outputs each, so accumulators and the
 // block's 4 weight vectors fit; a tile of MT tokens passes over the block's weights (16 KiB at K = 512, in L1/L2)
-// once per group. The portable branch below ran at 0.4-0.5x of fp32 oneDNN on a Zen 3 (GCC moved its 16-lane sums
-// through the stack).
+// once per group. The portable branch below ran well behind fp32 oneDNN on a Zen 3 (GCC moved its 16-lane sums
+// through the stack; perf/RESULTS.md, section "INT8 weights with AVX2 only").
 template <int G>
 inline void group(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N) {
   __m256 acc[G][4];

@@ -121,8 +121,8 @@ inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // AVX2 without AVX-512 (Zen 3, Zen 2, many Intel servers): GCC lowers the 16-lane type above badly there (scalar
 // times vector stores the scalar 16 times; running sums go through the stack and general registers), so the hot
-// loops use two 8-float registers, loaded from the cache's type by these. Decode attention on a Zen 3 went from
-// 5.0 to 1.4 ms a layer (perf/RESULTS.md).
+// loops use two 8-float registers, loaded from the cache's type by these. Decode attention on a Zen 3 got several
+// times faster (perf/RESULTS.md, section "What changed: the C++ attention on AVX2").
 #define TRELLM_AVX2 1
 inline void load8x2(const float* p, __m256& lo, __m256& hi) {
   lo = _mm256_loadu_ps(p);

@@ -1,8 +1,30 @@
-"""LoRA's shrink and expand over a token -> adapter-slot index (models/lora.py stacks the step's adapters): the Triton
-kernels on a GPU, the PyTorch reference otherwise (a CPU runs models/lora.py's grouped matmuls instead)."""
+"""LoRA's term on the kernels' two paths. A GPU: shrink and expand over a token -> adapter-slot index (models/lora.py
+stacks the step's adapters), the Triton kernels, with PyTorch references. A CPU: `lora_add` over one adapter's rows
+(models/lora.py runs it per adapter), the C++ operator for decode-sized row counts, else two matmuls."""
 import torch
 
+from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
+
+# Most rows `lora_add` sends to the C++ operator: from about 8 rows torch's matmuls (threaded, blocked) are as fast
+# (perf/RESULTS.md, section "LoRA").
+CPU_OP_MAX_ROWS = 4
+
+
+def lora_add_reference(out: torch.Tensor, x: torch.Tensor, at: torch.Tensor, bt: torch.Tensor, scale: float) -> None:
+    """out += scale * ((x @ at) @ bt), in place: x [T, K], at = A^T [K, R], bt = B^T [R, N], out [T, N]."""
+    out.addmm_(x @ at, bt, alpha=scale)
+
+
+def lora_add(out: torch.Tensor, x: torch.Tensor, at: torch.Tensor, bt: torch.Tensor, spans: torch.Tensor,
+             scale: float) -> None:
+    """lora_add_reference's term, where bt's rank row r is zero outside its columns spans[r] = (first, count)."""
+    ops = cpu_ops.for_tensor(x)
+    if (ops is not None and x.shape[0] <= CPU_OP_MAX_ROWS and x.dtype == out.dtype == torch.float32
+            and x.stride(1) == 1 and out.stride(1) == 1):
+        ops.lora_add(out, x, at, bt, spans, scale)
+        return
+    lora_add_reference(out, x, at, bt, scale)
 
 
 def lora_shrink_reference(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from trellm_kernels import activation, attention, cpu_ops, dispatch, kv_cache, linear, rmsnorm, rotary
+from trellm_kernels import activation, attention, cpu_ops, dispatch, kv_cache, linear, lora, rmsnorm, rotary
 from test_kernels import (BF16, F16, F32, KV_QUANT, QUANTIZED_WRITE_CASES, check_quantized_write, close, paged_case,
                           quantized, randn)
 
@@ -338,3 +338,35 @@ def test_kernel_settings_are_checked_where_they_are_read():
         dispatch.KernelSettings.from_env({"TRELLM_ATTN_SPLITS": "0"})
     s = dispatch.KernelSettings.from_env({"TRELLM_FORCE_TRITON": "1", "TRELLM_CPU_OPS": "0", "TRELLM_ATTN_SPLITS": "3"})
     assert s.force_triton and not s.cpu_ops and s.attn_splits == 3 and s.cpu_linear == "cpp"
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 6, 16, 41])
+@pytest.mark.parametrize("k, ranks, widths", [(512, [16, 16, 16], [512, 256, 256]), (37, [4, 4], [33, 70]),
+                                              (1408, [8], [512])])
+def test_cpu_lora_add_operator_matches_reference(tokens, k, ranks, widths):
+    """One adapter's term at a fused site, B block-diagonal over the site's modules (models/lora.py's layout): the
+    operator on row views (an adapter's rows are a slice of the step's batch) against the two matmuls."""
+    ops = _cpu_ops()
+    g = torch.Generator().manual_seed(tokens + k)
+    R, N = sum(ranks), sum(widths)
+    at = randn(g, k, R, dtype=F32)
+    bt = torch.zeros(R, N)
+    spans, r0, c0 = [], 0, 0
+    for r, w in zip(ranks, widths):
+        bt[r0:r0 + r, c0:c0 + w] = randn(g, r, w, dtype=F32)
+        spans += [(c0, w)] * r
+        r0, c0 = r0 + r, c0 + w
+    spans = torch.tensor(spans, dtype=torch.int64)
+    x = randn(g, tokens + 2, k, dtype=F32)[1:-1]          # a slice of a larger batch
+    out = randn(g, tokens + 2, N, dtype=F32)
+    want = out.clone()
+    lora.lora_add_reference(want[1:-1], x, at, bt, 0.75)
+    got = out.clone()
+    ops.lora_add(got[1:-1], x, at, bt, spans, 0.75)
+    close(got, want)
+    assert torch.equal(got[0], out[0]) and torch.equal(got[-1], out[-1]), "rows outside the view are left alone"
+    via_dispatch = out.clone()
+    lora.lora_add(via_dispatch[1:-1], x, at, bt, spans, 0.75)
+    close(via_dispatch, want)
+    with pytest.raises(RuntimeError, match="spans"):
+        ops.lora_add(got, randn(g, tokens + 2, k, dtype=F32), at, bt, spans + N, 0.75)

@@ -238,12 +238,16 @@ def test_the_kernels_stacked_layout_adds_what_the_grouped_matmuls_add(default_mo
     loaded = [load_adapter(n, adapters[n], cfg, 64, torch.float32, torch.device("cpu")) for n in LORAS]
     # rows: 0-2 adapter 0, 3-4 none, 5 adapter 1, 6-8 adapter 0, 9-10 adapter 2
     ranges = {0: [(0, 3), (6, 9)], 1: [(5, 6)], 2: [(9, 11)]}
-    grouped = LoraStep([(loaded[i], step_rows(r, torch.device("cpu"))) for i, r in ranges.items()])
+    grouped = LoraStep([(loaded[i], step_rows(r, 11, torch.device("cpu"))) for i, r in ranges.items()])
     slots = torch.full((11,), -1, dtype=torch.int32)
     for i, rs in ranges.items():
         for s, e in rs:
             slots[s:e] = i
     stacked = LoraStep(stack=stack_adapters(loaded, cfg), slots=slots)
+    # A step whose every token is one adapter's (no row views on a CPU), against the kernels' layout.
+    whole = LoraStep([(loaded[2], step_rows([(0, 4), (4, 11)], 11, torch.device("cpu")))])
+    assert whole.groups[0][1] is None
+    whole_stacked = LoraStep(stack=stack_adapters([loaded[2]], cfg), slots=torch.zeros(11, dtype=torch.int32))
     shapes = module_shapes(cfg)
     g = torch.Generator().manual_seed(0)
     for site, n_in, n_out in [("qkv", cfg.hidden_size, shapes["v_proj"][1] + shapes["v_proj"][2]),
@@ -256,6 +260,11 @@ def test_the_kernels_stacked_layout_adds_what_the_grouped_matmuls_add(default_mo
         grouped.add(want, x, 1, site)
         stacked.add(got, x, 1, site)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        want_whole, got_whole = base.clone(), base.clone()
+        whole.add(want_whole, x, 1, site)
+        whole_stacked.add(got_whole, x, 1, site)
+        torch.testing.assert_close(got_whole, want_whole, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(want_whole, base), f"adapter {loaded[2].name} targets {site}"
         assert torch.equal(got[3:5], base[3:5]), "rows of no adapter are left alone"
         assert not torch.equal(want, base), f"the adapters target {site}"
 

@@ -224,3 +224,18 @@ def test_a_lookup_changes_nothing_and_planning_fixes_the_step():
     assert hit == bm.block_ids("a")[:2]
     assert second.num_computed_tokens == 0 and second.num_cached_tokens == 0 and bm.block_ids("b") == []
     assert bm.num_used == used and list(bm.free_ids) == free and bm.num_queries == queries
+
+
+def test_a_steps_chunks_come_grouped_by_adapter():
+    """Requests of LoRA adapters arriving interleaved are planned side by side, the base's first, so each adapter's
+    tokens are one slice of the step's batch (models/lora.py adds its term to that slice in place)."""
+    from types import SimpleNamespace
+    sched = Scheduler(KVCacheManager(64, 4), 16, 256, True)
+    names = ["b", None, "a", "b", None, "a", "b"]
+    for i, name in enumerate(names):
+        req = Request(str(i), [1, 2, 3, i], SamplingParams(max_tokens=3), max_len=64)
+        req.lora = None if name is None else SimpleNamespace(name=name)
+        sched.add(req)
+    for _ in range(3):
+        got = [None if c.adapter is None else c.adapter.name for c in sched.schedule().chunks]
+        assert got == [None, None, "a", "a", "b", "b", "b"], got

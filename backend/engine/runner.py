@@ -63,7 +63,7 @@ class ModelRunner:
         if not groups:
             return None
         if not use_triton(self.kv_cache):   # a CPU: grouped matmuls over each adapter's rows
-            return LoraStep([(adapter, step_rows(ranges, self.device)) for adapter, ranges in groups])
+            return LoraStep([(adapter, step_rows(ranges, int(cu[-1]), self.device)) for adapter, ranges in groups])
         # The kernels: the step's adapters stacked (kept for the next steps with the same set) and a slot per token.
         names = tuple(adapter.name for adapter, _ in groups)
         stack = self._lora_stacks.pop(names, None) or stack_adapters([a for a, _ in groups], self.model_cfg)

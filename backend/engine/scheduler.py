@@ -187,6 +187,10 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed_over))
         if self.proposer is not None and out.chunks:
             self._add_drafts(out, planned, budget)
+        if any(c.adapter is not None for c in out.chunks):
+            # Each adapter's chunks side by side (the base's first): its tokens are then one slice of the step's
+            # batch, which its LoRA term reads and writes in place (models/lora.py).
+            out.chunks.sort(key=lambda c: "" if c.adapter is None else "+" + c.adapter.name)
         return out
 
     def _add_drafts(self, out: SchedulerOutput, planned: list[Request], budget: int) -> None:

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from trellm_backend.models.config import ModelConfig
-from trellm_kernels.lora import lora_expand, lora_shrink
+from trellm_kernels.lora import lora_add, lora_expand, lora_shrink
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The fused linear each module's output lives in.
@@ -44,10 +44,11 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
 @dataclass
 class SiteWeights:
     """An adapter's matrices for one fused site: the targeted modules' A stacked, and their B as one block-diagonal
-    matrix over the site's whole output width (zero for untargeted modules' columns), so the term is one shrink and
-    one expand whatever the number of modules."""
-    a: torch.Tensor                                   # [sum of the ranks, in]
-    b: torch.Tensor                                   # [the site's output width, sum of the ranks]
+    matrix over the site's whole output width (zero for untargeted modules' columns), both transposed, so the term is
+    one shrink and one expand whatever the number of modules (kernels/lora.py's lora_add)."""
+    at: torch.Tensor                                  # [in, sum of the ranks]
+    bt: torch.Tensor                                  # [sum of the ranks, the site's output width]
+    spans: torch.Tensor                               # [sum of the ranks, 2] int64: each rank row's module columns
 
 
 @dataclass
@@ -133,12 +134,15 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, dtype: t
             mods = [m for m in MODULES if SITE_OF[m] == site and (layer, m) in adapter.weights]
             if mods:
                 width = sum(shapes[m][1] for m in MODULES if SITE_OF[m] == site)
-                b = torch.zeros(width, rank * len(mods), dtype=dtype, device=device)
+                bt = torch.zeros(rank * len(mods), width, dtype=dtype, device=device)
+                spans = []
                 for i, m in enumerate(mods):
                     col, n_out = shapes[m][2], shapes[m][1]
-                    b[col:col + n_out, i * rank:(i + 1) * rank] = adapter.weights[(layer, m)][1]
+                    bt[i * rank:(i + 1) * rank, col:col + n_out] = adapter.weights[(layer, m)][1].T
+                    spans += [(col, n_out)] * rank
                 adapter.sites[(layer, site)] = SiteWeights(
-                    torch.cat([adapter.weights[(layer, m)][0] for m in mods]).contiguous(), b)
+                    torch.cat([adapter.weights[(layer, m)][0] for m in mods]).T.contiguous(), bt,
+                    torch.tensor(spans, dtype=torch.int64))
     declared = set(ac.get("target_modules") or []) if isinstance(ac.get("target_modules"), list) else None
     if declared is not None and not declared <= set(MODULES):
         refuse("target_modules", f"names {sorted(declared - set(MODULES))}; supported: {', '.join(MODULES)}")
@@ -290,9 +294,10 @@ def stack_adapters(adapters: list[LoraAdapter], cfg: ModelConfig) -> AdapterStac
 @dataclass
 class LoraStep:
     """The adapters of one step. On a CPU, `groups`: each adapter with the flat-batch rows of its requests' tokens
-    (a slice when they are one run, else an index tensor), run as grouped matmuls. With the kernels (a GPU),
-    `stack` and `slots` instead: every adapter's matrices stacked and each token's slot in them (-1: none)."""
-    groups: list[tuple[LoraAdapter, slice | torch.Tensor]] = field(default_factory=list)
+    (None for all of them, a slice when they are one run, else an index tensor), run as grouped matmuls. With the
+    kernels (a GPU), `stack` and `slots` instead: every adapter's matrices stacked and each token's slot in them
+    (-1: none)."""
+    groups: list[tuple[LoraAdapter, slice | torch.Tensor | None]] = field(default_factory=list)
     stack: AdapterStack | None = None
     slots: torch.Tensor | None = None
 
@@ -310,15 +315,19 @@ class LoraStep:
             sw = adapter.sites.get((layer, site))
             if sw is None:
                 continue
-            t = x[rows] @ sw.a.T
-            if isinstance(rows, slice):
-                out[rows].addmm_(t, sw.b.T, alpha=adapter.scale)
+            if rows is None:        # one adapter for the whole step
+                lora_add(out, x, sw.at, sw.bt, sw.spans, adapter.scale)
+            elif isinstance(rows, slice):
+                lora_add(out[rows], x[rows], sw.at, sw.bt, sw.spans, adapter.scale)
             else:
-                out.index_add_(0, rows, t @ sw.b.T, alpha=adapter.scale)
+                out.index_add_(0, rows, (x[rows] @ sw.at) @ sw.bt, alpha=adapter.scale)
 
 
-def step_rows(ranges: list[tuple[int, int]], device: torch.device) -> slice | torch.Tensor:
-    """[start, end) row ranges as one slice when they touch end to end, else as an index tensor on `device`."""
+def step_rows(ranges: list[tuple[int, int]], num_rows: int, device: torch.device) -> slice | torch.Tensor | None:
+    """[start, end) row ranges of a batch of `num_rows`: None when they are all of it, one slice when they touch end
+    to end (the scheduler orders chunks by adapter), else an index tensor on `device`."""
     if all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):
+        if ranges[0][0] == 0 and ranges[-1][1] == num_rows:
+            return None
         return slice(ranges[0][0], ranges[-1][1])
     return torch.cat([torch.arange(s, e) for s, e in ranges]).to(device)

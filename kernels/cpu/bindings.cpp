@@ -22,6 +22,8 @@ void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch
                   torch::Tensor slot_mapping);
 void gather_dequantize_cpu(torch::Tensor out, torch::Tensor cache, torch::Tensor scales, torch::Tensor blocks,
                            bool is_int8);
+void lora_add_cpu(torch::Tensor out, torch::Tensor x, torch::Tensor at, torch::Tensor bt, torch::Tensor spans,
+                  double scale);
 void write_kv_quantized_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor slot_mapping, bool is_int8);
 
@@ -49,6 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("avx512") = false;
 #endif
+  m.def("lora_add", &lora_add_cpu,
+        "out += scale * (x at) bt for one adapter's rows, bt block-diagonal with each rank row's column span",
+        no_gil);
   m.def("write_kv_quantized", &write_kv_quantized_cpu,
         "quantize k and v per token and head into an INT8 or FP8 cache (int8 views) and its float16 scales", no_gil);
 }

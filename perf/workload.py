@@ -27,6 +27,7 @@ class Item:
     prompt: str
     prompt_ids: list[int] = field(repr=False)
     output_tokens: int                  # asked for (max_tokens, and min_tokens when the server has it)
+    lora_name: str | None = None        # a LoRA adapter of the served model (None: the base)
 
 
 PROFILE_NAMES = ("low", "high", "variable", "anchor")

@@ -137,7 +137,7 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
 
     from trellm_backend.tools.launch import TritonServer
     from trellm_backend.tools.testbed import free_ports, private_repository
-    from trellm_client.client import LLMClient
+    from trellm_client.client import LLMClient, infer_input
     repo = private_repository(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                            "model_repository"), str(tmp_path / "repo"),
                               {"llm": {"lora_adapters": json.dumps(adapters)}})
@@ -179,9 +179,8 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
             client = grpcclient.InferenceServerClient(server.grpc_url)
             answers = []
             client.start_stream(callback=lambda result, error: answers.append((result, error)))
-            t = grpcclient.InferInput("lora_control", [1, 1], "BYTES")
-            t.set_data_from_numpy(np.array([[json.dumps(command).encode()]], dtype=np.object_))
-            client.async_stream_infer("llm", [t])
+            client.async_stream_infer("llm", [infer_input(grpcclient, "lora_control",
+                                                          np.array([[json.dumps(command).encode()]], dtype=np.object_))])
             client.stop_stream()
             client.close()
             result, error = answers[0]
@@ -196,6 +195,27 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
         with pytest.raises(Exception, match="adapter_config.json is missing"):
             control({"load": {"broken": str(tmp_path)}})
         assert control({"load": {"all-r16": adapters["all-r16"]}, "unload": ["again"]})["adapters"] == sorted(LORAS)
+        # The served benchmark's adapter pass: the same requests again, on the adapters in turn, and the ratio.
+        import subprocess
+        import sys
+        out = tmp_path / "bench"
+
+        def benchmark(names):
+            return subprocess.run([sys.executable, os.path.join(
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf", "benchmark.py"),
+                "--url", server.grpc_url, "--metrics-url", f"http://localhost:{metrics}/metrics", "--model-dir",
+                default_model_path, "--smoke", "--profiles", "anchor", "--out", str(out), "--no-progress",
+                *(f"--lora={n}={adapters.get(n, tmp_path)}" for n in names)], capture_output=True, text=True,
+                timeout=300)
+        run = benchmark(LORAS)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "anchor c=4: adapters / base output tok/s = " in run.stdout
+        doc = json.loads((out / "benchmark.json").read_text())
+        (base,), (lora,) = doc["levels"], doc["lora"]["levels"]
+        assert lora["errors"] == 0 and lora["output_tokens"] == base["output_tokens"] > 0
+        run = benchmark(["nope"])   # the requests do name their adapter: an unknown one fails each of them
+        assert run.returncode == 1 and json.loads((out / "benchmark.json").read_text())["lora"]["levels"][0][
+            "errors"] == 4, run.stdout + run.stderr
         # The OpenAI front door lists each adapter as a model (vLLM's way) and serves it by that name.
         import httpx2 as httpx   # the HTTP client the openai SDK (pinned) brings
 

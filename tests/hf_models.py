@@ -100,12 +100,17 @@ def make_lora(base_dir: str, name: str, out_dir: str) -> str:
 
 
 def hf_lora_greedy(base_dir: str, adapter_dir: str | None, prompts: list[list[int]], max_new_tokens: int,
-                   merged: bool = False) -> list[list[int]]:
+                   merged: bool = False, base_weights=None) -> list[list[int]]:
     """transformers + peft greedy continuations with the adapter applied unmerged (or merged into the weights with
-    merge_and_unload), one prompt at a time, EOS ignored; the base model alone when adapter_dir is None."""
+    merge_and_unload), one prompt at a time, EOS ignored; the base model alone when adapter_dir is None.
+    `base_weights(w)`, if given, replaces the weight of each decoder layer's linear first (a quantized base)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if base_weights is not None:
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
+                module.weight.data = base_weights(module.weight.data)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir)
         if merged:

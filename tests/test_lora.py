@@ -62,6 +62,20 @@ def test_mixed_batch_equals_transformers_and_peft_for_every_adapter(default_mode
     assert by_name["all-r16"] == merged
 
 
+def test_adapters_on_an_int8_base_equal_transformers_and_peft_on_its_dequantized_weights(default_model_path, adapters):
+    """The adapters' term is added to a quantized base's output as to a float one: the engine with INT8 weights
+    makes transformers' tokens when transformers runs the engine's own INT8 weights, dequantized, under peft."""
+    from trellm_kernels.linear import prepare_weight
+    prompts = random_prompts(4, 4096, [6, 23])
+    names = [None, "attn-r8", "all-r16"]
+    got = greedy(engine_with(default_model_path, adapters, quantization="int8"), prompts, names, 12)
+    for i, n in enumerate(names):
+        want = hf_lora_greedy(default_model_path, adapters.get(n), prompts, 12,
+                              base_weights=lambda w: prepare_weight(w, "int8").tensor())
+        assert got[i * len(prompts):(i + 1) * len(prompts)] == want, f"adapter {n}"
+    assert got[len(prompts):2 * len(prompts)] != got[:len(prompts)], "the adapter changes the int8 base's answer"
+
+
 def test_max_loras_and_max_cpu_loras_bound_what_runs_and_what_stays_in_memory(default_model_path, adapters):
     """Three adapters and the base, max_loras 1 (one adapter among the running requests; the base does not count)
     and max_cpu_loras 1 (the others reread on use): the same tokens as without limits."""

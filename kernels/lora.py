@@ -7,7 +7,7 @@ from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
 
 # Most rows `lora_add` sends to the C++ operator: from about 8 rows torch's matmuls (threaded, blocked) are as fast
-# (perf/RESULTS.md, section "LoRA").
+# (perf/RESULTS.md, section "LoRA, second part").
 CPU_OP_MAX_ROWS = 4
 
 

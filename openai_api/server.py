@@ -17,12 +17,13 @@ import os
 import time
 from collections import Counter
 
+import numpy as np
 from aiohttp import web
 
 from trellm_openai import protocol
 from trellm_openai.keys import KeyStore, Limiter
 from trellm_openai.protocol import APIError, Generation
-from trellm_client.client import AsyncLLMClient, ServerUnavailable, ensemble_steps
+from trellm_client.client import AsyncLLMClient, ServerUnavailable, ensemble_steps, infer_input
 
 log = logging.getLogger("trellm.openai")
 MAX_BODY_BYTES = 4 << 20           # a prompt of about a million tokens of English is still far below this
@@ -77,8 +78,9 @@ class FrontDoor:
     # -- models ------------------------------------------------------------------------------------------------
     async def models(self) -> dict[str, tuple[str, str | None]]:
         """{model id: (ensemble, LoRA adapter or None)}: the READY ensembles of the repository, and each LoRA
-        adapter their engine step declares (`lora_adapters`), by its own name as vLLM lists them (`ENSEMBLE:NAME`
-        where two ensembles declare one name). Refreshed at most once a second."""
+        adapter their engine step serves (those it declares in `lora_adapters`, as control requests have changed
+        them since), by its own name as vLLM lists them (`ENSEMBLE:NAME` where two ensembles serve one name).
+        Refreshed at most once a second."""
         at, models = self._models
         if time.monotonic() - at < 1.0:
             return models
@@ -93,15 +95,27 @@ class FrontDoor:
                 continue
             models[m["name"]] = (m["name"], None)
             for step in steps:
-                params = (await self.triton.get_model_config(step, as_json=True))["config"].get("parameters", {})
-                table = params.get("lora_adapters", {}).get("string_value", "")
-                if table:   # a READY llm checked it at load (models/lora.py adapter_table)
-                    adapters += [(m["name"], name) for name in json.loads(table)]
+                inputs = (await self.triton.get_model_config(step, as_json=True))["config"].get("input", [])
+                if any(i["name"] == "lora_control" for i in inputs):
+                    adapters += [(m["name"], name) for name in await self.step_adapters(step)]
         taken = Counter(name for _, name in adapters)
         for ensemble, name in adapters:
             models[name if taken[name] == 1 and name not in models else f"{ensemble}:{name}"] = (ensemble, name)
         self._models = (time.monotonic(), models)
         return models
+
+    async def step_adapters(self, step: str) -> list[str]:
+        """The adapters engine step `step` serves now, as its answer to an empty LoRA control request."""
+        from tritonclient.grpc import aio
+
+        async def ask():
+            yield {"model_name": step, "inputs": [infer_input(aio, "lora_control", np.array([[b"{}"]], dtype=object))]}
+        answers = []
+        async for result, error in self.triton.stream_infer(ask()):
+            if error is not None:
+                raise APIError(500, f"{step} did not list its LoRA adapters: {error}")
+            answers.append(json.loads(result.as_numpy("text_output").reshape(-1)[0])["adapters"])
+        return answers[0]
 
     def client(self, model: str) -> AsyncLLMClient:
         if model not in self.clients:

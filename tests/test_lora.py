@@ -243,6 +243,16 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
                 out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
                     "model": name, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).json()
                 assert out["choices"][0]["text"] == want[name], name
+            # An adapter a control request adds is listed and served there too (the door asks llm, `{}` lists).
+            assert control({"load": {"again": adapters["attn-r8"]}}) == control({}) == \
+                {"adapters": sorted([*LORAS, "again"])}
+            import time
+            time.sleep(1.1)     # the door rereads its models at most once a second
+            listed = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"]
+            assert {m["id"]: m["parent"] for m in listed}["again"] == "ensemble"
+            out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+                "model": "again", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).json()
+            assert out["choices"][0]["text"] == want["attn-r8"]
         finally:
             launch.stop_front_door(door)
 

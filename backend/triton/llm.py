@@ -207,16 +207,17 @@ def response_tensors(p: ResponsePayload, sequence_index: int, block_size: int,
 
 
 def apply_lora_control(registry, text: str, model_dir: str) -> dict:
-    """A LoRA control request's JSON, {"load": {name: folder}, "unload": [name]}, applied to the engine's adapter
-    registry (models/lora.AdapterRegistry); folders resolve like model_path. Returns {"adapters": [names]} after it;
-    raises ValueError naming what is wrong (nothing is applied past the first failure)."""
+    """A LoRA control request's JSON, {"load": {name: folder}, "unload": [name]} (either may be left out: `{}` only
+    lists), applied to the engine's adapter registry (models/lora.AdapterRegistry); folders resolve like model_path.
+    Returns {"adapters": [names]} after it; raises ValueError naming what is wrong (nothing is applied past the first
+    failure)."""
     from trellm_backend.models.lora import checked_table
     from trellm_backend.triton.parameters import resolve_model_path
     try:
         command = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"lora_control is not valid JSON: {e}") from None
-    if not isinstance(command, dict) or set(command) - {"load", "unload"} or not command:
+    if not isinstance(command, dict) or set(command) - {"load", "unload"}:
         raise ValueError('lora_control must be a JSON object with "load": {"NAME": "folder"} and/or "unload": '
                          '["NAME"]')
     load, unload = checked_table(command.get("load", {}), "lora_control.load"), command.get("unload", [])

@@ -3,7 +3,8 @@
 //
 // Why: at decode sizes the term is a few thousand multiply-adds per row and site, but torch runs it as two matmuls
 // and their views, each a dispatch and a wake-up of the thread pool that costs more than the arithmetic; with ten
-// layers of four sites that was most of what an adapter cost a lone stream (perf/RESULTS.md, section "LoRA").
+// layers of four sites that was most of what an adapter cost a lone stream (perf/RESULTS.md, section "LoRA, second
+// part").
 // Here rows go four at a time on the calling thread, each weight read once per four rows, and the sums run along
 // the rank and the columns (no horizontal reductions). B is block-diagonal over the site's modules (models/lora.py),
 // so each rank row r of B^T touches only its module's columns, spans[r] = (first column, count).

@@ -230,7 +230,8 @@ class TritonServer:
         self.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The launcher's command line (deploy/k8s/ and docker-compose.yml rely on its defaults)."""
     ap = argparse.ArgumentParser(description="Start tritonserver on the model repository and keep it running.")
     ap.add_argument("--model-repository", default=DEFAULT_REPOSITORY)
     ap.add_argument("--http-port", type=int, default=8000)
@@ -259,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the front door's API keys and limits (openai_api/keys.py); without one it is open")
     ap.add_argument("--http-loopback", action="store_true",
                     help="tritonserver's HTTP port on 127.0.0.1 only (clients outside use the front door or gRPC)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args, extra = ap.parse_known_args(argv)
     if args.http_loopback:
         extra = [*extra, "--http-address=127.0.0.1"]

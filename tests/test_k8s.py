@@ -1,0 +1,177 @@
+"""The Kubernetes deployment (deploy/k8s/): the manifests render with kubectl's kustomize and validate against the
+API schemas of Kubernetes 1.29-1.32, and what they rely on (ports, probe commands and paths, the metric the
+autoscaler reads, the drain's timing) is what a live server does."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import REPO, free_ports
+from trellm_backend.tools import launch
+from trellm_backend.tools.healthcheck import generate_probe
+from trellm_backend.tools.testbed import metric_samples, private_repository
+from trellm_client.client import LLMClient
+
+K8S = os.path.join(REPO, "deploy", "k8s")
+KUBERNETES_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0"]
+
+
+def render(folder: str) -> list[dict]:
+    out = subprocess.run(["kubectl", "kustomize", os.path.join(K8S, folder)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def base() -> dict[str, dict]:
+    return {d["kind"]: d for d in render("base")}
+
+
+def container() -> dict:
+    return base()["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_manifests_render_and_validate_against_the_kubernetes_api(version):
+    docs = render("base") + render("prometheus-adapter")
+    assert {d["kind"] for d in docs} == {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+                                         "ConfigMap"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)   # raises naming the field
+
+
+@pytest.mark.unit
+def test_a_broken_manifest_fails_validation():
+    """The validation above can fail: a probe with a misspelt field is refused."""
+    deployment = base()["Deployment"]
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["periodSecond"] = 15
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSIONS[0], strict=True)
+
+
+@pytest.mark.unit
+def test_the_pieces_name_each_other():
+    """Service ports target the container's named ports; the scrape annotation names the metrics port; the
+    autoscaler scales this Deployment on the name the adapter gives the engine's waiting-requests gauge; the
+    budget and the Service select the pods."""
+    docs = base()
+    c = container()
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert {p["targetPort"] for p in docs["Service"]["spec"]["ports"]} == set(ports)
+    pod = docs["Deployment"]["spec"]["template"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
+    labels = pod["metadata"]["labels"]
+    for kind in ("Service", "PodDisruptionBudget"):
+        selector = docs[kind]["spec"]["selector"]
+        selector = selector.get("matchLabels", selector)
+        assert selector.items() <= labels.items(), kind
+    hpa = docs["HorizontalPodAutoscaler"]["spec"]
+    assert hpa["scaleTargetRef"]["name"] == docs["Deployment"]["metadata"]["name"]
+    (rule,) = yaml.safe_load(render("prometheus-adapter")[0]["data"]["config.yaml"])["rules"]
+    assert hpa["metrics"][0]["pods"]["metric"]["name"] == rule["name"]["as"]
+    assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300, "no pod removed mid-burst"
+
+
+@pytest.mark.server
+def test_ports_probes_and_metrics_are_what_a_live_server_has(triton_server):
+    c = container()
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    defaults = launch.parser().parse_args([])      # what the container's command leaves to the launcher
+    assert (ports["http"], ports["grpc"], ports["metrics"]) == (defaults.http_port, defaults.grpc_port,
+                                                                defaults.metrics_port)
+    assert f"--openai-port={ports['openai']}" in c["command"]
+    # Readiness: the probe's own command, pointed at the live server, passes; at a port with no server, fails.
+    for probe in ("startupProbe", "readinessProbe"):
+        cmd = c[probe]["exec"]["command"]
+        assert cmd[cmd.index("--url") + 1] == f"localhost:{ports['http']}"
+        live = [sys.executable if a == "python3" else a for a in cmd]
+        live[cmd.index("--url") + 1] = triton_server.http_url
+        assert subprocess.run(live, capture_output=True, timeout=60).returncode == 0
+        dead = list(live)
+        dead[cmd.index("--url") + 1] = f"localhost:{free_ports(1)[0]}"
+        assert subprocess.run(dead, capture_output=True, timeout=60).returncode == 1
+        assert c[probe]["timeoutSeconds"] > float(cmd[cmd.index("--timeout") + 1])
+    path = c["livenessProbe"]["httpGet"]["path"]
+    with urllib.request.urlopen(f"http://{triton_server.http_url}{path}", timeout=10) as r:
+        assert r.status == 200
+    # The series the adapter's rule selects is exported, per model, by the server's metrics endpoint.
+    (rule,) = yaml.safe_load(render("prometheus-adapter")[0]["data"]["config.yaml"])["rules"]
+    series = rule["seriesQuery"].split("{")[0].strip("'")
+    assert any(s.name == series for s in metric_samples(triton_server.metrics_port))
+
+
+@pytest.mark.server
+def test_a_terminated_pod_drains_and_exits_within_its_grace_period(default_model_path, tmp_path):
+    """The container's command under a queue (llm with max_num_seqs 2, six streams), then SIGTERM, as Kubernetes
+    sends it after preStop. While requests wait in the engine, Triton's queue metric for llm shows no wait (why the
+    autoscaler reads vllm:num_requests_waiting instead); after SIGTERM every stream ends, the running ones with
+    finish_reason abort, and the launcher with its server and front door exits in under half the grace period left
+    after preStop."""
+    pod = base()["Deployment"]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    pre_stop = float(c["lifecycle"]["preStop"]["exec"]["command"][-1])
+    budget = pod["terminationGracePeriodSeconds"] - pre_stop
+    repo = private_repository(os.path.join(REPO, "model_repository"), str(tmp_path / "repo"),
+                              {"llm": {"max_num_seqs": "2"}}, model_dir=default_model_path)
+    http, grpc, metrics, openai = free_ports(4)
+    cmd = [sys.executable if a == "python3" else a for a in c["command"]]
+    cmd = [a for a in cmd if not a.startswith(("--model-repository=", "--openai-port="))]
+    cmd += [f"--model-repository={repo}", f"--http-port={http}", f"--grpc-port={grpc}",
+            f"--metrics-port={metrics}", f"--openai-port={openai}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while generate_probe(f"localhost:{http}", timeout=10) is not None:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            time.sleep(1)
+        ends: dict[int, str] = {}
+
+        def stream(i):
+            try:
+                with LLMClient(f"localhost:{grpc}") as client:
+                    for chunk in client.stream_chunks("The Python language", max_tokens=4000, ignore_eos=True):
+                        if chunk.final:
+                            ends[i] = chunk.finish_reason
+            except Exception as e:     # a request still waiting when the server stops may end in an error
+                ends[i] = f"error: {e}"
+        readers = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+        for r in readers:
+            r.start()
+
+        def llm_samples():
+            return {s.name: s.value for s in metric_samples(metrics)
+                    if s.labels.get("model") == "llm" or s.name.startswith("vllm:")}
+        deadline = time.monotonic() + 120
+        while llm_samples().get("vllm:num_requests_waiting", 0) < 4:
+            assert time.monotonic() < deadline, "the requests never queued"
+            time.sleep(0.2)
+        time.sleep(3)
+        seen = llm_samples()
+        assert seen["vllm:num_requests_waiting"] >= 4 and seen["vllm:num_requests_running"] == 2
+        queued_us = seen.get("nv_inference_queue_duration_us", 0.0)
+        print(f"4 requests waiting in the engine for 3 s; Triton's llm queue time so far: {queued_us:.0f} us")
+        assert queued_us < 100_000, "Triton's queue metric does see the engine's queue after all"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=budget)
+        took = time.monotonic() - t0
+        for r in readers:
+            r.join(10)
+            assert not r.is_alive(), "a stream outlived the server"
+        assert sorted(ends) == list(range(6)) and list(ends.values()).count("abort") >= 2, ends
+        assert took < budget / 2, f"exit took {took:.1f} s of the {budget:.0f} s the pod has after preStop"
+        print(f"SIGTERM to exit: {took:.1f} s (grace left after preStop: {budget:.0f} s); streams: {ends}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

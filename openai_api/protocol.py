@@ -16,6 +16,10 @@ from trellm_backend.triton import fields
 
 # OpenAI keys accepted and ignored (they change nothing this server does), and keys refused with a reason.
 IGNORED = {"user", "service_tier", "store", "metadata", "modalities", "reasoning_effort", "verbosity"}
+# Keys a router in front adds to every body it forwards (SGLang's router: README, "Routing across replicas"),
+# accepted at the value this server behaves as anyway and refused by name at any other.
+AT_DEFAULT = {"skip_special_tokens": True, "no_stop_trim": False, "return_hidden_states": False,
+              "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True}
 MAX_TOP_LOGPROBS = 20          # OpenAI's own limit
 OPENAI_ONLY = {"model", "prompt", "messages", "stream", "stream_options", "max_completion_tokens", "echo",
                "logprobs", "top_logprobs", "response_format"}
@@ -101,8 +105,11 @@ def parse(body, chat: bool) -> Generation:
     for key, why in UNSUPPORTED.items():
         if body.get(key) not in (None, False, [], {}):
             raise invalid(why, key)
+    for key, value in AT_DEFAULT.items():
+        if key in body and body[key] is not value:
+            raise invalid(f"{key}={json.dumps(body[key])} is not supported; only {json.dumps(value)}", key)
     unknown = sorted(k for k in body if k not in OPENAI_ONLY and k not in IGNORED and k not in fields.BY_JSON
-                     and k not in UNSUPPORTED)
+                     and k not in UNSUPPORTED and k not in AT_DEFAULT)
     if unknown:
         raise invalid(f"unknown parameter(s) {', '.join(unknown)}", unknown[0])
     sampling = {k: v for k, v in body.items() if k in fields.BY_JSON and k not in ("logprobs",)}

@@ -48,6 +48,15 @@ if [ ! -x "$LOCUST_VENV/bin/locust" ]; then
   "$LOCUST_VENV/bin/python" -m pip install -q "locust==2.47.0" "tritonclient[grpc]==2.51.0" "numpy<2"
 fi
 
+# SGLang's router (perf/bench_routing.py, tests/test_deploy.py: cache-aware routing in front of replicas' OpenAI front
+# doors): a Rust binary with a Python launcher, in its own environment since it pins its own web stack.
+ROUTER_VENV=${ROUTER_VENV:-.venv-router}
+if [ ! -x "$ROUTER_VENV/bin/python" ] || ! "$ROUTER_VENV/bin/python" -c "import sglang_router" 2>/dev/null; then
+  echo "[setup] installing sglang-router into $ROUTER_VENV"
+  [ -x "$ROUTER_VENV/bin/python" ] || "$PY" -m venv "$ROUTER_VENV"
+  "$ROUTER_VENV/bin/python" -m pip install -q "sglang-router==0.3.2"
+fi
+
 # genai-perf (perf/genai_perf.sh, tests/test_genai_perf.py): installed by default, WITH_GENAI_PERF=0 opts out (about
 # 1 GB, a minute). Its own environment, since it pulls numpy 2, pandas 3 and plotting stacks; with numpy<2 and
 # pandas<3 pinned it runs against tritonclient 2.51's perf_analyzer (the one in .venv), and transformers/tokenizers

@@ -4,6 +4,7 @@ and HTTP through the balancer, and still answering after one replica is stopped.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import shutil
@@ -204,3 +205,21 @@ def test_streams_through_the_balancer_and_survive_a_stopped_replica(topology, de
             assert grpc_text(lb_grpc, p) == want[p]
             assert http_stream_text(lb_http, p) == want[p]
     assert ensemble_requests(replicas[1]) == served[1] + 4 * len(PROMPTS)
+
+
+def test_a_cache_aware_router_in_front_of_two_replicas(default_model_path, tmp_path):
+    """SGLang's router (the .venv-router environment) forwards OpenAI requests to two replicas' front doors, with
+    each of its policies: perf/bench_routing.py on a small workload answers every request, round-robin splits them
+    evenly, and the engines' prefix-cache counters are read from both replicas."""
+    out = tmp_path / "routing"
+    run = subprocess.run([os.path.join(REPO, ".venv", "bin", "python"), os.path.join(REPO, "perf", "bench_routing.py"),
+                          "--model-dir", default_model_path, "--tenants", "4", "--requests", "16", "--concurrency", "4",
+                          "--prefix-tokens", "384", "--kv-prefixes", "3", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "cache_aware / round_robin: hit rate" in run.stdout
+    results = json.loads((out / "routing.json").read_text())["results"]
+    assert results["round_robin"]["requests_per_replica"] == [8, 8]
+    assert sum(results["cache_aware"]["requests_per_replica"]) == 16
+    for r in results.values():
+        assert 0 < r["hit_rate"] <= 1 and 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]

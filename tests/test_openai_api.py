@@ -306,6 +306,17 @@ def test_openai_bodies_map_to_the_field_table():
     assert chat.messages == [{"role": "user", "content": "ab"}] and chat.params["logprobs"] == 2
 
 
+def test_keys_a_router_adds_are_taken_at_the_value_this_server_behaves_as():
+    """SGLang's router adds its own keys to every body it forwards: at their defaults they change nothing here and
+    pass; another value would, and is refused by name."""
+    routed = {"model": "m", "prompt": "p", "skip_special_tokens": True, "no_stop_trim": False,
+              "return_hidden_states": False}
+    assert protocol.parse(routed, chat=False).prompt == "p"
+    with pytest.raises(protocol.APIError) as e:
+        protocol.parse({**routed, "no_stop_trim": True}, chat=False)
+    assert e.value.param == "no_stop_trim" and "no_stop_trim=true is not supported; only false" in e.value.message
+
+
 def test_a_failure_after_the_answer_began_is_an_error_event_or_a_500():
     """The server fails a request after its first response (its model process died): a stream, whose headers are
     out, gets the error as an event and still ends with [DONE]; a whole answer gets a 500 in OpenAI's shape."""

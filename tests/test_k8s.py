@@ -23,6 +23,10 @@ from trellm_client.client import LLMClient
 
 K8S = os.path.join(REPO, "deploy", "k8s")
 KUBERNETES_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0"]
+# The gauges the Gateway API Inference Extension's endpoint picker reads of a vLLM-like model server (its
+# model-server protocol). Its LoRA gauge, vllm:lora_requests_info, appears once adapters are declared
+# (tests/test_metrics_reporter.py checks its labels).
+EPP_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
 
 def render(folder: str) -> list[dict]:
@@ -82,6 +86,18 @@ def test_the_pieces_name_each_other():
     assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300, "no pod removed mid-burst"
 
 
+@pytest.mark.unit
+def test_the_inference_pool_selects_the_pods_and_their_openai_port():
+    """The InferencePool (its CRD is the extension's, not the API server's, so no schema here) picks ../base's pods
+    and sends to their OpenAI front door."""
+    (pool,) = render("inference-extension")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["kind"] == "InferencePool"
+    pod = base()["Deployment"]["spec"]["template"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    ports = {p["name"]: p["containerPort"] for p in container()["ports"]}
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [ports["openai"]]
+
+
 @pytest.mark.server
 def test_ports_probes_and_metrics_are_what_a_live_server_has(triton_server):
     c = container()
@@ -107,7 +123,11 @@ def test_ports_probes_and_metrics_are_what_a_live_server_has(triton_server):
     # The series the adapter's rule selects is exported, per model, by the server's metrics endpoint.
     (rule,) = yaml.safe_load(render("prometheus-adapter")[0]["data"]["config.yaml"])["rules"]
     series = rule["seriesQuery"].split("{")[0].strip("'")
-    assert any(s.name == series for s in metric_samples(triton_server.metrics_port))
+    samples = metric_samples(triton_server.metrics_port)
+    assert any(s.name == series for s in samples)
+    # And what the inference extension's endpoint picker reads.
+    names = {s.name for s in samples}
+    assert set(EPP_GAUGES) <= names, set(EPP_GAUGES) - names
 
 
 @pytest.mark.server

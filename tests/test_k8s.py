@@ -3,6 +3,7 @@ API schemas of Kubernetes 1.29-1.32, and what they rely on (ports, probe command
 autoscaler reads, the drain's timing) is what a live server does."""
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -195,3 +196,63 @@ def test_a_terminated_pod_drains_and_exits_within_its_grace_period(default_model
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def hpa_desired(current: int, per_pod: float, spec: dict, tolerance: float = 0.1) -> int:
+    """The replica count Kubernetes' HPA asks for (its documented algorithm) with one Pods metric at an AverageValue
+    target: ceil(current * value / target), unchanged within the tolerance, at most the scale-up policy's pods more
+    than now, within min and max."""
+    target = float(spec["metrics"][0]["pods"]["target"]["averageValue"])
+    ratio = per_pod / target
+    if abs(ratio - 1) <= tolerance:
+        return current
+    want = math.ceil(current * ratio)
+    if want > current:
+        want = min(want, current + max(p["value"] for p in spec["behavior"]["scaleUp"]["policies"]))
+    return max(spec["minReplicas"], min(spec["maxReplicas"], want))
+
+
+@pytest.mark.server
+def test_the_autoscaler_asks_for_more_replicas_as_the_queue_grows(default_model_path, tmp_path):
+    """One replica (llm running 2 sequences at a time) under a rising load of 2, 6 and 14 streams: its
+    vllm:num_requests_waiting series, averaged as the adapter's rule does, fed to the HPA's arithmetic with
+    hpa.yaml's target and policies, asks for 1, 1 (4 waiting is the target itself) and 3 replicas (12 waiting is
+    three replicas' worth, within the scale-up policy's two more)."""
+    from trellm_backend.tools.launch import TritonServer
+    spec = base()["HorizontalPodAutoscaler"]["spec"]
+    repo = private_repository(os.path.join(REPO, "model_repository"), str(tmp_path / "repo"),
+                              {"llm": {"max_num_seqs": "2"}}, model_dir=default_model_path)
+    server = TritonServer(repo, *free_ports(3), log_path=str(tmp_path / "server.log")).start()
+    stop = threading.Event()
+
+    def stream():
+        with LLMClient(server.grpc_url) as client:
+            for _ in client.stream_chunks("The Python language", max_tokens=1900, ignore_eos=True):
+                if stop.is_set():
+                    return
+    readers = []
+    try:
+        asked = []
+        for streams in (2, 6, 14):
+            while len(readers) < streams:
+                readers.append(threading.Thread(target=stream, daemon=True))
+                readers[-1].start()
+            deadline = time.monotonic() + 60
+            while waiting(server) < streams - 4:
+                assert time.monotonic() < deadline, f"{streams} streams never queued"
+                time.sleep(0.1)
+            series = []
+            for _ in range(20):          # the rule's mean over its window, here 2 s of samples
+                series.append(waiting(server))
+                time.sleep(0.1)
+            asked.append(hpa_desired(1, sum(series) / len(series), spec))
+        assert asked == [1, 1, 3], asked
+    finally:
+        stop.set()
+        server.stop()
+        for r in readers:
+            r.join(30)
+
+
+def waiting(server) -> float:
+    return sum(s.value for s in metric_samples(server.metrics_port) if s.name == "vllm:num_requests_waiting")

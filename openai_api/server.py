@@ -95,27 +95,33 @@ class FrontDoor:
                 continue
             models[m["name"]] = (m["name"], None)
             for step in steps:
-                inputs = (await self.triton.get_model_config(step, as_json=True))["config"].get("input", [])
-                if any(i["name"] == "lora_control" for i in inputs):
-                    adapters += [(m["name"], name) for name in await self.step_adapters(step)]
+                step_config = (await self.triton.get_model_config(step, as_json=True))["config"]
+                if any(i["name"] == "lora_control" for i in step_config.get("input", [])):
+                    adapters += [(m["name"], name) for name in await self.step_adapters(step, step_config)]
         taken = Counter(name for _, name in adapters)
         for ensemble, name in adapters:
             models[name if taken[name] == 1 and name not in models else f"{ensemble}:{name}"] = (ensemble, name)
         self._models = (time.monotonic(), models)
         return models
 
-    async def step_adapters(self, step: str) -> list[str]:
-        """The adapters engine step `step` serves now, as its answer to an empty LoRA control request."""
+    async def step_adapters(self, step: str, config: dict) -> list[str]:
+        """The adapters engine step `step` serves now, as its answer to an empty LoRA control request; if it gives
+        none within 10 s, those its `config` declares (`lora_adapters`), so one slow step never holds up the list."""
         from tritonclient.grpc import aio
 
         async def ask():
             yield {"model_name": step, "inputs": [infer_input(aio, "lora_control", np.array([[b"{}"]], dtype=object))]}
-        answers = []
-        async for result, error in self.triton.stream_infer(ask()):
-            if error is not None:
-                raise APIError(500, f"{step} did not list its LoRA adapters: {error}")
-            answers.append(json.loads(result.as_numpy("text_output").reshape(-1)[0])["adapters"])
-        return answers[0]
+        try:
+            answers = []
+            async for result, error in self.triton.stream_infer(ask(), stream_timeout=10):
+                if error is not None:
+                    raise error
+                answers.append(json.loads(result.as_numpy("text_output").reshape(-1)[0])["adapters"])
+            return answers[0]
+        except Exception as e:     # an error, a timeout, or no answer at all
+            log.warning("%s did not list its LoRA adapters (%s): listing those it declares", step, e)
+            table = config.get("parameters", {}).get("lora_adapters", {}).get("string_value", "")
+            return list(json.loads(table)) if table else []
 
     def client(self, model: str) -> AsyncLLMClient:
         if model not in self.clients:

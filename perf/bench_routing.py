@@ -72,6 +72,8 @@ async def one(session, url: str, prompt: str, max_tokens: int) -> float:
         async for line in r.content:
             if first is None and line.startswith(b"data: {"):
                 first = time.perf_counter() - start
+    if first is None:
+        raise RuntimeError(f"no streamed chunk from {url}")
     return first
 
 

@@ -296,7 +296,10 @@ def main(argv=None) -> int:
         print("several entry points on the same requests: prefix caching off (enable_prefix_caching=false)",
               file=sys.stderr)
     server = front_door = None
-    adapters = dict(p.split("=", 1) for p in args.lora)
+    adapters = dict(p.split("=", 1) for p in args.lora if "=" in p)
+    if len(adapters) != len(args.lora):
+        print("--lora takes NAME=FOLDER", file=sys.stderr)
+        return 2
     if adapters and args.start_server:
         args.llm_param.append("lora_adapters=" + json.dumps({n: os.path.abspath(f) for n, f in adapters.items()}))
     if args.start_server:

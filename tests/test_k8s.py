@@ -107,8 +107,8 @@ def test_ports_probes_and_metrics_are_what_a_live_server_has(triton_server):
     assert (ports["http"], ports["grpc"], ports["metrics"]) == (defaults.http_port, defaults.grpc_port,
                                                                 defaults.metrics_port)
     assert f"--openai-port={ports['openai']}" in c["command"]
-    # Readiness: the probe's own command, pointed at the live server, passes; at a port with no server, fails.
-    for probe in ("startupProbe", "readinessProbe"):
+    # Startup: the probe's own command, pointed at the live server, passes; at a port with no server, fails.
+    for probe in ("startupProbe",):
         cmd = c[probe]["exec"]["command"]
         assert cmd[cmd.index("--url") + 1] == f"localhost:{ports['http']}"
         live = [sys.executable if a == "python3" else a for a in cmd]
@@ -118,9 +118,10 @@ def test_ports_probes_and_metrics_are_what_a_live_server_has(triton_server):
         dead[cmd.index("--url") + 1] = f"localhost:{free_ports(1)[0]}"
         assert subprocess.run(dead, capture_output=True, timeout=60).returncode == 1
         assert c[probe]["timeoutSeconds"] > float(cmd[cmd.index("--timeout") + 1])
-    path = c["livenessProbe"]["httpGet"]["path"]
-    with urllib.request.urlopen(f"http://{triton_server.http_url}{path}", timeout=10) as r:
-        assert r.status == 200
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["port"] == "http"
+        with urllib.request.urlopen(f"http://{triton_server.http_url}{c[probe]['httpGet']['path']}", timeout=10) as r:
+            assert r.status == 200
     # The series the adapter's rule selects is exported, per model, by the server's metrics endpoint.
     (rule,) = yaml.safe_load(render("prometheus-adapter")[0]["data"]["config.yaml"])["rules"]
     series = rule["seriesQuery"].split("{")[0].strip("'")
@@ -152,7 +153,7 @@ def test_a_terminated_pod_drains_and_exits_within_its_grace_period(default_model
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while generate_probe(f"localhost:{http}", timeout=10) is not None:
+        while generate_probe(f"localhost:{http}", timeout=10) is not None or not listening(openai):
             assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
             time.sleep(1)
         ends: dict[int, str] = {}
@@ -165,7 +166,18 @@ def test_a_terminated_pod_drains_and_exits_within_its_grace_period(default_model
                             ends[i] = chunk.finish_reason
             except Exception as e:     # a request still waiting when the server stops may end in an error
                 ends[i] = f"error: {e}"
+        def openai_stream():
+            import httpx2 as httpx   # the HTTP client the openai SDK (pinned) brings
+            body = {"model": "ensemble", "prompt": "The Python language", "max_tokens": 1900, "ignore_eos": True,
+                    "stream": True}
+            try:
+                with httpx.stream("POST", f"http://localhost:{openai}/v1/completions", json=body, timeout=120) as r:
+                    lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+                ends["openai"] = "done" if lines and lines[-1] == "data: [DONE]" else f"cut after {lines[-1:]}"
+            except Exception as e:
+                ends["openai"] = f"error: {e}"
         readers = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+        readers.append(threading.Thread(target=openai_stream))
         for r in readers:
             r.start()
 
@@ -180,7 +192,7 @@ def test_a_terminated_pod_drains_and_exits_within_its_grace_period(default_model
         seen = llm_samples()
         assert seen["vllm:num_requests_waiting"] >= 4 and seen["vllm:num_requests_running"] == 2
         queued_us = seen.get("nv_inference_queue_duration_us", 0.0)
-        print(f"4 requests waiting in the engine for 3 s; Triton's llm queue time so far: {queued_us:.0f} us")
+        print(f"4+ requests waiting in the engine for 3 s; Triton's llm queue time so far: {queued_us:.0f} us")
         assert queued_us < 100_000, "Triton's queue metric does see the engine's queue after all"
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -189,6 +201,7 @@ def test_a_terminated_pod_drains_and_exits_within_its_grace_period(default_model
         for r in readers:
             r.join(10)
             assert not r.is_alive(), "a stream outlived the server"
+        assert ends.pop("openai") == "done", "the OpenAI stream must end with [DONE], not be cut"
         assert sorted(ends) == list(range(6)) and list(ends.values()).count("abort") >= 2, ends
         assert took < budget / 2, f"exit took {took:.1f} s of the {budget:.0f} s the pod has after preStop"
         print(f"SIGTERM to exit: {took:.1f} s (grace left after preStop: {budget:.0f} s); streams: {ends}")
@@ -256,3 +269,11 @@ def test_the_autoscaler_asks_for_more_replicas_as_the_queue_grows(default_model_
 
 def waiting(server) -> float:
     return sum(s.value for s in metric_samples(server.metrics_port) if s.name == "vllm:num_requests_waiting")
+
+
+def listening(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://localhost:{port}/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False

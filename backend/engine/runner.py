@@ -38,7 +38,8 @@ class ModelRunner:
             cpu_ops.load()   # build or load the C++ operators now, at model load, never on a request
         state = load_state_dict(model_cfg.path, self.dtype)
         self.model = LlamaModel(model_cfg, state, self.device, self.dtype, max_model_len, cfg.quantization)
-        self._lora_stacks: dict[tuple[str, ...], AdapterStack] = {}   # the adapter sets of recent steps, stacked
+        # The adapter sets of recent steps, stacked: {their ids: (the adapters, their stack)}.
+        self._lora_stacks: dict[tuple[int, ...], tuple[tuple, AdapterStack]] = {}
         self.block_size = cfg.block_size
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache, self.kv_scales = allocate_kv_cache(model_cfg, self.num_blocks, self.block_size, self.kv_dtype,
@@ -62,12 +63,15 @@ class ModelRunner:
         groups = _lora_rows(chunks, cu)
         if not groups:
             return None
-        if not use_triton(self.kv_cache):   # a CPU: grouped matmuls over each adapter's rows
+        if not use_triton(self.kv_cache):   # a CPU: each adapter's term over its rows
             return LoraStep([(adapter, step_rows(ranges, int(cu[-1]), self.device)) for adapter, ranges in groups])
         # The kernels: the step's adapters stacked (kept for the next steps with the same set) and a slot per token.
-        names = tuple(adapter.name for adapter, _ in groups)
-        stack = self._lora_stacks.pop(names, None) or stack_adapters([a for a, _ in groups], self.model_cfg)
-        self._lora_stacks[names] = stack
+        # Keyed by the adapter objects, not their names (an adapter replaced under its name is another object; the
+        # entry holds them, so their ids stay theirs).
+        adapters = tuple(a for a, _ in groups)
+        key = tuple(id(a) for a in adapters)
+        _, stack = self._lora_stacks.pop(key, None) or (adapters, stack_adapters(list(adapters), self.model_cfg))
+        self._lora_stacks[key] = (adapters, stack)
         while len(self._lora_stacks) > 4:
             self._lora_stacks.pop(next(iter(self._lora_stacks)))
         slots = torch.full((int(cu[-1]),), -1, dtype=torch.int32)
@@ -106,13 +110,14 @@ class ModelRunner:
 
 
 def _lora_rows(chunks: list[ScheduledChunk], cu: torch.Tensor) -> list[tuple[object, list[tuple[int, int]]]]:
-    """[(adapter, its requests' [start, end) rows of the flat batch)] for the chunks of LoRA requests."""
-    groups: dict[str, tuple[object, list]] = {}
+    """[(adapter, its requests' [start, end) rows of the flat batch)] for the chunks of LoRA requests (by adapter
+    object: requests that started before an adapter was replaced under its name keep the old one)."""
+    groups: dict[int, tuple[object, list]] = {}
     bounds = cu.tolist()
     for i, c in enumerate(chunks):
         adapter = c.adapter
         if adapter is not None:
-            groups.setdefault(adapter.name, (adapter, []))[1].append((bounds[i], bounds[i + 1]))
+            groups.setdefault(id(adapter), (adapter, []))[1].append((bounds[i], bounds[i + 1]))
     return list(groups.values())
 
 

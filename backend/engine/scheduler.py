@@ -190,7 +190,7 @@ class Scheduler:
         if any(c.adapter is not None for c in out.chunks):
             # Each adapter's chunks side by side (the base's first): its tokens are then one slice of the step's
             # batch, which its LoRA term reads and writes in place (models/lora.py).
-            out.chunks.sort(key=lambda c: "" if c.adapter is None else "+" + c.adapter.name)
+            out.chunks.sort(key=lambda c: ("", 0) if c.adapter is None else ("+" + c.adapter.name, id(c.adapter)))
         return out
 
     def _add_drafts(self, out: SchedulerOutput, planned: list[Request], budget: int) -> None:

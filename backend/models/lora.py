@@ -294,9 +294,9 @@ def stack_adapters(adapters: list[LoraAdapter], cfg: ModelConfig) -> AdapterStac
 @dataclass
 class LoraStep:
     """The adapters of one step. On a CPU, `groups`: each adapter with the flat-batch rows of its requests' tokens
-    (None for all of them, a slice when they are one run, else an index tensor), run as grouped matmuls. With the
-    kernels (a GPU), `stack` and `slots` instead: every adapter's matrices stacked and each token's slot in them
-    (-1: none)."""
+    (None for all of them, a slice when they are one run, else an index tensor), each adapter's term added over its
+    rows (kernels/lora.py's lora_add). With the kernels (a GPU), `stack` and `slots` instead: every adapter's
+    matrices stacked and each token's slot in them (-1: none)."""
     groups: list[tuple[LoraAdapter, slice | torch.Tensor | None]] = field(default_factory=list)
     stack: AdapterStack | None = None
     slots: torch.Tensor | None = None

@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         if front_door is not None:
+            server.drain(30.0)    # the front door still relays its streams' ends (abort) while the engines drain
             stop_front_door(front_door)
         server.stop()
 

@@ -73,6 +73,7 @@ class FrontDoor:
         self.metrics = Metrics()
         self.model_repository = model_repository
         self._models: tuple[float, dict[str, tuple[str, str | None]]] = (0.0, {})
+        self._models_lock = asyncio.Lock()     # one refresh at a time: requests arriving meanwhile wait for it
         self._tokenizers: dict[str, object] = {}
 
     # -- models ------------------------------------------------------------------------------------------------
@@ -84,6 +85,13 @@ class FrontDoor:
         at, models = self._models
         if time.monotonic() - at < 1.0:
             return models
+        async with self._models_lock:
+            at, models = self._models
+            if time.monotonic() - at < 1.0:     # refreshed while this one waited
+                return models
+            return await self._refresh_models()
+
+    async def _refresh_models(self) -> dict[str, tuple[str, str | None]]:
         index = await self.triton.get_model_repository_index(as_json=True)
         models, adapters = {}, []
         for m in index.get("models", []):

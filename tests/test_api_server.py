@@ -14,7 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from trellm_client.client import LLMClient, http_generate, vllm_inputs
-from trellm_backend.tools.testbed import metric_samples
+from trellm_backend.tools.testbed import metric_sum
 
 pytestmark = pytest.mark.server
 
@@ -252,8 +252,7 @@ def test_perf_analyzer_exports_exact_values_for_switched_on_outputs(triton_serve
 
 
 def _metric(server, name, **labels) -> float:
-    return sum(s.value for s in metric_samples(server.metrics_port, timeout=10)
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return metric_sum(server.metrics_port, name, timeout=10, **labels)
 
 
 def test_vllm_model_client_cancel_aborts_the_generation(triton_server):

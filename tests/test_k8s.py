@@ -19,7 +19,7 @@ import yaml
 from conftest import REPO, free_ports
 from trellm_backend.tools import launch
 from trellm_backend.tools.healthcheck import generate_probe
-from trellm_backend.tools.testbed import metric_samples, private_repository
+from trellm_backend.tools.testbed import metric_samples, metric_sum, private_repository
 from trellm_client.client import LLMClient
 
 K8S = os.path.join(REPO, "deploy", "k8s")
@@ -272,7 +272,7 @@ def test_the_autoscaler_asks_for_more_replicas_as_the_queue_grows(default_model_
 
 
 def waiting(server) -> float:
-    return sum(s.value for s in metric_samples(server.metrics_port) if s.name == "vllm:num_requests_waiting")
+    return metric_sum(server.metrics_port, "vllm:num_requests_waiting")
 
 
 def listening(port: int) -> bool:

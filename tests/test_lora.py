@@ -193,8 +193,8 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
             client = grpcclient.InferenceServerClient(server.grpc_url)
             answers = []
             client.start_stream(callback=lambda result, error: answers.append((result, error)))
-            client.async_stream_infer("llm", [infer_input(grpcclient, "lora_control",
-                                                          np.array([[json.dumps(command).encode()]], dtype=np.object_))])
+            text = np.array([[json.dumps(command).encode()]], dtype=np.object_)
+            client.async_stream_infer("llm", [infer_input(grpcclient, "lora_control", text)])
             client.stop_stream()
             client.close()
             result, error = answers[0]

@@ -1,5 +1,5 @@
 """Speculative decoding's proposers: cheap guesses of a sequence's next tokens, which the target model then checks
-in one forward pass (the scheduler appends them to a decode chunk; the scheduler's `verify` keeps the longest prefix the target
+in one forward pass (the scheduler appends them to a decode chunk; its `verify` keeps the longest prefix the target
 agrees with). A guess never changes the output, only how many tokens a step yields.
 
 A proposer sees every chunk of every step it is asked about, so one that keeps state of its own (a draft model's

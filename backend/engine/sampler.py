@@ -8,10 +8,10 @@ its own tokens, so its output does not depend on which other requests share the 
 log-softmax of the final processed logits, computed only for the rows that asked.
 
 Speculative decoding needs nothing else here: each guessed position is sampled as it would be without guesses,
-and verification (scheduler.verify) keeps a guess only if the sampled token equals it. For a guess proposed with certainty (a point
-mass q, which both proposers give) that is exactly the standard rejection rule: the guess is accepted with
-probability p(guess) = min(1, p/q), and a rejected one is replaced by a draw from p without the guess,
-renormalised, i.e. from (p - q)+ normalised. Greedy and seeded outputs are therefore the same token for token with
+and verification (scheduler.verify) keeps a guess only if the sampled token equals it. For a guess proposed with
+certainty (a point mass q, which both proposers give) that is exactly the standard rejection rule: the guess is
+accepted with probability p(guess) = min(1, p/q), and a rejected one is replaced by a draw from p without the
+guess, renormalised, i.e. from (p - q)+ normalised. Greedy and seeded outputs are therefore the same token for token with
 speculation on or off.
 """
 from __future__ import annotations

@@ -68,6 +68,12 @@ def metric_samples(metrics: int | str, timeout: float = 5.0) -> list[Sample]:
             for name, labels, value in SAMPLE.findall(text)]
 
 
+def metric_sum(metrics: int | str, name: str, timeout: float = 5.0, **labels: str) -> float:
+    """The sum of `name`'s samples that carry `labels` (all of them when none is given) on a metrics endpoint."""
+    return sum(s.value for s in metric_samples(metrics, timeout)
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
 def command_line(pid: int) -> bytes:
     """The process's arguments, each ended by a NUL (b"" once it is gone)."""
     try:

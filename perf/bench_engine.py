@@ -104,10 +104,10 @@ def split_anchor_steps(engine: LLMEngine, model_dir: str, by_op: bool = False):
     op_seconds: dict[tuple[str, str], float] = defaultdict(float)
     kind = ["decode"]
 
-    def timed(plan):
+    def timed(plan, *rest):
         kind[0] = "prefill" if sum(c.num_new_tokens for c in plan.chunks) > len(plan.chunks) else "decode"
         t = time.perf_counter()
-        r = execute(plan)
+        r = execute(plan, *rest)
         k = kinds[kind[0]]
         k[0], k[1], k[2] = k[0] + 1, k[1] + time.perf_counter() - t, k[2] + len(plan.chunks)
         return r

@@ -63,9 +63,12 @@ class Metrics:
 
 
 class FrontDoor:
-    def __init__(self, triton_url: str, keys_file: str | None = None, model_repository: str | None = None):
+    def __init__(self, triton_url: str, keys_file: str | None = None, model_repository: str | None = None,
+                 triton_metrics_url: str | None = None):
         import tritonclient.grpc.aio as aio
         self.triton_url = triton_url
+        self.triton_metrics_url = triton_metrics_url
+        self._http: object | None = None        # the aiohttp session that reads triton_metrics_url, made on first use
         self.triton = aio.InferenceServerClient(triton_url)
         self.clients: dict[str, AsyncLLMClient] = {}
         self.keys = KeyStore(keys_file)
@@ -75,6 +78,25 @@ class FrontDoor:
         self._models: tuple[float, dict[str, tuple[str, str | None]]] = (0.0, {})
         self._models_lock = asyncio.Lock()     # one refresh at a time: requests arriving meanwhile wait for it
         self._tokenizers: dict[str, object] = {}
+
+    async def triton_metrics(self) -> str:
+        """tritonserver's metrics text (the engine's vllm:* gauges among them), so that /metrics on this port holds
+        what vLLM's API port does: an endpoint picker scrapes the port it routes to. A comment when unreachable."""
+        if not self.triton_metrics_url:
+            return ""
+        import aiohttp
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
+        try:
+            async with self._http.get(self.triton_metrics_url) as r:
+                r.raise_for_status()
+                return await r.text()
+        except Exception as e:   # noqa: BLE001 - the front door's own counters are still worth answering
+            return f"# tritonserver's metrics at {self.triton_metrics_url} are unavailable: {e!r}\n"
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
 
     # -- models ------------------------------------------------------------------------------------------------
     async def models(self) -> dict[str, tuple[str, str | None]]:
@@ -376,7 +398,7 @@ def make_app(door: FrontDoor) -> web.Application:
         return web.json_response({"status": "ok" if ready else "unavailable"}, status=200 if ready else 503)
 
     async def metrics(request):
-        return web.Response(text=door.metrics.text(), content_type="text/plain")
+        return web.Response(text=door.metrics.text() + await door.triton_metrics(), content_type="text/plain")
 
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors])
     app.router.add_post("/v1/completions", completions)
@@ -384,6 +406,7 @@ def make_app(door: FrontDoor) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.on_cleanup.append(lambda _: door.close())
     return app
 
 
@@ -403,6 +426,8 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--keys-file", default=os.environ.get("TRELLM_API_KEYS_FILE"),
                     help="API keys and their limits (openai_api/keys.py); without one the front door is open")
+    ap.add_argument("--triton-metrics-url", default="http://localhost:8002/metrics",
+                    help="tritonserver's metrics, appended to this server's /metrics ('' for none)")
     ap.add_argument("--model-repository", default=default_repository(),
                     help="the repository tritonserver serves (where model_path parameters are relative to)")
     args = ap.parse_args(argv)
@@ -411,7 +436,7 @@ def main(argv=None) -> int:
         KeyStore(args.keys_file)   # a malformed file stops the start, naming the line
 
     async def run():
-        door = FrontDoor(args.triton_url, args.keys_file, args.model_repository)
+        door = FrontDoor(args.triton_url, args.keys_file, args.model_repository, args.triton_metrics_url)
         runner = await serve(door, args.host, args.port)
         print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 "
               f"({'keys from ' + args.keys_file if args.keys_file else 'open: no keys file'})", flush=True)

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from conftest import REPO, free_ports
+from trellm_backend.engine.limits import DEFAULT_BLOCK_SIZE
 from trellm_backend.tools import launch
 from trellm_backend.tools.healthcheck import generate_probe
 from trellm_backend.tools.testbed import metric_samples, metric_sum, private_repository
@@ -24,10 +25,11 @@ from trellm_client.client import LLMClient
 
 K8S = os.path.join(REPO, "deploy", "k8s")
 KUBERNETES_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0"]
-# The gauges the Gateway API Inference Extension's endpoint picker reads of a vLLM-like model server (its
-# model-server protocol). Its LoRA gauge, vllm:lora_requests_info, appears once adapters are declared
-# (tests/test_metrics_reporter.py checks its labels).
-EPP_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+# The gauges the endpoint picker (deploy/k8s/inference-extension/epp.yaml) reads of a vLLM-like model server: its
+# core-metrics-extractor's "vllm" engine. Its LoRA gauge, vllm:lora_requests_info, appears once adapters are
+# declared (tests/test_metrics_reporter.py checks its labels).
+EPP_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+              "vllm:cache_config_info")
 
 
 def render(folder: str) -> list[dict]:
@@ -45,12 +47,27 @@ def container() -> dict:
     return base()["Deployment"]["spec"]["template"]["spec"]["containers"][0]
 
 
+def inference_extension() -> dict[str, dict]:
+    """The endpoint picker's objects by kind, without the InferencePool (returned by `inference_pool`)."""
+    return {d["kind"]: d for d in render("inference-extension") if d["kind"] != "InferencePool"}
+
+
+def inference_pool() -> dict:
+    (pool,) = [d for d in render("inference-extension") if d["kind"] == "InferencePool"]
+    return pool
+
+
+def epp_config() -> dict:
+    return yaml.safe_load(inference_extension()["ConfigMap"]["data"]["epp-config.yaml"])
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_manifests_render_and_validate_against_the_kubernetes_api(version):
-    docs = render("base") + render("prometheus-adapter")
+    """Every object but the InferencePool, whose schema is the extension's CRD, not the API server's."""
+    docs = render("base") + render("prometheus-adapter") + list(inference_extension().values())
     assert {d["kind"] for d in docs} == {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
-                                         "ConfigMap"}
+                                         "ConfigMap", "ServiceAccount", "Role", "RoleBinding"}
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)   # raises naming the field
 
@@ -88,15 +105,46 @@ def test_the_pieces_name_each_other():
 
 
 @pytest.mark.unit
-def test_the_inference_pool_selects_the_pods_and_their_openai_port():
-    """The InferencePool (its CRD is the extension's, not the API server's, so no schema here) picks ../base's pods
-    and sends to their OpenAI front door."""
-    (pool,) = render("inference-extension")
+def test_the_inference_pool_and_its_endpoint_picker_name_each_other():
+    """The InferencePool picks ../base's pods and sends to their OpenAI front door; it asks the EPP's Service on the
+    port the EPP serves; the EPP runs under the account its Role is bound to, reads the config file its ConfigMap
+    mounts, and scrapes each pod's /metrics on the pool's port (the front door, which relays Triton's)."""
+    pool, epp = inference_pool(), inference_extension()
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["kind"] == "InferencePool"
     pod = base()["Deployment"]["spec"]["template"]
     assert pool["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     ports = {p["name"]: p["containerPort"] for p in container()["ports"]}
     assert [p["number"] for p in pool["spec"]["targetPorts"]] == [ports["openai"]]
+
+    spec = epp["Deployment"]["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    args = dict(zip(c["args"][::2], c["args"][1::2]))   # the flag-value pairs lead, the --flag=value ones follow
+    assert args["--pool-name"] == pool["metadata"]["name"]
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref["name"] == epp["Service"]["metadata"]["name"]
+    (grpc,) = [p for p in epp["Service"]["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    epp_ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert epp_ports[grpc["targetPort"]] == int(args["--grpc-port"])
+    assert epp["Service"]["spec"]["selector"].items() <= epp["Deployment"]["spec"]["template"]["metadata"][
+        "labels"].items()
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["grpc"]["port"] == int(args["--grpc-health-port"]) == epp_ports["grpc-health"]
+    (mount,) = c["volumeMounts"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["configMap"]["name"] == epp["ConfigMap"]["metadata"]["name"]
+    assert args["--config-file"] == f"{mount['mountPath']}/epp-config.yaml"
+    assert spec["serviceAccountName"] == epp["ServiceAccount"]["metadata"]["name"]
+    binding = epp["RoleBinding"]
+    assert binding["subjects"][0]["name"] == spec["serviceAccountName"]
+    assert binding["roleRef"]["name"] == epp["Role"]["metadata"]["name"]
+    assert any("inferencepools" in r["resources"] for r in epp["Role"]["rules"])
+
+    config = epp_config()
+    plugins = {p["type"]: p.get("parameters", {}) for p in config["plugins"]}
+    assert plugins["metrics-data-source"]["path"] == "/metrics" and "port" not in plugins["metrics-data-source"]
+    assert "defaultEngine" not in plugins["core-metrics-extractor"], "the vllm names (EPP_GAUGES) are the default"
+    profile = {p["pluginRef"] for p in config["schedulingProfiles"][0]["plugins"]}
+    assert {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"} <= profile <= set(plugins)
 
 
 @pytest.mark.server
@@ -127,9 +175,21 @@ def test_ports_probes_and_metrics_are_what_a_live_server_has(triton_server):
     series = rule["seriesQuery"].split("{")[0].strip("'")
     samples = metric_samples(triton_server.metrics_port)
     assert any(s.name == series for s in samples)
-    # And what the inference extension's endpoint picker reads.
-    names = {s.name for s in samples}
+    # And what the endpoint picker reads, on the port it scrapes: the front door's /metrics, which relays Triton's.
+    # The prefix scorer hashes prompts in the block size it reads there.
+    port = free_ports(1)[0]
+    front_door = launch.start_front_door(triton_server, port, None)
+    try:
+        path = {p["type"]: p for p in epp_config()["plugins"]}["metrics-data-source"]["parameters"]["path"]
+        relayed = metric_samples(f"http://127.0.0.1:{port}{path}")
+    finally:
+        launch.stop_front_door(front_door)
+    names = {s.name for s in relayed}
     assert set(EPP_GAUGES) <= names, set(EPP_GAUGES) - names
+    (info,) = [s for s in relayed if s.name == "vllm:cache_config_info" and s.labels["model"] == "llm"]
+    assert info.value == 1 and info.labels["block_size"] == str(DEFAULT_BLOCK_SIZE["cpu"])   # the repository's 0
+    (blocks,) = [s for s in relayed if s.name == "trellm:kv_cache_total_blocks" and s.labels["model"] == "llm"]
+    assert int(info.labels["num_gpu_blocks"]) == blocks.value > 0
 
 
 @pytest.mark.server

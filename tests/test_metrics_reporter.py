@@ -38,12 +38,16 @@ class FakePbUtils:
     MetricFamily = FakeMetricFamily
 
 
+CACHE_CONFIG = {"block_size": "128", "num_gpu_blocks": "512", "cache_dtype": "auto", "enable_prefix_caching": "True"}
+
+
 def test_gauges_and_counters_follow_the_snapshot():
     reporter = MetricsReporter(FakePbUtils, {"model": "llm"}, interval_s=3600)   # updated by hand below
     m = FakeMetricFamily.created
     stats = [SchedulerStats(2, 3, 10, 40, 1, 8, 4)]
-    reporter.start(lambda: stats[0])
+    reporter.start(lambda: stats[0], CACHE_CONFIG)
     reporter.update()
+    assert m[("vllm:cache_config_info", None)].value == 1
     assert m[("vllm:num_requests_running", None)].value == 2 and m[("vllm:num_requests_waiting", None)].value == 3
     assert m[("vllm:kv_cache_usage_perc", None)].value == 0.25 and m[("trellm:kv_cache_total_blocks", None)].value == 40
     stats[0] = SchedulerStats(0, 0, 0, 40, 3, 12, 9)
@@ -68,7 +72,7 @@ def test_speculative_decoding_counters_follow_the_snapshot():
     m = FakeMetricFamily.created
     stats = [SchedulerStats(spec_num_drafts=2, spec_num_draft_tokens=8, spec_num_accepted_tokens=5,
                             spec_accepted_per_pos=(2, 2, 1, 0))]
-    reporter.start(lambda: stats[0])
+    reporter.start(lambda: stats[0], CACHE_CONFIG)
     reporter.update()
     stats[0] = SchedulerStats(spec_num_drafts=3, spec_num_draft_tokens=12, spec_num_accepted_tokens=8,
                               spec_accepted_per_pos=(3, 3, 1, 1))
@@ -84,7 +88,7 @@ def test_structured_output_counters_follow_the_snapshot():
     reporter = MetricsReporter(FakePbUtils, {"model": "llm"}, interval_s=3600)
     m = FakeMetricFamily.created
     stats = [SchedulerStats(grammar_compile_requests=3, grammar_cache_hits=1, grammar_compile_s=0.5)]
-    reporter.start(lambda: stats[0])
+    reporter.start(lambda: stats[0], CACHE_CONFIG)
     reporter.update()
     stats[0] = SchedulerStats(grammar_compile_requests=5, grammar_cache_hits=3, grammar_compile_s=0.75,
                               grammar_mask_s=0.01, grammar_mask_steps=4)
@@ -108,7 +112,7 @@ def test_lora_gauge_names_the_running_and_waiting_adapters():
     FakeMetricFamily.Metric = spy
     try:
         stats = [SchedulerStats()]
-        reporter.start(lambda: stats[0])
+        reporter.start(lambda: stats[0], CACHE_CONFIG)
         reporter.update()
         assert made == [], "no series for a model without adapters"
         stats[0] = SchedulerStats(max_loras=4, running_loras=("chat", "sql"), waiting_loras=("sql",), lora_loads=2,

@@ -335,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
 def start_front_door(server: "TritonServer", port: int, keys_file: str | None) -> subprocess.Popen:
     """The OpenAI front door as a child process, talking to `server` over gRPC; returns once it listens."""
     cmd = [sys.executable, "-m", "trellm_openai", "--triton-url", server.grpc_url, "--port", str(port),
+           "--triton-metrics-url", f"http://localhost:{server.metrics_port}/metrics",
            "--model-repository", server.model_repository]
     if keys_file:
         cmd += ["--keys-file", keys_file]

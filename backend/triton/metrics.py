@@ -68,6 +68,9 @@ SNAPSHOT_COUNTERS = {"vllm:num_preemptions_total": "num_preemptions",
 # vLLM's LoRA gauge: its labels say which adapters run and wait (comma lists) and max_lora; its value is the time
 # of the sample. One series at a time: a new label set replaces the previous one.
 LORA_INFO = "vllm:lora_requests_info"
+# vLLM's cache-configuration gauge: value 1, the settings as labels. An endpoint picker (Gateway API Inference
+# Extension) reads block_size and num_gpu_blocks from it to hash prompts in this server's block size.
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
 GAUGES = {
     "vllm:num_requests_running": "Requests in the running batch",
     "vllm:num_requests_waiting": "Requests waiting to be scheduled",
@@ -76,6 +79,13 @@ GAUGES = {
     "trellm:kv_cache_total_blocks": "KV cache blocks in the pool",
 }
 FINISH_REASONS = ("stop", "length", "abort")
+
+
+def cache_config_labels(engine) -> dict[str, str]:
+    """vllm:cache_config_info's labels for an LLMEngine, under vLLM's names."""
+    c = engine.config
+    return {"block_size": str(c.block_size), "num_gpu_blocks": str(engine.kv.num_blocks),
+            "cache_dtype": c.kv_cache_dtype, "enable_prefix_caching": str(c.enable_prefix_caching)}
 
 
 class MetricsReporter:
@@ -106,6 +116,7 @@ class MetricsReporter:
         self._labels = labels
         self._lora_family = family(LORA_INFO, "Running and waiting LoRA adapters (labels); the sample's time", kind.GAUGE)
         self._lora_info: tuple[tuple, object] | None = None    # (its label values, the series)
+        self._cache_family = family(CACHE_CONFIG_INFO, "KV cache settings (labels); always 1", kind.GAUGE)
         self._reported = dict.fromkeys(SNAPSHOT_COUNTERS, 0)
         self._reported_per_pos: list[int] = []
         self._stats: Callable[[], SchedulerStats] | None = None
@@ -116,9 +127,12 @@ class MetricsReporter:
         """A finished request's output, to be recorded by the reporter thread (safe on the stepping thread)."""
         self._finished.put(out)
 
-    def start(self, stats: Callable[[], SchedulerStats]) -> None:
-        """Report from now on, sampling the gauges from `stats()` (EngineLoop.stats)."""
+    def start(self, stats: Callable[[], SchedulerStats], cache_config: dict[str, str]) -> None:
+        """Report from now on, sampling the gauges from `stats()` (EngineLoop.stats); `cache_config` (label:
+        value, vLLM's names) is published once as vllm:cache_config_info."""
         self._stats = stats
+        self._cache_config = self._cache_family.Metric(labels={**self._labels, **cache_config})
+        self._cache_config.set(1)
         self._thread.start()
 
     def stop(self) -> None:

@@ -18,7 +18,7 @@ from trellm_backend.engine.loop import DuplicateClientId, EngineLoop, QueueFull
 from trellm_backend.triton.checks import serving_config
 from trellm_backend.triton.fields import auto_complete_llm_inputs, llm_tensor_names
 from trellm_backend.triton.llm import ResponsePlan, apply_lora_control, fan_out, parse_llm_inputs
-from trellm_backend.triton.metrics import MetricsReporter
+from trellm_backend.triton.metrics import MetricsReporter, cache_config_labels
 from trellm_backend.triton.parameters import model_parameters
 from trellm_backend.triton.responses import ResponseGroup, SequenceSink, fail, is_stop_request, lora_control
 from trellm_backend.triton.shutdown import watch_server_shutdown
@@ -54,7 +54,7 @@ class TritonPythonModel:
             # compute's gaps (cores.py).
             yield_process(os.getppid(), with_children=True)
         if self.metrics is not None:
-            self.metrics.start(self.loop.stats)
+            self.metrics.start(self.loop.stats, cache_config_labels(self.engine))
         self.keys = itertools.count(1)
         # On the server's stop: refuse new requests, end those in flight (finish_reason abort) within the grace.
         self.serving = threading.Event()

@@ -25,6 +25,7 @@ take (outputs not a multiple of 16).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,11 @@ class Weight:
     def int8_rows(self) -> torch.Tensor:
         """qweight as [out, in] rows (a copy when it is held packed)."""
         return self.qweight if self.qweight.dim() == 2 else unpack_blocks(self.qweight)
+
+    def tensor_device(self) -> torch.device:
+        held = self.dense if self.dense is not None else self.prepared if self.prepared is not None else \
+            self.packed if self.packed is not None else self.qweight if self.qweight is not None else self.int4.packed
+        return held.device
 
     def tensor(self) -> torch.Tensor:
         """The weight as a dense [out, in] tensor (a copy when only the prepared or quantized form is held)."""
@@ -119,6 +125,28 @@ def linear_reference(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = Non
     return torch.nn.functional.linear(x, w.tensor(), bias)
 
 
+# torch's bf16 and fp16 `linear` on a CPU below AVX-512 (AVX2: no bf16 or fp16 dot products, no AMX) multiplies one
+# token row at a time, so from 4 tokens it is faster to widen the weight to fp32 for the call and run fp32's GEMM:
+# 5x at 48 tokens, 8x at 512 (perf/RESULTS.md, "bf16 on an AVX2 CPU"). Below 4, reading half the bytes wins.
+HALF_AS_FP32_FROM_TOKENS = 4
+
+
+@functools.cache
+def half_gemm_is_row_by_row() -> bool:
+    """Whether this CPU is one where torch's bf16/fp16 GEMM goes row by row (measured on AVX2; AVX-512 hosts, with
+    or without their bf16 instructions, keep torch's path)."""
+    return torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2")
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's linear on a dense weight, except for bf16/fp16 calls of 4+ tokens on such a CPU: those run in fp32
+    (the weight's values widen exactly; the sum is fp32 as in torch's half GEMM, then rounded once)."""
+    if (x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and half_gemm_is_row_by_row()
+            and x.numel() >= HALF_AS_FP32_FROM_TOKENS * x.shape[-1]):
+        return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] -> [..., out]."""
     if w.int4 is not None:
@@ -129,7 +157,40 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return fp32_linear(x, w.packed, bias)
     if w.prepared is not None:
         return torch.ops.mkldnn._linear_pointwise(x, w.prepared, bias, "none", [], "")
-    return linear_reference(x, w, bias)
+    return dense_linear(x, w.dense, bias)
+
+
+def linear_path(w: Weight) -> str:
+    """Which implementation `linear` runs for `w`, in words, for the load log: the same tests in the same order."""
+    device = w.tensor_device()
+    ops = cpu_ops.for_tensor(torch.empty(0, device=device))
+    cuda = device.type == "cuda" or dispatch.settings().force_triton
+    if w.int4 is not None:
+        if cuda:
+            return "INT4 Triton kernel"
+        if w.int4.cpu_scales_zeros is not None:
+            return "INT4 torch _weight_int4pack_mm_for_cpu (bf16 activations)"
+        return "INT4 dequantized, then torch linear"   # in the activations' dtype, which only the call knows
+    if w.qweight is not None:
+        if cuda:
+            return "INT8 Triton kernel"
+        if ops is None or w.qweight.dim() != 3:
+            return f"INT8 dequantized, then {dense_path(w.scales.dtype)}"
+        return "INT8 C++ (AVX-512)" if ops.avx512 else \
+            f"INT8 C++ (AVX2), dequantized + torch linear float32 from {DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512} tokens"
+    if w.packed is not None:
+        return "fp32 C++ (AVX-512)"
+    if w.prepared is not None:
+        return f"oneDNN {str(w.prepared.dtype).removeprefix('torch.')}"
+    return f"torch linear {str(w.dense.dtype).removeprefix('torch.')} (cuBLAS)" if cuda else dense_path(w.dense.dtype)
+
+
+def dense_path(dtype: torch.dtype) -> str:
+    """dense_linear's choice for weights of `dtype`, in words."""
+    name = str(dtype).removeprefix("torch.")
+    if dtype in (torch.bfloat16, torch.float16) and half_gemm_is_row_by_row():
+        return f"torch linear {name}, in float32 from {HALF_AS_FP32_FROM_TOKENS} tokens"
+    return f"torch linear {name}"
 
 
 def fp32_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -154,14 +215,14 @@ def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
     ops = cpu_ops.for_tensor(x)
     x2 = x.reshape(-1, x.shape[-1])
     if ops is not None and not ops.avx512 and x2.shape[0] >= DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512:
-        return linear_reference(x, w, bias)
+        return dense_linear(x, w.tensor(), bias)
     if ops is not None and w.qweight.dim() == 3 and x.dtype == torch.float32:
         x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], w.scales.shape[0], dtype=x.dtype)
         ops.int8_linear(y, x2, w.qweight, w.scales)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
-    return linear_reference(x, w, bias)
+    return dense_linear(x, w.tensor(), bias)
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -178,4 +239,4 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
         y = torch._weight_int4pack_mm_for_cpu(x2, w.packed, w.group, w.cpu_scales_zeros).to(x.dtype)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
-    return torch.nn.functional.linear(x, w.stored_tensor().to(x.dtype), bias)
+    return dense_linear(x, w.stored_tensor().to(x.dtype), bias)

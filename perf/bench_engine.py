@@ -41,6 +41,8 @@ def main():
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool size (default: the engine's)")
     ap.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
     ap.add_argument("--quantization", default=None, help="the llm parameter: none, int8, int4, int4-g64 or int4-g32 (default: the engine's)")
+    ap.add_argument("--dtype", default=None, help="the llm parameter: auto, float32, float16 or bfloat16 (default: "
+                    "the engine's, float32 on a CPU)")
     ap.add_argument("--kv-cache-dtype", default=None, help="the llm parameter: auto, int8 or fp8_e4m3 (default: the "
                     "engine's, auto)")
     ap.add_argument("--profile-step", action="store_true", help="profile one decode step of the whole batch")
@@ -49,7 +51,8 @@ def main():
     args = ap.parse_args()
 
     extra = {k: v for k, v in (("kv_cache_bytes", args.kv_cache_bytes), ("block_size", args.block_size),
-                               ("quantization", args.quantization), ("kv_cache_dtype", args.kv_cache_dtype))
+                               ("quantization", args.quantization), ("kv_cache_dtype", args.kv_cache_dtype),
+                               ("dtype", args.dtype))
              if v is not None}
     engine = LLMEngine(EngineConfig(model_path=args.model, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens, **extra))

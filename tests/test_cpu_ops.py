@@ -331,6 +331,60 @@ def test_linear_prepared_weight(monkeypatch, mode, dtype, out_f, kernel_settings
             assert torch.equal(linear.linear(x[i:i + 1], prepared, b), together[i:i + 1])
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("out_f", [64, 40])     # whole 32-output blocks of the C++ operators, and not
+def test_the_logged_linear_path_is_the_one_linear_runs(monkeypatch, quantization, dtype, out_f):
+    """The load log's line per linear layer (linear_path) names the implementation `linear` calls for a decode
+    step's token, on whatever this host supports: each candidate is spied on and exactly the named one runs."""
+    real, called = _cpu_ops(), []
+
+    class Spy:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(real, name)
+
+    def spy(owner, name, label):
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, **k: called.append(label) or original(*a, **k))
+    monkeypatch.setattr(cpu_ops, "_module", Spy())
+    spy(torch.ops.mkldnn, "_linear_pointwise", "oneDNN")
+    spy(torch, "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm")
+    spy(torch.nn.functional, "linear", "torch linear")
+    g = torch.Generator().manual_seed(3)
+    w = linear.prepare_weight(randn(g, out_f, 256, dtype=dtype), quantization)
+    head = linear.linear_path(w).split(",")[0]   # AVX2's INT8 line goes on to say where longer chunks change path
+    called.clear()
+    linear.linear(randn(g, 1, 256, dtype=dtype), w)
+    ran = [c for c in called if c in ("fp32_linear", "int8_linear", "oneDNN", "_weight_int4pack_mm", "torch linear")]
+    named = {"fp32 C++": "fp32_linear", "INT8 C++": "int8_linear", "oneDNN": "oneDNN",
+             "_weight_int4pack_mm": "_weight_int4pack_mm", "dequantized": "torch linear", "torch linear": "torch linear"}
+    assert ran == [op for words, op in named.items() if words in head][:1], (head, ran)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("row_by_row", [True, False])
+def test_half_linear_runs_in_fp32_from_four_tokens_where_torchs_half_gemm_goes_row_by_row(monkeypatch, dtype,
+                                                                                            row_by_row):
+    """On a CPU where torch's bf16/fp16 GEMM goes row by row (AVX2), a call of 4+ tokens widens to fp32 (what
+    linear_path logs); elsewhere every call stays in the half type. Either way the answer is torch's."""
+    monkeypatch.setattr(linear, "half_gemm_is_row_by_row", lambda: row_by_row)
+    seen = []
+    original = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: seen.append(x.dtype) or original(x, *a))
+    g = torch.Generator().manual_seed(5)
+    w, b = randn(g, 48, 96, dtype=dtype), randn(g, 48, dtype=dtype)
+    prepared = linear.prepare_weight(w)
+    assert ("in float32 from 4 tokens" in linear.linear_path(prepared)) == row_by_row
+    for tokens in (1, 3, 4, 48):
+        x = randn(g, tokens, 96, dtype=dtype)
+        seen.clear()
+        got = linear.linear(x, prepared, b)
+        assert seen == [F32 if row_by_row and tokens >= linear.HALF_AS_FP32_FROM_TOKENS else dtype]
+        assert got.dtype == dtype
+        close(got, original(x, w, b))
+
+
 def test_kernel_settings_are_checked_where_they_are_read():
     with pytest.raises(ValueError, match="TRELLM_CPU_LINEAR='mkl'"):
         dispatch.KernelSettings.from_env({"TRELLM_CPU_LINEAR": "mkl"})

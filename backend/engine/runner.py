@@ -38,6 +38,7 @@ class ModelRunner:
             cpu_ops.load()   # build or load the C++ operators now, at model load, never on a request
         state = load_state_dict(model_cfg.path, self.dtype)
         self.model = LlamaModel(model_cfg, state, self.device, self.dtype, max_model_len, cfg.quantization)
+        log.info("linear layers: %s", self.model.linear_paths())
         # The adapter sets of recent steps, stacked: {their ids: (the adapters, their stack)}.
         self._lora_stacks: dict[tuple[int, ...], tuple[tuple, AdapterStack]] = {}
         self.block_size = cfg.block_size

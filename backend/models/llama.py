@@ -6,6 +6,7 @@ q/k/v and gate/up are merged into one matrix each, so a layer costs four matmuls
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ from trellm_backend.models.weights import Checkpoint
 from trellm_kernels.activation import silu_and_mul
 from trellm_kernels.attention import paged_attention
 from trellm_kernels.kv_cache import write_kv
-from trellm_kernels.linear import Weight, linear, prepare_weight
+from trellm_kernels.linear import Weight, linear, linear_path, prepare_weight
 from trellm_kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from trellm_kernels.rotary import apply_rotary
 
@@ -91,6 +92,18 @@ class LlamaModel:
         self.scale = cfg.head_dim ** -0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def linear_paths(self) -> str:
+        """Which implementation each linear layer runs, e.g. "qkv, o, gate_up, down: fp32 C++ (AVX-512); lm_head:
+        oneDNN float32" (logged at load, so that a host's paths show without a profile)."""
+        counts = Counter((site, linear_path(getattr(layer, site)))
+                         for layer in self.layers for site in ("qkv", "o", "gate_up", "down"))
+        by_path: dict[tuple[str, int], list[str]] = {}
+        for (site, path), n in counts.items():
+            by_path.setdefault((path, n), []).append(site)
+        parts = [f"{', '.join(sites)}{'' if n == len(self.layers) else f' in {n} of {len(self.layers)} layers'}: {path}"
+                 for (path, n), sites in by_path.items()]
+        return "; ".join(parts + [f"lm_head: {linear_path(self.lm_head)}"])
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                 logits_indices: torch.Tensor, kv_scales: torch.Tensor | None = None,

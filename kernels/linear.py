@@ -9,12 +9,12 @@ outputs are a multiple of its 32-output blocks; other fp32 weights take oneDNN. 
 On CUDA, `linear` is cuBLAS and the weight is used as it is.
 TRELLM_CPU_LINEAR chooses on a CPU: `cpp` (the default, as just said), `onednn`, or `torch` (torch's own path).
 
-Weight-only INT8 (`quantization="int8"`): each output row of W is scaled by its largest magnitude / 127 and rounded
-to int8 at load, so a decode step reads a quarter of the fp32 bytes. The reference dequantizes and multiplies; CUDA
-runs the Triton kernel (triton_linear.py); a CPU the C++ operator (cpu/int8_linear.cpp) on fp32 activations, with the
-weights packed in blocks of 32 outputs at load. (torch's own `_weight_int8pack_mm` was slower than fp32 oneDNN
-even for one token, perf/RESULTS.md, "Weight-only INT8 on a CPU"; its bf16 form crashed on rows not a multiple of
-its vector.)
+Weight-only INT8 (`quantization="int8"`): each output row of W is scaled by its largest magnitude / 127 and rounded to
+int8 at load, so a decode step reads a quarter of the fp32 bytes. The reference dequantizes and multiplies; CUDA runs
+the Triton kernel (triton_linear.py); a CPU the C++ operator (cpu/int8_linear.cpp), which multiplies in fp32
+(bf16/fp16 activations are widened for it), with the weights packed in blocks of 32 outputs at load. (torch's own
+`_weight_int8pack_mm` was slower than fp32 oneDNN even for one token, perf/RESULTS.md, "Weight-only INT8 on a CPU";
+its bf16 form crashed on rows not a multiple of its vector.)
 
 Weight-only INT4 (`quantization="int4"`, or "int4-g64"/"int4-g32" for smaller groups; GPTQ and AWQ checkpoints):
 group-wise with zero points (int4.py says why and how it is laid out). CUDA runs the Triton kernel
@@ -61,12 +61,16 @@ class Weight:
             self.packed if self.packed is not None else self.qweight if self.qweight is not None else self.int4.packed
         return held.device
 
+    def int8_fp32(self) -> torch.Tensor:
+        """An INT8 weight dequantized in fp32 (not rounded to the activations' dtype)."""
+        return self.int8_rows().to(torch.float32) * self.scales.to(torch.float32)[:, None]
+
     def tensor(self) -> torch.Tensor:
         """The weight as a dense [out, in] tensor (a copy when only the prepared or quantized form is held)."""
         if self.int4 is not None:
             return self.int4.tensor()
         if self.qweight is not None:
-            return (self.int8_rows().to(torch.float32) * self.scales.to(torch.float32)[:, None]).to(self.scales.dtype)
+            return self.int8_fp32().to(self.scales.dtype)
         if self.packed is not None:
             return unpack_blocks(self.packed)
         return self.dense if self.dense is not None else self.prepared.to_dense()
@@ -91,7 +95,7 @@ def quantize_int8(w: torch.Tensor) -> Weight:
     amax = w.detach().float().abs().amax(dim=1)
     scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w.float() / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-    if w.device.type == "cpu" and w.dtype == torch.float32 and q.shape[0] % CPU_BLOCK == 0:
+    if w.device.type == "cpu" and q.shape[0] % CPU_BLOCK == 0:
         q = pack_blocks(q)
     return Weight(None, qweight=q, scales=scales.to(w.dtype).contiguous())
 
@@ -214,15 +218,17 @@ def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
         return int8_linear_triton(x, w.int8_rows(), w.scales, bias)
     ops = cpu_ops.for_tensor(x)
     x2 = x.reshape(-1, x.shape[-1])
-    if ops is not None and not ops.avx512 and x2.shape[0] >= DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512:
+    if ops is None or w.qweight.dim() != 3:
         return dense_linear(x, w.tensor(), bias)
-    if ops is not None and w.qweight.dim() == 3 and x.dtype == torch.float32:
-        x2 = x2.contiguous()
-        y = torch.empty(x2.shape[0], w.scales.shape[0], dtype=x.dtype)
-        ops.int8_linear(y, x2, w.qweight, w.scales)
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
-        return y if bias is None else y + bias
-    return dense_linear(x, w.tensor(), bias)
+    if not ops.avx512 and x2.shape[0] >= DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512:   # one fp32 GEMM, any activations
+        return torch.nn.functional.linear(x.float(), w.int8_fp32(), None if bias is None else bias.float()).to(x.dtype)
+    # The operator multiplies in fp32: bf16/fp16 activations are widened for it, and the bias is added before the
+    # result is rounded back to their dtype.
+    y = torch.empty(x2.shape[0], w.scales.shape[0], dtype=torch.float32)
+    ops.int8_linear(y, x2.float().contiguous(), w.qweight, w.scales.float())
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -288,15 +288,17 @@ def test_cpu_quantized_write_kv_operator_matches_the_reference_bit_for_bit(cache
         cache_dtype, kvh, d, bs, dtype)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("tokens, out_f, in_f", [(1, 96, 80), (7, 96, 80), (33, 256, 1408), (33, 64, 8)])
-def test_cpu_int8_linear_packs_for_the_driver_and_rows_do_not_depend_on_their_batch(tokens, out_f, in_f):
-    """fp32 INT8 weights on a CPU are packed in the C++ driver's blocks, and a token's result does not depend on
-    what shares the call. (The values against the dequantizing reference: test_kernels.py.)"""
+def test_cpu_int8_linear_packs_for_the_driver_and_rows_do_not_depend_on_their_batch(tokens, out_f, in_f, dtype):
+    """INT8 weights on a CPU are packed in the C++ driver's blocks (bf16 models too: the operator widens their
+    activations), and a token's result does not depend on what shares the call. (The values against the
+    dequantizing reference: test_kernels.py.)"""
     g = torch.Generator().manual_seed(1)
-    q = linear.prepare_weight(randn(g, out_f, in_f, dtype=F32), "int8")
-    assert q.qweight.dim() == 3, "fp32 CPU weights are packed for the C++ operator"
+    q = linear.prepare_weight(randn(g, out_f, in_f, dtype=dtype), "int8")
+    assert q.qweight.dim() == 3, "CPU weights are packed for the C++ operator"
     assert q.qweight.shape[2] == linear.CPU_BLOCK == _cpu_ops().linear_block, "the packing is the driver's"
-    x = randn(g, tokens, in_f, dtype=F32)
+    x = randn(g, tokens, in_f, dtype=dtype)
     together = linear.linear(x, q)
     for i in range(tokens):
         assert torch.equal(linear.linear(x[i:i + 1], q), together[i:i + 1])

@@ -600,7 +600,7 @@ def test_int8_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype,
     for bias in (None, b):
         expected = torch.nn.functional.linear(x.float(), w32, None if bias is None else bias.float())
         near(triton_linear.int8_linear_triton(x, q.int8_rows(), q.scales, bias), expected)
-        near(linear.linear(x, q, bias), expected)      # the C++ operator for packed fp32, else the reference
+        near(linear.linear(x, q, bias), expected)      # the C++ operator for packed rows, else the reference
 
 
 def test_quantization_is_checked():

@@ -5,7 +5,8 @@ oneDNN's matmul (`mkldnn._linear_pointwise`, what torch.compile's CPU freezing p
 slower for large prefill chunks (perf/RESULTS.md, "Linear layers"). Faster still at decode sizes, where the
 weights stream from memory every step, is the C++ operator (cpu/fp32_linear.cpp: faster than oneDNN up to 48 tokens,
 level above; perf/RESULTS.md, "fp32 linear layers on AVX-512: a C++ operator"), on AVX-512 builds for weights whose
-outputs are a multiple of its 32-output blocks; other fp32 weights take oneDNN. bf16 `linear` already runs oneDNN.
+outputs are a multiple of its 32-output blocks; other fp32 weights take oneDNN. bf16 and fp16 weights stay dense for
+torch's `linear`, except where its half GEMM goes row by row (`dense_linear`).
 On CUDA, `linear` is cuBLAS and the weight is used as it is.
 TRELLM_CPU_LINEAR chooses on a CPU: `cpp` (the default, as just said), `onednn`, or `torch` (torch's own path).
 

@@ -130,26 +130,41 @@ def linear_reference(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = Non
     return torch.nn.functional.linear(x, w.tensor(), bias)
 
 
-# torch's bf16 and fp16 `linear` on a CPU below AVX-512 (AVX2: no bf16 or fp16 dot products, no AMX) multiplies one
-# token row at a time, so from 4 tokens it is faster to widen the weight to fp32 for the call and run fp32's GEMM:
-# 5x at 48 tokens, 8x at 512 (perf/RESULTS.md, "bf16 on an AVX2 CPU"). Below 4, reading half the bytes wins.
+# torch's bf16 and fp16 `linear` on a CPU where oneDNN has no path for the type (x86 below AVX-512 and without
+# AVX-NE-CONVERT: no bf16 or fp16 dot products) multiplies one token row at a time, so from 4 tokens it is faster to
+# widen the weight to fp32 for the call and run fp32's GEMM: 5x at 48 tokens, 8x at 512 (perf/RESULTS.md, "bf16 on an
+# AVX2 CPU"). Below 4, reading half the bytes wins. The widened copy is made WIDEN_ROWS output rows at a time, so
+# that a large LM head (128k x 4096: 2 GiB in fp32) needs 32 MiB of scratch, not a second copy of itself.
 HALF_AS_FP32_FROM_TOKENS = 4
+WIDEN_ELEMENTS = 8 << 20
 
 
 @functools.cache
-def half_gemm_is_row_by_row() -> bool:
-    """Whether this CPU is one where torch's bf16/fp16 GEMM goes row by row (measured on AVX2; AVX-512 hosts, with
-    or without their bf16 instructions, keep torch's path)."""
-    return torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2")
+def half_gemm_is_row_by_row(dtype: torch.dtype) -> bool:
+    """Whether torch's CPU GEMM in `dtype` (bf16 or fp16) goes row by row here: oneDNN, which torch uses for them
+    where it can, cannot (measured on AVX2; elsewhere torch's path is kept)."""
+    supported = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+                 torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}.get(dtype)
+    return supported is not None and not (torch.backends.mkldnn.is_available() and supported())
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """torch's linear on a dense weight, except for bf16/fp16 calls of 4+ tokens on such a CPU: those run in fp32
-    (the weight's values widen exactly; the sum is fp32 as in torch's half GEMM, then rounded once)."""
-    if (x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and half_gemm_is_row_by_row()
-            and x.numel() >= HALF_AS_FP32_FROM_TOKENS * x.shape[-1]):
-        return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    return torch.nn.functional.linear(x, weight, bias)
+    """torch's linear on a dense weight (any float dtype: it is rounded to x's when they differ), except for calls of
+    4+ bf16/fp16 tokens on a CPU where that GEMM goes row by row: those multiply in fp32 (the sum is fp32 as in
+    torch's half GEMM, rounded once), the weight widened a slice of output rows at a time."""
+    tokens = x.numel() // x.shape[-1]
+    if x.device.type != "cpu" or tokens < HALF_AS_FP32_FROM_TOKENS or not half_gemm_is_row_by_row(x.dtype):
+        return torch.nn.functional.linear(x, weight.to(x.dtype), bias)
+    xf, n = x.float(), weight.shape[0]
+    rows = max(1, WIDEN_ELEMENTS // weight.shape[1])
+    if rows >= n:
+        return torch.nn.functional.linear(xf, weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    for r in range(0, n, rows):
+        part = torch.nn.functional.linear(xf, weight[r:r + rows].float(),
+                                          None if bias is None else bias[r:r + rows].float())
+        y[..., r:r + rows] = part
+    return y
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,15 +184,15 @@ def linear_path(w: Weight) -> str:
     """Which implementation `linear` runs for `w`, in words, for the load log: the same tests in the same order."""
     device = w.tensor_device()
     ops = cpu_ops.for_tensor(torch.empty(0, device=device))
-    cuda = device.type == "cuda" or dispatch.settings().force_triton
+    triton = device.type == "cuda" or dispatch.settings().force_triton   # as use_triton decides for the call
     if w.int4 is not None:
-        if cuda:
+        if triton:
             return "INT4 Triton kernel"
         if w.int4.cpu_scales_zeros is not None:
             return "INT4 torch _weight_int4pack_mm_for_cpu (bf16 activations)"
-        return "INT4 dequantized, then torch linear"   # in the activations' dtype, which only the call knows
+        return f"INT4 dequantized, then {dense_path(w.int4.scales.dtype)}"
     if w.qweight is not None:
-        if cuda:
+        if triton:
             return "INT8 Triton kernel"
         if ops is None or w.qweight.dim() != 3:
             return f"INT8 dequantized, then {dense_path(w.scales.dtype)}"
@@ -186,16 +201,19 @@ def linear_path(w: Weight) -> str:
     if w.packed is not None:
         return "fp32 C++ (AVX-512)"
     if w.prepared is not None:
-        return f"oneDNN {str(w.prepared.dtype).removeprefix('torch.')}"
-    return f"torch linear {str(w.dense.dtype).removeprefix('torch.')} (cuBLAS)" if cuda else dense_path(w.dense.dtype)
+        return f"oneDNN {dtype_name(w.prepared.dtype)}"
+    return f"torch linear {dtype_name(w.dense.dtype)} (cuBLAS)" if device.type == "cuda" else dense_path(w.dense.dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def dense_path(dtype: torch.dtype) -> str:
-    """dense_linear's choice for weights of `dtype`, in words."""
-    name = str(dtype).removeprefix("torch.")
-    if dtype in (torch.bfloat16, torch.float16) and half_gemm_is_row_by_row():
-        return f"torch linear {name}, in float32 from {HALF_AS_FP32_FROM_TOKENS} tokens"
-    return f"torch linear {name}"
+    """dense_linear's choice on a CPU for activations of `dtype`, in words."""
+    if half_gemm_is_row_by_row(dtype):
+        return f"torch linear {dtype_name(dtype)}, in float32 from {HALF_AS_FP32_FROM_TOKENS} tokens"
+    return f"torch linear {dtype_name(dtype)}"
 
 
 def fp32_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -220,8 +238,8 @@ def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
     ops = cpu_ops.for_tensor(x)
     x2 = x.reshape(-1, x.shape[-1])
     if ops is None or w.qweight.dim() != 3:
-        return dense_linear(x, w.tensor(), bias)
-    if not ops.avx512 and x2.shape[0] >= DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512:   # one fp32 GEMM, any activations
+        return dense_linear(x, w.int8_fp32(), bias)
+    if not ops.avx512 and x2.shape[0] >= DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512:   # one fp32 GEMM
         return torch.nn.functional.linear(x.float(), w.int8_fp32(), None if bias is None else bias.float()).to(x.dtype)
     # The operator multiplies in fp32: bf16/fp16 activations are widened for it, and the bias is added before the
     # result is rounded back to their dtype.
@@ -246,4 +264,4 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
         y = torch._weight_int4pack_mm_for_cpu(x2, w.packed, w.group, w.cpu_scales_zeros).to(x.dtype)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
-    return dense_linear(x, w.stored_tensor().to(x.dtype), bias)
+    return dense_linear(x, w.stored_tensor(), bias)

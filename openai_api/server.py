@@ -40,7 +40,7 @@ def _nests_within(obj, limit: int) -> bool:
 
 
 class Metrics:
-    """The front door's own counters, per key name, in Prometheus' text format (the engine's stay on Triton's)."""
+    """The front door's own counters, per key name, in Prometheus' text format (/metrics appends Triton's)."""
 
     def __init__(self):
         self.requests = Counter()        # (key, endpoint, status)

@@ -2,6 +2,7 @@
 dispatch that chooses them. Unlike the Triton kernels' tests (test_kernels.py), these need no interpreter: they run
 in any session on a host with g++ and ninja (CI has both: a missing build is a failure, not a skip)."""
 import os
+import re
 import subprocess
 import sys
 
@@ -338,7 +339,8 @@ def test_linear_prepared_weight(monkeypatch, mode, dtype, out_f, kernel_settings
 @pytest.mark.parametrize("out_f", [64, 40])     # whole 32-output blocks of the C++ operators, and not
 def test_the_logged_linear_path_is_the_one_linear_runs(monkeypatch, quantization, dtype, out_f):
     """The load log's line per linear layer (linear_path) names the implementation `linear` calls for a decode
-    step's token, on whatever this host supports: each candidate is spied on and exactly the named one runs."""
+    step's token, on whatever this host supports: each candidate is spied on and exactly the named one runs; where
+    the line names a token count from which the call changes path, that many tokens run torch's linear in fp32."""
     real, called = _cpu_ops(), []
 
     class Spy:
@@ -348,32 +350,43 @@ def test_the_logged_linear_path_is_the_one_linear_runs(monkeypatch, quantization
 
     def spy(owner, name, label):
         original = getattr(owner, name)
-        monkeypatch.setattr(owner, name, lambda *a, **k: called.append(label) or original(*a, **k))
+        monkeypatch.setattr(owner, name, lambda *a, **k: called.append(label(a)) or original(*a, **k))
     monkeypatch.setattr(cpu_ops, "_module", Spy())
-    spy(torch.ops.mkldnn, "_linear_pointwise", "oneDNN")
-    spy(torch, "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm")
-    spy(torch.nn.functional, "linear", "torch linear")
+    spy(torch.ops.mkldnn, "_linear_pointwise", lambda a: "oneDNN")
+    spy(torch, "_weight_int4pack_mm_for_cpu", lambda a: "_weight_int4pack_mm")
+    spy(torch.nn.functional, "linear", lambda a: f"torch linear on {a[0].dtype}")
+    ops = ("fp32_linear", "int8_linear", "oneDNN", "_weight_int4pack_mm", "torch linear on")
     g = torch.Generator().manual_seed(3)
     w = linear.prepare_weight(randn(g, out_f, 256, dtype=dtype), quantization)
-    head = linear.linear_path(w).split(",")[0]   # AVX2's INT8 line goes on to say where longer chunks change path
-    called.clear()
-    linear.linear(randn(g, 1, 256, dtype=dtype), w)
-    ran = [c for c in called if c in ("fp32_linear", "int8_linear", "oneDNN", "_weight_int4pack_mm", "torch linear")]
+    path = linear.linear_path(w)
+
+    def runs(tokens):
+        called.clear()
+        linear.linear(randn(g, tokens, 256, dtype=dtype), w)
+        return [c for c in called if c.startswith(ops)]
+    torch_linear = f"torch linear on {dtype}"
     named = {"fp32 C++": "fp32_linear", "INT8 C++": "int8_linear", "oneDNN": "oneDNN",
-             "_weight_int4pack_mm": "_weight_int4pack_mm", "dequantized": "torch linear", "torch linear": "torch linear"}
-    assert ran == [op for words, op in named.items() if words in head][:1], (head, ran)
+             "_weight_int4pack_mm": "_weight_int4pack_mm", "dequantized": torch_linear, "torch linear": torch_linear}
+    head = path.split(",")[0]
+    assert runs(1) == [op for words, op in named.items() if words in head][:1], (path, called)
+    switch = re.search(r"from (\d+) tokens", path)
+    if switch:
+        assert runs(int(switch.group(1))) == [f"torch linear on {F32}"], (path, called)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])
-@pytest.mark.parametrize("row_by_row", [True, False])
-def test_half_linear_runs_in_fp32_from_four_tokens_where_torchs_half_gemm_goes_row_by_row(monkeypatch, dtype,
-                                                                                            row_by_row):
+@pytest.mark.parametrize("row_by_row, widen_rows", [(True, 48), (True, 10), (False, 48)])
+def test_half_linear_runs_in_fp32_from_four_tokens_where_torchs_half_gemm_is_slow(monkeypatch, dtype, row_by_row,
+                                                                                  widen_rows):
     """On a CPU where torch's bf16/fp16 GEMM goes row by row (AVX2), a call of 4+ tokens widens to fp32 (what
-    linear_path logs); elsewhere every call stays in the half type. Either way the answer is torch's."""
-    monkeypatch.setattr(linear, "half_gemm_is_row_by_row", lambda: row_by_row)
+    linear_path logs), a slice of `widen_rows` output rows at a time; elsewhere every call stays in the half type.
+    Either way the answer is torch's."""
+    monkeypatch.setattr(linear, "half_gemm_is_row_by_row", lambda _: row_by_row)
+    monkeypatch.setattr(linear, "WIDEN_ELEMENTS", widen_rows * 96)
     seen = []
     original = torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: seen.append(x.dtype) or original(x, *a))
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, *a: seen.append((x.dtype, w.shape[0])) or
+                        original(x, w, *a))
     g = torch.Generator().manual_seed(5)
     w, b = randn(g, 48, 96, dtype=dtype), randn(g, 48, dtype=dtype)
     prepared = linear.prepare_weight(w)
@@ -382,7 +395,10 @@ def test_half_linear_runs_in_fp32_from_four_tokens_where_torchs_half_gemm_goes_r
         x = randn(g, tokens, 96, dtype=dtype)
         seen.clear()
         got = linear.linear(x, prepared, b)
-        assert seen == [F32 if row_by_row and tokens >= linear.HALF_AS_FP32_FROM_TOKENS else dtype]
+        if row_by_row and tokens >= linear.HALF_AS_FP32_FROM_TOKENS:
+            assert seen == [(F32, min(widen_rows, 48 - r)) for r in range(0, 48, widen_rows)]
+        else:
+            assert seen == [(dtype, 48)]
         assert got.dtype == dtype
         close(got, original(x, w, b))
 

@@ -3,6 +3,7 @@ API schemas of Kubernetes 1.29-1.32, and what they rely on (ports, probe command
 autoscaler reads, the drain's timing) is what a live server does."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -32,11 +33,17 @@ EPP_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv
               "vllm:cache_config_info")
 
 
-def render(folder: str) -> list[dict]:
+@functools.cache
+def rendered(folder: str) -> str:
     out = subprocess.run(["kubectl", "kustomize", os.path.join(K8S, folder)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    return out.stdout
+
+
+def render(folder: str) -> list[dict]:
+    """The folder's objects, parsed afresh each call (a test may change its copy)."""
+    return [d for d in yaml.safe_load_all(rendered(folder)) if d]
 
 
 def base() -> dict[str, dict]:
@@ -118,7 +125,11 @@ def test_the_inference_pool_and_its_endpoint_picker_name_each_other():
 
     spec = epp["Deployment"]["spec"]["template"]["spec"]
     (c,) = spec["containers"]
-    args = dict(zip(c["args"][::2], c["args"][1::2]))   # the flag-value pairs lead, the --flag=value ones follow
+    args, rest = {}, list(c["args"])
+    while rest:     # "--flag value" or "--flag=value"
+        flag = rest.pop(0)
+        name, _, value = flag.partition("=")
+        args[name] = value if value else rest.pop(0)
     assert args["--pool-name"] == pool["metadata"]["name"]
     ref = pool["spec"]["endpointPickerRef"]
     assert ref["name"] == epp["Service"]["metadata"]["name"]

@@ -30,6 +30,7 @@ class FakeMetricFamily:
 
     def Metric(self, labels, buckets=None):
         m = FakeMetric()
+        m.labels = labels
         FakeMetricFamily.created[(self.name, labels.get("finished_reason", labels.get("position")))] = m
         return m
 
@@ -38,7 +39,8 @@ class FakePbUtils:
     MetricFamily = FakeMetricFamily
 
 
-CACHE_CONFIG = {"block_size": "128", "num_gpu_blocks": "512", "cache_dtype": "auto", "enable_prefix_caching": "True"}
+CACHE_CONFIG = {"block_size": "128", "num_gpu_blocks": "512", "cache_dtype": "auto",
+                "enable_prefix_caching": "True"}
 
 
 def test_gauges_and_counters_follow_the_snapshot():
@@ -48,6 +50,7 @@ def test_gauges_and_counters_follow_the_snapshot():
     reporter.start(lambda: stats[0], CACHE_CONFIG)
     reporter.update()
     assert m[("vllm:cache_config_info", None)].value == 1
+    assert m[("vllm:cache_config_info", None)].labels == {"model": "llm", **CACHE_CONFIG}
     assert m[("vllm:num_requests_running", None)].value == 2 and m[("vllm:num_requests_waiting", None)].value == 3
     assert m[("vllm:kv_cache_usage_perc", None)].value == 0.25 and m[("trellm:kv_cache_total_blocks", None)].value == 40
     stats[0] = SchedulerStats(0, 0, 0, 40, 3, 12, 9)

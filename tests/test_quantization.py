@@ -186,6 +186,20 @@ def test_bf16_perplexity_is_within_half_a_percent_of_float_and_int8_under_bf16_w
     assert abs(int8 / base - 1) <= 0.01, (base, int8)
 
 
+def test_the_load_log_names_each_linear_layers_path(default_model_path, caplog):
+    """One line at load says which implementation every linear layer runs (the same words as linear_path), so a
+    host's paths show without a profile. The default model's gate_up (2 x 344 outputs) fills no whole 32-output
+    block of the INT8 operator, so it is named apart from the others."""
+    from trellm_kernels.linear import linear_path
+    with caplog.at_level("INFO", logger="trellm"):
+        engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20, quantization="int8"))
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("linear layers: ")]
+    model = engine.runner.model
+    layer = model.layers[0]
+    assert f"qkv, o, down: {linear_path(layer.qkv)}; gate_up: {linear_path(layer.gate_up)}" in line, line
+    assert line.endswith(f"; lm_head: {linear_path(model.lm_head)}") and "INT8" not in linear_path(model.lm_head)
+
+
 @pytest.fixture(scope="module")
 def small_model_path():
     """A larger model made here (`default_model --size small`: 4x the default model's layer width, 6 layers,

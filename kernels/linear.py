@@ -225,10 +225,10 @@ def fp32_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 
 # The C++ INT8 operator at every token count with AVX-512: it beat dequantizing for one fp32 GEMM at every count
-# measured. With AVX2 only (16 registers: 3 tokens' sums at a time) it runs well behind fp32 from 16 tokens up,
-# and from 128 tokens dequantizing for one fp32 GEMM is faster, so prefill chunks take that path there
-# (perf/RESULTS.md, "Weight-only INT8 on a CPU" and the Zen 3 section, has the per-layer times).
-DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512 = 128
+# measured. With AVX2 only (16 registers: 3 tokens' sums at a time, the weights widened once per tile of up to 48) it
+# leads up to a few hundred tokens, and from 512 dequantizing for one fp32 GEMM is faster, so long prefill chunks
+# take that path there (perf/RESULTS.md, "INT8 with AVX2: the weights widened once per tile").
+DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512 = 512
 
 
 def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

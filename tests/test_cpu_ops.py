@@ -290,7 +290,8 @@ def test_cpu_quantized_write_kv_operator_matches_the_reference_bit_for_bit(cache
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("tokens, out_f, in_f", [(1, 96, 80), (7, 96, 80), (33, 256, 1408), (33, 64, 8)])
+@pytest.mark.parametrize("tokens, out_f, in_f", [(1, 96, 80), (7, 96, 80), (33, 256, 1408), (33, 64, 8),
+                                                 (113, 64, 200)])   # tiles of 48 and a chunk of 96; k in 64s + 8
 def test_cpu_int8_linear_packs_for_the_driver_and_rows_do_not_depend_on_their_batch(tokens, out_f, in_f, dtype):
     """INT8 weights on a CPU are packed in the C++ driver's blocks (bf16 models too: the operator widens their
     activations), and a token's result does not depend on what shares the call. (The values against the

@@ -577,7 +577,7 @@ def test_dispatch_over_a_quantized_cache_routes_to_triton_when_forced(monkeypatc
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize("tokens, out_f, in_f", [(1, 96, 80), (7, 96, 80), (33, 256, 1408), (5, 100, 130),
-                                                 (33, 64, 8)])
+                                                 (33, 64, 8), (113, 64, 200)])
 def test_int8_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype, tokens, out_f, in_f):
     g = torch.Generator().manual_seed(1)
     w, b = randn(g, out_f, in_f, dtype=dtype), randn(g, out_f, dtype=dtype)

@@ -4,7 +4,8 @@
 // the chunks of M_CHUNK tokens whose x rows stay in L2 while a thread's blocks pass over them, and the split of each
 // block's rows into tiles of nearly equal size (26 tokens make tiles of 9, 9 and 8, not 12, 12 and 2). A weight
 // type brings only its tile: `Kernel::tile<MT>(x, K, blk, next, epilogue, y, N)` computes rows [0, MT) of x times
-// one block (`next`: the block that follows, to prefetch, or null; `epilogue`: the block's bias or scales, or null).
+// one block (`next`: the block that follows, to prefetch, or null; `epilogue`: the block's bias or scales, or null),
+// for MT up to its `Kernel::MT_MAX`.
 // Each y[m, n] is summed over k in order in one lane whatever the tile, so a token's result does not depend on what
 // else is in the batch.
 #pragma once
@@ -18,7 +19,7 @@
 namespace trellm::blocked_linear {
 
 constexpr int64_t BLOCK = 32;     // outputs per packed block (kernels/linear.py's CPU_BLOCK; tests check both)
-constexpr int64_t MT_MAX = 12;    // tokens per tile: 24 accumulators + 2 weight vectors in 32 AVX-512 registers
+constexpr int64_t MT_REGISTERS = 12;  // tokens per tile held in registers: 24 accumulators + 2 weights in 32 AVX-512
 constexpr int64_t M_CHUNK = 96;   // tokens whose x rows stay in L2 while the thread's blocks pass over them
 
 template <class Kernel>
@@ -42,6 +43,7 @@ void run(const char* name, torch::Tensor y, torch::Tensor x, torch::Tensor packe
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == BLOCK, name,
               ": the weight must be packed [N/", BLOCK, ", K, ", BLOCK, "]");
   TORCH_CHECK(y.size(0) == M && y.size(1) == N, name, ": y must be [M, N]");
+  constexpr int64_t MT_MAX = Kernel::MT_MAX;
   static constexpr auto tiles = tile_table<Kernel>(std::make_index_sequence<MT_MAX>{});
   const float* xp = x.data_ptr<float>();
   const W* w = packed.data_ptr<W>();

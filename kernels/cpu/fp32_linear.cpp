@@ -17,6 +17,7 @@ using trellm::blocked_linear::BLOCK;
 
 struct Fp32Kernel {
   using Weight = float;
+  static constexpr int64_t MT_MAX = trellm::blocked_linear::MT_REGISTERS;
 
   template <int MT>
   static void tile(const float* x, int64_t K, const float* blk, const float* next, const float* bias, float* y,

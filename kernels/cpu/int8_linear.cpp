@@ -12,6 +12,7 @@
 // section's table).
 #include "blocked_linear.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "vec_math.h"
@@ -21,6 +22,8 @@ namespace {
 using trellm::blocked_linear::BLOCK;
 
 #if defined(__AVX512F__)
+constexpr int64_t TILE_TOKENS = trellm::blocked_linear::MT_REGISTERS;
+
 template <int MT>
 inline void int8_tile(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N) {
   __m512 acc0[MT], acc1[MT];
@@ -42,12 +45,20 @@ inline void int8_tile(const float* x, int64_t K, const int8_t* blk, const float*
   }
 }
 #elif defined(TRELLM_AVX2)
-// AVX2 only (16 registers): G <= 3 tokens at a time, 4 accumulators of 8 outputs each, so accumulators and the
-// block's 4 weight vectors fit; a tile of MT tokens passes over the block's weights (16 KiB at K = 512, in L1/L2)
-// once per group. The portable branch below ran well behind fp32 oneDNN on a Zen 3 (GCC moved its 16-lane sums
-// through the stack; perf/RESULTS.md, section "INT8 weights with AVX2 only").
+// AVX2 only (16 registers): G <= 3 tokens at a time, 4 accumulators of 8 outputs each plus the block's 4 weight
+// vectors. Widening the weights in that loop cost about as much as the products and ran each group's widening again,
+// so with up to 48 tokens a tile widens the block once, KC rows of k at a time into an L1 buffer, and each group of 3
+// tokens runs over the buffer (its sums kept in memory between chunks): at 48 tokens level with oneDNN's fp32 where
+// the per-group widening took 1.5x as long (perf/RESULTS.md, "INT8 with AVX2: the weights widened once per tile").
+// From 512 tokens kernels/linear.py dequantizes for one fp32 GEMM instead. The portable branch below ran well behind
+// fp32 oneDNN on a Zen 3 (GCC moved its 16-lane sums through the stack; perf/RESULTS.md, "INT8 weights with AVX2
+// only").
+constexpr int64_t KC = 64;   // k rows per widened chunk: 64 x 32 floats = 8 KiB
+
+// G tokens over the whole block, widening each k's weights in registers: for a tile of 1 to 3 tokens, where a
+// buffer would be written and read once for no reuse.
 template <int G>
-inline void group(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N) {
+inline void group_widening(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N) {
   __m256 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
@@ -68,14 +79,65 @@ inline void group(const float* x, int64_t K, const int8_t* blk, const float* s, 
       _mm256_storeu_ps(y + g * N + 8 * i, _mm256_mul_ps(acc[g][i], _mm256_loadu_ps(s + 8 * i)));
 }
 
+// G tokens over KC widened rows of k, their sums carried in `sums` from chunk to chunk.
+template <int G>
+inline void group(const float* x, int64_t K, int64_t k0, int64_t kc, const float* wf, float* sums) {
+  __m256 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + g * BLOCK + 8 * i);
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 w[4] = {_mm256_load_ps(wf + k * BLOCK), _mm256_load_ps(wf + k * BLOCK + 8),
+                         _mm256_load_ps(wf + k * BLOCK + 16), _mm256_load_ps(wf + k * BLOCK + 24)};
+    for (int g = 0; g < G; ++g) {
+      const __m256 xb = _mm256_set1_ps(x[g * K + k0 + k]);
+      for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_fmadd_ps(w[i], xb, acc[g][i]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(sums + g * BLOCK + 8 * i, acc[g][i]);
+}
+
+// A tile of up to 48 tokens: its sums live in memory between chunks anyway, so the more tokens share one widening
+// of the block, the less widening per product (at 48 tokens, once per block instead of once per 3 tokens).
+constexpr int64_t TILE_TOKENS = 48;
+
+inline void int8_tile_avx2(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N,
+                           int mt) {
+  if (mt <= 3) {
+    if (mt == 3) group_widening<3>(x, K, blk, s, y, N);
+    if (mt == 2) group_widening<2>(x, K, blk, s, y, N);
+    if (mt == 1) group_widening<1>(x, K, blk, s, y, N);
+    return;
+  }
+  alignas(32) float wf[KC * BLOCK];
+  float sums[TILE_TOKENS * BLOCK];
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    for (int64_t k = 0; k < kc; ++k) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (k0 + k) * BLOCK));
+      const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+      _mm256_store_ps(wf + k * BLOCK, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+      _mm256_store_ps(wf + k * BLOCK + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
+      _mm256_store_ps(wf + k * BLOCK + 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+      _mm256_store_ps(wf + k * BLOCK + 24, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
+    }
+    int m = 0;
+    for (; m + 3 <= mt; m += 3) group<3>(x + m * K, K, k0, kc, wf, sums + m * BLOCK);
+    if (mt - m == 2) group<2>(x + m * K, K, k0, kc, wf, sums + m * BLOCK);
+    if (mt - m == 1) group<1>(x + m * K, K, k0, kc, wf, sums + m * BLOCK);
+  }
+  for (int m = 0; m < mt; ++m)
+    for (int i = 0; i < 4; ++i)
+      _mm256_storeu_ps(y + m * N + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(sums + m * BLOCK + 8 * i),
+                                                        _mm256_loadu_ps(s + 8 * i)));
+}
+
 template <int MT>
 inline void int8_tile(const float* x, int64_t K, const int8_t* blk, const float* s, float* y, int64_t N) {
-  int m = 0;
-  for (; m + 3 <= MT; m += 3) group<3>(x + m * K, K, blk, s, y + m * N, N);
-  if (MT - m == 2) group<2>(x + m * K, K, blk, s, y + m * N, N);
-  if (MT - m == 1) group<1>(x + m * K, K, blk, s, y + m * N, N);
+  int8_tile_avx2(x, K, blk, s, y, N, MT);
 }
 #else   // portable: GCC/Clang vector types (slower; AVX-512 and AVX2 hosts take the branches above)
+constexpr int64_t TILE_TOKENS = trellm::blocked_linear::MT_REGISTERS;
 typedef int8_t v16i8 __attribute__((vector_size(16)));
 
 template <int MT>
@@ -106,6 +168,7 @@ inline void int8_tile(const float* x, int64_t K, const int8_t* blk, const float*
 
 struct Int8Kernel {
   using Weight = int8_t;
+  static constexpr int64_t MT_MAX = TILE_TOKENS;
 
   template <int MT>
   static void tile(const float* x, int64_t K, const int8_t* blk, const int8_t* /*next*/, const float* scales,

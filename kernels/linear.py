@@ -58,9 +58,9 @@ class Weight:
         return self.qweight if self.qweight.dim() == 2 else unpack_blocks(self.qweight)
 
     def tensor_device(self) -> torch.device:
-        held = self.dense if self.dense is not None else self.prepared if self.prepared is not None else \
-            self.packed if self.packed is not None else self.qweight if self.qweight is not None else self.int4.packed
-        return held.device
+        """Where the one form of the weight that is held lives."""
+        held = (self.dense, self.prepared, self.packed, self.qweight, self.int4 and self.int4.packed)
+        return next(t for t in held if t is not None).device
 
     def int8_fp32(self) -> torch.Tensor:
         """An INT8 weight dequantized in fp32 (not rounded to the activations' dtype)."""

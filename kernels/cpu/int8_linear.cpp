@@ -55,6 +55,16 @@ inline void int8_tile(const float* x, int64_t K, const int8_t* blk, const float*
 // only").
 constexpr int64_t KC = 64;   // k rows per widened chunk: 64 x 32 floats = 8 KiB
 
+// One k's 32 int8 weights of a block, widened to fp32: four vectors of 8 outputs.
+inline void widen32(const int8_t* q8, __m256 w[4]) {
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8));
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
 // G tokens over the whole block, widening each k's weights in registers: for a tile of 1 to 3 tokens, where a
 // buffer would be written and read once for no reuse.
 template <int G>
@@ -63,12 +73,8 @@ inline void group_widening(const float* x, int64_t K, const int8_t* blk, const f
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + k * BLOCK));
-    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    const __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
-                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
-                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
-                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))};
+    __m256 w[4];
+    widen32(blk + k * BLOCK, w);
     for (int g = 0; g < G; ++g) {
       const __m256 xb = _mm256_set1_ps(x[g * K + k]);
       for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_fmadd_ps(w[i], xb, acc[g][i]);
@@ -114,12 +120,9 @@ inline void int8_tile_avx2(const float* x, int64_t K, const int8_t* blk, const f
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = std::min(KC, K - k0);
     for (int64_t k = 0; k < kc; ++k) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (k0 + k) * BLOCK));
-      const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-      _mm256_store_ps(wf + k * BLOCK, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
-      _mm256_store_ps(wf + k * BLOCK + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
-      _mm256_store_ps(wf + k * BLOCK + 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
-      _mm256_store_ps(wf + k * BLOCK + 24, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
+      __m256 w[4];
+      widen32(blk + (k0 + k) * BLOCK, w);
+      for (int i = 0; i < 4; ++i) _mm256_store_ps(wf + k * BLOCK + 8 * i, w[i]);
     }
     int m = 0;
     for (; m + 3 <= mt; m += 3) group<3>(x + m * K, K, k0, kc, wf, sums + m * BLOCK);

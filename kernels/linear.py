@@ -12,8 +12,11 @@ TRELLM_CPU_LINEAR chooses on a CPU: `cpp` (the default, as just said), `onednn`,
 
 Weight-only INT8 (`quantization="int8"`): each output row of W is scaled by its largest magnitude / 127 and rounded to
 int8 at load, so a decode step reads a quarter of the fp32 bytes. The reference dequantizes and multiplies; CUDA runs
-the Triton kernel (triton_linear.py); a CPU the C++ operator (cpu/int8_linear.cpp), which multiplies in fp32
-(bf16/fp16 activations are widened for it), with the weights packed in blocks of 32 outputs at load. (torch's own
+the Triton kernel (triton_linear.py); a CPU the C++ operator (cpu/int8_linear.cpp), with the weights packed in
+blocks of 32 outputs at load, at every token count. With AVX-512 it multiplies in fp32 (bf16/fp16 activations are
+widened for it); with AVX2 only, whose fp32 FMAs would make INT8 no faster than fp32 at batch, it quantizes the
+activations per token to int16 and multiplies on integer multiply-adds (1.4x fp32's speed from 48 tokens up there;
+the activations' rounding is ~256x finer than the weights'). (torch's own
 `_weight_int8pack_mm` was slower than fp32 oneDNN even for one token, perf/RESULTS.md, "Weight-only INT8 on a CPU";
 its bf16 form crashed on rows not a multiple of its vector.)
 
@@ -196,8 +199,7 @@ def linear_path(w: Weight) -> str:
             return "INT8 Triton kernel"
         if ops is None or w.qweight.dim() != 3:
             return f"INT8 dequantized, then {dense_path(w.scales.dtype)}"
-        return "INT8 C++ (AVX-512)" if ops.avx512 else \
-            f"INT8 C++ (AVX2), dequantized + torch linear float32 from {DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512} tokens"
+        return "INT8 C++ (AVX-512)" if ops.avx512 else "INT8 C++ (AVX2, int16 activations)"
     if w.packed is not None:
         return "fp32 C++ (AVX-512)"
     if w.prepared is not None:
@@ -224,13 +226,6 @@ def fp32_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-# The C++ INT8 operator at every token count with AVX-512: it beat dequantizing for one fp32 GEMM at every count
-# measured. With AVX2 only (16 registers: 3 tokens' sums at a time, the weights widened once per tile of up to 48) it
-# leads up to a few hundred tokens, and from 512 dequantizing for one fp32 GEMM is faster, so long prefill chunks
-# take that path there (perf/RESULTS.md, "INT8 with AVX2: the weights widened once per tile").
-DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512 = 512
-
-
 def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if use_triton(x):
         from trellm_kernels.triton_linear import int8_linear_triton
@@ -239,15 +234,32 @@ def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
     x2 = x.reshape(-1, x.shape[-1])
     if ops is None or w.qweight.dim() != 3:
         return dense_linear(x, w.int8_fp32(), bias)
-    if not ops.avx512 and x2.shape[0] >= DEQUANTIZE_FROM_TOKENS_WITHOUT_AVX512:   # one fp32 GEMM
-        return torch.nn.functional.linear(x.float(), w.int8_fp32(), None if bias is None else bias.float()).to(x.dtype)
-    # The operator multiplies in fp32: bf16/fp16 activations are widened for it, and the bias is added before the
-    # result is rounded back to their dtype.
+    # The operator takes fp32 activations (bf16/fp16 ones are widened for it; with AVX2 only it quantizes them to
+    # int16 per token itself), and the bias is added before the result is rounded back to their dtype.
     y = torch.empty(x2.shape[0], w.scales.shape[0], dtype=torch.float32)
     ops.int8_linear(y, x2.float().contiguous(), w.qweight, w.scales.float())
     if bias is not None:
         y += bias
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+INT16_ACTIVATION_CHUNK = 256   # k per exact int32 partial sum in cpu/int8_linear.cpp's AVX2 tile (KC there)
+
+
+def int8_linear_int16_reference(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """What the C++ INT8 operator built for AVX2 alone computes, bit for bit, without a bias: each token's
+    activations rounded to int16 with scale max |x| / 32767, exact integer sums over chunks of k added in float32 in
+    order, then times the weight's and the token's scales."""
+    x = x.reshape(-1, x.shape[-1]).float()
+    amax = x.abs().amax(dim=1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.ones_like(amax))
+    x_scale = torch.where(amax > 0, amax / 32767.0, torch.ones_like(amax))
+    xq, q = torch.round(x * inv).to(torch.int64), w.int8_rows().to(torch.int64)
+    sums = torch.zeros(x.shape[0], q.shape[0])
+    for k0 in range(0, x.shape[1], INT16_ACTIVATION_CHUNK):
+        k1 = k0 + INT16_ACTIVATION_CHUNK
+        sums += (xq[:, k0:k1] @ q[:, k0:k1].T).to(torch.float32)
+    return sums * w.scales.float() * x_scale
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -306,6 +306,27 @@ def test_cpu_int8_linear_packs_for_the_driver_and_rows_do_not_depend_on_their_ba
         assert torch.equal(linear.linear(x[i:i + 1], q), together[i:i + 1])
 
 
+@pytest.mark.parametrize("tokens, out_f, in_f", [(1, 64, 80), (2, 96, 81), (3, 64, 8), (7, 96, 81), (48, 64, 700),
+                                                 (113, 32, 513), (600, 64, 200)])
+def test_cpu_int8_linear_with_avx2_alone_is_its_int16_reference_bit_for_bit(tokens, out_f, in_f):
+    """With AVX2 alone the INT8 operator rounds each token's activations to int16 and sums exactly in integers: the
+    PyTorch reference of that arithmetic gives the same bits (odd K, several k chunks, tiles of 1-48 tokens, a
+    chunk of 96, a row of zeros, at every token count), and its error against fp32 is within the activations'
+    rounding: half a step per value times the weights' magnitudes."""
+    if _cpu_ops().avx512:
+        pytest.skip("AVX-512 builds multiply in fp32 (test_kernels.py compares them with the dequantizing reference)")
+    g = torch.Generator().manual_seed(5)
+    q = linear.prepare_weight(randn(g, out_f, in_f, dtype=F32), "int8")
+    x = randn(g, tokens, in_f, dtype=F32) * torch.rand(tokens, 1, generator=g) * 4
+    x[tokens // 2] = 0
+    got = linear.linear(x, q)
+    assert torch.equal(got, linear.int8_linear_int16_reference(x, q))
+    w32 = q.int8_fp32().double()
+    exact = x.double() @ w32.T
+    half_step = x.abs().amax(dim=1, keepdim=True).double() / 32767 / 2
+    assert ((got.double() - exact).abs() <= half_step * w32.abs().sum(dim=1) + 1e-5 * exact.abs() + 1e-6).all()
+
+
 @pytest.mark.parametrize("mode", ["cpp", "onednn", "torch"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("out_f", [300, 320])

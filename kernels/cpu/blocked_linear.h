@@ -3,9 +3,10 @@
 // [N/BLOCK][K][BLOCK]. Here, once for every weight type: the checks, the split of the blocks over torch's threads,
 // the chunks of M_CHUNK tokens whose x rows stay in L2 while a thread's blocks pass over them, and the split of each
 // block's rows into tiles of nearly equal size (26 tokens make tiles of 9, 9 and 8, not 12, 12 and 2). A weight
-// type brings only its tile: `Kernel::tile<MT>(x, K, blk, next, epilogue, y, N)` computes rows [0, MT) of x times
-// one block (`next`: the block that follows, to prefetch, or null; `epilogue`: the block's bias or scales, or null),
-// for MT up to its `Kernel::MT_MAX`.
+// type brings only its tile: `Kernel::tile<MT>(rows, K, blk, next, epilogue, y, N)` computes rows [0, MT) of x
+// times one block (`next`: the block that follows, to prefetch, or null; `epilogue`: the block's bias or scales, or
+// null), for MT up to its `Kernel::MT_MAX`. x is float32, or for a kernel whose `Input` is int16 the activations
+// quantized per row (`Rows::scales`; each row padded with a zero to an even length, `Kernel::K_ALIGN`).
 // Each y[m, n] is summed over k in order in one lane whatever the tile, so a token's result does not depend on what
 // else is in the batch.
 #pragma once
@@ -22,30 +23,45 @@ constexpr int64_t BLOCK = 32;     // outputs per packed block (kernels/linear.py
 constexpr int64_t MT_REGISTERS = 12;  // tokens per tile held in registers: 24 accumulators + 2 weights in 32 AVX-512
 constexpr int64_t M_CHUNK = 96;   // tokens whose x rows stay in L2 while the thread's blocks pass over them
 
+// A tile's rows of x: the first row, the row stride, and each row's scale (null for float32 rows).
+template <class In>
+struct Rows {
+  const In* x;
+  int64_t ldx;
+  const float* scales;
+  Rows at(int64_t m) const { return {x + m * ldx, ldx, scales != nullptr ? scales + m : nullptr}; }
+};
+
 template <class Kernel>
-using TileFn = void (*)(const float*, int64_t, const typename Kernel::Weight*, const typename Kernel::Weight*,
-                        const float*, float*, int64_t);
+using TileFn = void (*)(Rows<typename Kernel::Input>, int64_t, const typename Kernel::Weight*,
+                        const typename Kernel::Weight*, const float*, float*, int64_t);
 
 template <class Kernel, size_t... I>
 constexpr std::array<TileFn<Kernel>, sizeof...(I)> tile_table(std::index_sequence<I...>) {
   return {&Kernel::template tile<int(I) + 1>...};
 }
 
-// y = x times the packed weight, through Kernel's tiles; `epilogue` (or null): N floats, the bias or the scales.
+// y = x times the packed weight, through Kernel's tiles; `epilogue` (or null): N floats, the bias or the scales;
+// `x_scales`: one per row of x when x is quantized (Kernel::Input int16), else null.
 template <class Kernel>
-void run(const char* name, torch::Tensor y, torch::Tensor x, torch::Tensor packed, const float* epilogue) {
+void run(const char* name, torch::Tensor y, torch::Tensor x, const float* x_scales, torch::Tensor packed,
+         const float* epilogue) {
   using W = typename Kernel::Weight;
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && y.scalar_type() == torch::kFloat32, name, ": float32 x and y");
+  using In = typename Kernel::Input;
+  TORCH_CHECK(x.scalar_type() == c10::CppTypeToScalarType<In>::value && y.scalar_type() == torch::kFloat32, name,
+              ": x must be ", c10::CppTypeToScalarType<In>::value, " and y float32");
   TORCH_CHECK(packed.scalar_type() == c10::CppTypeToScalarType<W>::value, name, ": the weight is ",
               packed.scalar_type(), ", expected ", c10::CppTypeToScalarType<W>::value);
   TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && packed.is_contiguous(), name, ": contiguous tensors");
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * BLOCK;
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == BLOCK, name,
-              ": the weight must be packed [N/", BLOCK, ", K, ", BLOCK, "]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == BLOCK, name, ": the weight must be packed [N/", BLOCK, ", K, ",
+              BLOCK, "]");
+  const int64_t M = x.size(0), K = packed.size(1), NB = packed.size(0), N = NB * BLOCK;
+  const int64_t ldx = (K + Kernel::K_ALIGN - 1) / Kernel::K_ALIGN * Kernel::K_ALIGN;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == ldx, name, ": x must be [M, ", ldx, "] for the weight's K = ", K);
   TORCH_CHECK(y.size(0) == M && y.size(1) == N, name, ": y must be [M, N]");
   constexpr int64_t MT_MAX = Kernel::MT_MAX;
   static constexpr auto tiles = tile_table<Kernel>(std::make_index_sequence<MT_MAX>{});
-  const float* xp = x.data_ptr<float>();
+  const Rows<In> rows{x.data_ptr<In>(), ldx, x_scales};
   const W* w = packed.data_ptr<W>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
@@ -58,7 +74,7 @@ void run(const char* name, torch::Tensor y, torch::Tensor x, torch::Tensor packe
         const float* epi = epilogue != nullptr ? epilogue + b * BLOCK : nullptr;
         for (int64_t t = 0, m = m0; t < num_tiles; ++t) {
           const int64_t mt = (m1 - m + (num_tiles - t) - 1) / (num_tiles - t);
-          tiles[mt - 1](xp + m * K, K, blk, t == 0 ? next : nullptr, epi, yp + m * N + b * BLOCK, N);
+          tiles[mt - 1](rows.at(m), K, blk, t == 0 ? next : nullptr, epi, yp + m * N + b * BLOCK, N);
           m += mt;
         }
       }

@@ -17,11 +17,13 @@ using trellm::blocked_linear::BLOCK;
 
 struct Fp32Kernel {
   using Weight = float;
+  using Input = float;
+  static constexpr int64_t K_ALIGN = 1;
   static constexpr int64_t MT_MAX = trellm::blocked_linear::MT_REGISTERS;
 
   template <int MT>
-  static void tile(const float* x, int64_t K, const float* blk, const float* next, const float* bias, float* y,
-                   int64_t N) {
+  static void tile(trellm::blocked_linear::Rows<float> rows, int64_t K, const float* blk, const float* next,
+                   const float* bias, float* y, int64_t N) {
     __m512 acc0[MT], acc1[MT];
     for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {
@@ -31,7 +33,7 @@ struct Fp32Kernel {
       }
       const __m512 w0 = _mm512_loadu_ps(blk + k * BLOCK), w1 = _mm512_loadu_ps(blk + k * BLOCK + 16);
       for (int m = 0; m < MT; ++m) {
-        const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+        const __m512 xb = _mm512_set1_ps(rows.x[m * rows.ldx + k]);
         acc0[m] = _mm512_fmadd_ps(w0, xb, acc0[m]);
         acc1[m] = _mm512_fmadd_ps(w1, xb, acc1[m]);
       }
@@ -54,7 +56,7 @@ void fp32_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10
                 bias->numel() == packed.size(0) * BLOCK, "fp32_linear: a float32 bias of N values");
     bp = bias->data_ptr<float>();
   }
-  trellm::blocked_linear::run<Fp32Kernel>("fp32_linear", y, x, packed, bp);
+  trellm::blocked_linear::run<Fp32Kernel>("fp32_linear", y, x, nullptr, packed, bp);
 }
 #else
 void fp32_linear_cpu(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) {

@@ -186,6 +186,16 @@ def test_bf16_perplexity_is_within_half_a_percent_of_float_and_int8_under_bf16_w
     assert abs(int8 / base - 1) <= 0.01, (base, int8)
 
 
+def test_int8_perplexity_through_the_engine_is_within_one_percent_of_float(default_model_path):
+    """The engine's own forward with INT8 weights: what the operator computes, which with AVX2 alone includes
+    rounding each token's activations to int16 (the transformers test above sees only the weights' rounding).
+    Bound: the issue's 1%. Measured 2026-11-27 (AVX2): float32 1035.68, INT8 +0.022% (the greedy test above: 8 of 8
+    prompts as float32's)."""
+    base = engine_perplexity(default_model_path, "auto")
+    int8 = engine_perplexity(default_model_path, "auto", quantization="int8")
+    assert abs(int8 / base - 1) <= 0.01, (base, int8)
+
+
 def test_the_load_log_names_each_linear_layers_path(default_model_path, caplog):
     """One line at load says which implementation every linear layer runs (the same words as linear_path), so a
     host's paths show without a profile. The default model's gate_up (2 x 344 outputs) fills no whole 32-output

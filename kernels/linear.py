@@ -6,7 +6,9 @@ slower for large prefill chunks (perf/RESULTS.md, "Linear layers"). Faster still
 weights stream from memory every step, is the C++ operator (cpu/fp32_linear.cpp: faster than oneDNN up to 48 tokens,
 level above; perf/RESULTS.md, "fp32 linear layers on AVX-512: a C++ operator"), on AVX-512 builds for weights whose
 outputs are a multiple of its 32-output blocks; other fp32 weights take oneDNN. bf16 and fp16 weights stay dense for
-torch's `linear`, except where its half GEMM goes row by row (`dense_linear`).
+torch's `linear`, except where its half GEMM goes row by row (no bf16/fp16 dot products, below AVX-512): there a
+weight whose outputs fill the 32-output blocks is packed for the C++ operator (cpu/half_linear.cpp, fp32 arithmetic
+on weights widened in cache), others take `dense_linear`.
 On CUDA, `linear` is cuBLAS and the weight is used as it is.
 TRELLM_CPU_LINEAR chooses on a CPU: `cpp` (the default, as just said), `onednn`, or `torch` (torch's own path).
 
@@ -51,7 +53,8 @@ class Weight:
     double the memory of every linear layer), as int8 rows with one scale each, or as group-wise INT4."""
     dense: torch.Tensor | None
     prepared: torch.Tensor | None = None   # oneDNN's layout on a CPU
-    packed: torch.Tensor | None = None     # fp32 [out/B, in, B] (B = CPU_BLOCK) for cpu/fp32_linear.cpp
+    packed: torch.Tensor | None = None     # [out/B, in, B] (B = CPU_BLOCK): fp32 for cpu/fp32_linear.cpp, bf16/fp16
+    #                                        for cpu/half_linear.cpp
     qweight: torch.Tensor | None = None    # int8 [out, in], or packed [out/B, in, B] (B = CPU_BLOCK) on a CPU
     scales: torch.Tensor | None = None     # [out], in the activations' dtype: W ~= qweight * scales[:, None]
     int4: Int4Weight | None = None
@@ -119,6 +122,10 @@ def prepare_weight(w: torch.Tensor, quantization: str = "none", typical_tokens: 
             return Weight(None, packed=pack_blocks(w))
         if mode != "torch" and torch.backends.mkldnn.is_available():
             return Weight(None, torch.ops.mkldnn._reorder_linear_weight(w, typical_tokens))
+    if w.device.type == "cpu" and half_gemm_is_row_by_row(w.dtype) and dispatch.settings().cpu_linear == "cpp":
+        ops = cpu_ops.for_tensor(w)
+        if ops is not None and ops.avx2 and w.shape[0] % CPU_BLOCK == 0:
+            return Weight(None, packed=pack_blocks(w))
     return Weight(w)
 
 
@@ -177,7 +184,9 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     if w.qweight is not None:
         return int8_linear(x, w, bias)
     if w.packed is not None:
-        return fp32_linear(x, w.packed, bias)
+        if w.packed.dtype != torch.float32 and x.numel() // x.shape[-1] >= HALF_UNPACKED_FROM_TOKENS:
+            return dense_linear(x, w.tensor(), bias)
+        return packed_linear(x, w.packed, bias)
     if w.prepared is not None:
         return torch.ops.mkldnn._linear_pointwise(x, w.prepared, bias, "none", [], "")
     return dense_linear(x, w.dense, bias)
@@ -201,7 +210,10 @@ def linear_path(w: Weight) -> str:
             return f"INT8 dequantized, then {dense_path(w.scales.dtype)}"
         return "INT8 C++ (AVX-512)" if ops.avx512 else "INT8 C++ (AVX2, int16 activations)"
     if w.packed is not None:
-        return "fp32 C++ (AVX-512)"
+        if w.packed.dtype == torch.float32:
+            return "fp32 C++ (AVX-512)"
+        return (f"{dtype_name(w.packed.dtype)} C++ (AVX2), unpacked + torch linear float32 from "
+                f"{HALF_UNPACKED_FROM_TOKENS} tokens")
     if w.prepared is not None:
         return f"oneDNN {dtype_name(w.prepared.dtype)}"
     return f"torch linear {dtype_name(w.dense.dtype)} (cuBLAS)" if device.type == "cuda" else dense_path(w.dense.dtype)
@@ -218,12 +230,24 @@ def dense_path(dtype: torch.dtype) -> str:
     return f"torch linear {dtype_name(dtype)}"
 
 
-def fp32_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The C++ operator (cpu/fp32_linear.cpp) on a weight held packed [out/B, in, B]."""
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.empty(x2.shape[0], packed.shape[0] * packed.shape[2], dtype=x.dtype)
-    cpu_ops.for_tensor(x).fp32_linear(y, x2, packed, bias)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+# The half operator (cpu/half_linear.cpp) multiplies in fp32 FMAs on weights widened in cache: 2-3x faster than
+# widening the whole weight for torch's fp32 GEMM at 2-16 tokens, level at 48-128, but 0.7-0.9x from 512, where
+# the GEMM's tiles run closer to the FMAs' peak; so calls from 256 tokens (prefill chunks) unpack the weight and take
+# dense_linear (perf/RESULTS.md, "bf16 on AVX2: a C++ operator for the weights").
+HALF_UNPACKED_FROM_TOKENS = 256
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A C++ operator on a weight held packed [out/B, in, B]: fp32 (cpu/fp32_linear.cpp), or bf16/fp16
+    (cpu/half_linear.cpp, which multiplies in fp32: x and the bias are widened for it, the result rounded back)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.empty(x2.shape[0], packed.shape[0] * packed.shape[2], dtype=torch.float32)
+    ops = cpu_ops.for_tensor(x)
+    if packed.dtype == torch.float32:
+        ops.fp32_linear(y, x2.contiguous(), packed, bias)
+    else:
+        ops.half_linear(y, x2.float().contiguous(), packed, None if bias is None else bias.float())
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
 def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -332,14 +332,16 @@ def test_cpu_int8_linear_with_avx2_alone_is_its_int16_reference_bit_for_bit(toke
 @pytest.mark.parametrize("out_f", [300, 320])
 def test_linear_prepared_weight(monkeypatch, mode, dtype, out_f, kernel_settings):
     """A weight prepared once (for fp32 on a CPU: the C++ operator's blocks on an AVX-512 build when the outputs
-    fill them, else oneDNN's layout) serves every token count, with and without a bias, and agrees with torch's
-    linear."""
+    fill them, else oneDNN's layout; for bf16 on an AVX2 build, where torch's half GEMM goes row by row, the half
+    operator's blocks when the outputs fill them) serves every token count, with and without a bias, and agrees with
+    torch's linear."""
     kernel_settings(cpu_linear=mode)
     g = torch.Generator().manual_seed(0)
     w, b = randn(g, out_f, 96, dtype=dtype), randn(g, out_f, dtype=dtype)
     prepared = linear.prepare_weight(w)
     ops = cpu_ops.load()
-    packed = mode == "cpp" and dtype == F32 and out_f % linear.CPU_BLOCK == 0 and ops is not None and ops.avx512
+    packed = mode == "cpp" and out_f % linear.CPU_BLOCK == 0 and ops is not None and (
+        ops.avx512 if dtype == F32 else ops.avx2 and linear.half_gemm_is_row_by_row(dtype))
     assert (prepared.packed is not None) == packed
     assert (prepared.prepared is not None) == (mode != "torch" and dtype == F32 and not packed)
     held = [t for t in (prepared.dense, prepared.prepared, prepared.packed) if t is not None]
@@ -377,7 +379,7 @@ def test_the_logged_linear_path_is_the_one_linear_runs(monkeypatch, quantization
     spy(torch.ops.mkldnn, "_linear_pointwise", lambda a: "oneDNN")
     spy(torch, "_weight_int4pack_mm_for_cpu", lambda a: "_weight_int4pack_mm")
     spy(torch.nn.functional, "linear", lambda a: f"torch linear on {a[0].dtype}")
-    ops = ("fp32_linear", "int8_linear", "oneDNN", "_weight_int4pack_mm", "torch linear on")
+    ops = ("fp32_linear", "half_linear", "int8_linear", "oneDNN", "_weight_int4pack_mm", "torch linear on")
     g = torch.Generator().manual_seed(3)
     w = linear.prepare_weight(randn(g, out_f, 256, dtype=dtype), quantization)
     path = linear.linear_path(w)
@@ -387,13 +389,40 @@ def test_the_logged_linear_path_is_the_one_linear_runs(monkeypatch, quantization
         linear.linear(randn(g, tokens, 256, dtype=dtype), w)
         return [c for c in called if c.startswith(ops)]
     torch_linear = f"torch linear on {dtype}"
-    named = {"fp32 C++": "fp32_linear", "INT8 C++": "int8_linear", "oneDNN": "oneDNN",
+    named = {"fp32 C++": "fp32_linear", "float16 C++": "half_linear", "INT8 C++": "int8_linear", "oneDNN": "oneDNN",
              "_weight_int4pack_mm": "_weight_int4pack_mm", "dequantized": torch_linear, "torch linear": torch_linear}
     head = path.split(",")[0]
     assert runs(1) == [op for words, op in named.items() if words in head][:1], (path, called)
     switch = re.search(r"from (\d+) tokens", path)
     if switch:
         assert runs(int(switch.group(1))) == [f"torch linear on {F32}"], (path, called)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("tokens, out_f, in_f", [(1, 64, 80), (3, 96, 81), (7, 96, 81), (48, 64, 130), (113, 32, 200),
+                                                 (300, 64, 40)])    # the last unpacked for torch's GEMM
+def test_cpu_half_linear_with_avx2_alone_multiplies_in_fp32_and_rows_do_not_depend_on_their_batch(dtype, tokens,
+                                                                                                  out_f, in_f):
+    """With AVX2 alone (no bf16/fp16 dot products, torch's half GEMM row by row) a bf16/fp16 weight whose outputs
+    fill the 32-output blocks is packed for the half operator, which multiplies in fp32 and rounds once: the answer
+    is torch's fp32 linear on the widened weight, rounded to the dtype (within one step of it, as the sums' order
+    differs), for tiles of 1 to 48 tokens, odd K and a bias, and a token's result does not depend on its batch
+    (below the token count from which calls take torch's GEMM on the unpacked weight instead)."""
+    if not _cpu_ops().avx2:
+        pytest.skip("an AVX-512 build keeps torch's bf16/fp16 GEMM (oneDNN has the types there)")
+    g = torch.Generator().manual_seed(7)
+    w, b = randn(g, out_f, in_f, dtype=dtype), randn(g, out_f, dtype=dtype)
+    prepared = linear.prepare_weight(w)
+    assert prepared.packed is not None and prepared.packed.dtype == dtype and prepared.dense is None
+    assert linear.linear_path(prepared).startswith(f"{linear.dtype_name(dtype)} C++ (AVX2)")
+    x = randn(g, tokens, in_f, dtype=dtype)
+    together = linear.linear(x, prepared, b)
+    expected = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert together.dtype == dtype
+    step = 2 ** -8 if dtype == BF16 else 2 ** -11
+    assert ((together.float() - expected).abs() <= expected.abs() * step + 1e-5).all()
+    for i in range(tokens if tokens < linear.HALF_UNPACKED_FROM_TOKENS else 0):   # one operator for all of them
+        assert torch.equal(linear.linear(x[i:i + 1], prepared, b), together[i:i + 1])
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])

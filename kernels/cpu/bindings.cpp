@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "blocked_linear.h"
+#include "vec_math.h"
 
 void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                          torch::Tensor cu_seqlens_q, torch::Tensor seq_lens, torch::Tensor block_tables,
@@ -18,6 +19,7 @@ void rotary_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch
 void silu_and_mul_cpu(torch::Tensor out, torch::Tensor x);
 void int8_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, torch::Tensor scales);
 void fp32_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+void half_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor slot_mapping);
 void gather_dequantize_cpu(torch::Tensor out, torch::Tensor cache, torch::Tensor scales, torch::Tensor blocks,
@@ -41,6 +43,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear_cpu, "y = x (q * scales)^T with q int8 packed [N/32, K, 32]", no_gil);
   m.def("fp32_linear", &fp32_linear_cpu, "y = x w^T (+ bias) with w float32 packed [N/32, K, 32] (AVX-512 builds)",
         py::arg("y"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), no_gil);
+  m.def("half_linear", &half_linear_cpu,
+        "y = x w^T (+ bias) with w bf16 or fp16 packed [N/32, K, 32], x, y and bias float32 (AVX2 builds)",
+        py::arg("y"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), no_gil);
   m.def("write_kv", &write_kv_cpu, "store k and v at their slots of the paged caches", no_gil);
   m.def("gather_dequantize", &gather_dequantize_cpu,
         "out[i] = the INT8 / FP8 cache block blocks[i], each value times its token-and-head scale", no_gil);
@@ -50,6 +55,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("avx512") = true;
 #else
   m.attr("avx512") = false;
+#endif
+#if defined(TRELLM_AVX2)   // AVX2 without AVX-512 (vec_math.h)
+  m.attr("avx2") = true;
+#else
+  m.attr("avx2") = false;
 #endif
   m.def("lora_add", &lora_add_cpu,
         "out += scale * (x at) bt for one adapter's rows, bt block-diagonal with each rank row's column span",

@@ -1,5 +1,5 @@
-"""Per-layer time of the CPU paths a quantized linear can take, by token count: what chose kernels/linear.py's
-INT4 path (and re-checks INT8's). Not a test: a measurement for perf/RESULTS.md.
+"""Per-layer time of the CPU paths a quantized (or bf16) linear can take, by token count: what chose kernels/linear.py's
+INT4 path (and re-checks INT8's and bf16's). Not a test: a measurement for perf/RESULTS.md.
 
 Each path cycles through 16 distinct weights so that every call reads its weight from memory, as a decode step
 does (one weight would stay in the cache and flatter the small formats less than the large).
@@ -43,21 +43,25 @@ def main() -> None:
     dense = [torch.randn(args.out, args.in_f) for _ in range(args.weights)]
     fp32 = [linear.prepare_weight(w) for w in dense]          # the engine's fp32 path (TRELLM_CPU_LINEAR)
     int8 = [linear.prepare_weight(w, "int8") for w in dense]
+    bf16 = [linear.prepare_weight(w.bfloat16()) for w in dense]   # a bf16 model's path (linear_path names it)
     canonical: list[Int4Weight] = [quantize_int4(w, args.group) for w in dense]
     int4pack = [linear.Weight(None, int4=to_cpu_int4pack(w)) for w in canonical]
     nibbles = [linear.Weight(None, int4=w) for w in canonical]       # the dequantize-then-GEMM path
     n = args.weights
     print(f"{args.out} x {args.in_f}, group {args.group}, {torch.get_num_threads()} threads, us per call")
-    print(f"| tokens | fp32 ({dispatch.settings().cpu_linear}) | INT8 C++ operator / dequantize+GEMM "
-          "| INT4 torch int4pack (bf16 activations) | INT4 dequantize + fp32 GEMM |")
-    print("|---|---|---|---|---|")
+    print(f"bf16: {linear.linear_path(bf16[0])}")
+    print(f"| tokens | fp32 ({dispatch.settings().cpu_linear}) | INT8 C++ operator "
+          "| INT4 torch int4pack (bf16 activations) | INT4 dequantize + fp32 GEMM | bf16 (bf16 activations) |")
+    print("|---|---|---|---|---|---|")
     for m in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(m, args.in_f)
+        xb = x.bfloat16()
         calls = max(5, 2000 // m)
         row = [per_call_us(lambda i: linear.linear(x, fp32[i % n]), calls),
                per_call_us(lambda i: linear.linear(x, int8[i % n]), calls),
                per_call_us(lambda i: linear.linear(x, int4pack[i % n]), calls),
-               per_call_us(lambda i: linear.linear(x, nibbles[i % n]), max(3, calls // 8))]
+               per_call_us(lambda i: linear.linear(x, nibbles[i % n]), max(3, calls // 8)),
+               per_call_us(lambda i: linear.linear(xb, bf16[i % n]), calls)]
         print(f"| {m} | " + " | ".join(f"{v:.0f}" for v in row) + " |", flush=True)
 
 

@@ -17,10 +17,10 @@ int8 at load, so a decode step reads a quarter of the fp32 bytes. The reference 
 the Triton kernel (triton_linear.py); a CPU the C++ operator (cpu/int8_linear.cpp), with the weights packed in
 blocks of 32 outputs at load, at every token count. With AVX-512 it multiplies in fp32 (bf16/fp16 activations are
 widened for it); with AVX2 only, whose fp32 FMAs would make INT8 no faster than fp32 at batch, it quantizes the
-activations per token to int16 and multiplies on integer multiply-adds (1.4x fp32's speed from 48 tokens up there;
-the activations' rounding is ~256x finer than the weights'). (torch's own
-`_weight_int8pack_mm` was slower than fp32 oneDNN even for one token, perf/RESULTS.md, "Weight-only INT8 on a CPU";
-its bf16 form crashed on rows not a multiple of its vector.)
+activations per token to int16 and multiplies on integer multiply-adds (1.5-2x fp32's speed per call from 16 tokens;
+the activations' rounding is ~256x finer than the weights'; perf/RESULTS.md, "INT8 with AVX2: int16 activations").
+(torch's own `_weight_int8pack_mm` was slower than fp32 oneDNN even for one token, perf/RESULTS.md, "Weight-only INT8
+on a CPU"; its bf16 form crashed on rows not a multiple of its vector.)
 
 Weight-only INT4 (`quantization="int4"`, or "int4-g64"/"int4-g32" for smaller groups; GPTQ and AWQ checkpoints):
 group-wise with zero points (int4.py says why and how it is laid out). CUDA runs the Triton kernel

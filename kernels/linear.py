@@ -115,17 +115,17 @@ def prepare_weight(w: torch.Tensor, quantization: str = "none", typical_tokens: 
         return quantize_int8(w)
     if quantization in INT4_GROUPS:
         return prepare_int4(quantize_int4(w, INT4_GROUPS[quantization]))
-    if w.device.type == "cpu" and w.dtype == torch.float32:
+    if w.device.type == "cpu":
         mode = dispatch.settings().cpu_linear
         ops = cpu_ops.for_tensor(w) if mode == "cpp" else None
-        if ops is not None and ops.avx512 and w.shape[0] % CPU_BLOCK == 0:
+        # The C++ operators' blocks: fp32 on AVX-512 (fp32_linear.cpp), bf16/fp16 with AVX2 alone where torch's half
+        # GEMM goes row by row (half_linear.cpp); for outputs that fill them.
+        cpp_tile = ops is not None and (ops.avx512 if w.dtype == torch.float32 else
+                                        ops.avx2 and half_gemm_is_row_by_row(w.dtype))
+        if cpp_tile and w.shape[0] % CPU_BLOCK == 0:
             return Weight(None, packed=pack_blocks(w))
-        if mode != "torch" and torch.backends.mkldnn.is_available():
+        if w.dtype == torch.float32 and mode != "torch" and torch.backends.mkldnn.is_available():
             return Weight(None, torch.ops.mkldnn._reorder_linear_weight(w, typical_tokens))
-    if w.device.type == "cpu" and half_gemm_is_row_by_row(w.dtype) and dispatch.settings().cpu_linear == "cpp":
-        ops = cpu_ops.for_tensor(w)
-        if ops is not None and ops.avx2 and w.shape[0] % CPU_BLOCK == 0:
-            return Weight(None, packed=pack_blocks(w))
     return Weight(w)
 
 
@@ -208,7 +208,8 @@ def linear_path(w: Weight) -> str:
             return "INT8 Triton kernel"
         if ops is None or w.qweight.dim() != 3:
             return f"INT8 dequantized, then {dense_path(w.scales.dtype)}"
-        return "INT8 C++ (AVX-512)" if ops.avx512 else "INT8 C++ (AVX2, int16 activations)"
+        return ("INT8 C++ (AVX-512)" if ops.avx512 else "INT8 C++ (AVX2, int16 activations)" if ops.avx2 else
+                "INT8 C++ (portable)")
     if w.packed is not None:
         if w.packed.dtype == torch.float32:
             return "fp32 C++ (AVX-512)"

@@ -313,8 +313,9 @@ def test_cpu_int8_linear_with_avx2_alone_is_its_int16_reference_bit_for_bit(toke
     PyTorch reference of that arithmetic gives the same bits (odd K, several k chunks, tiles of 1-48 tokens, a
     chunk of 96, a row of zeros, at every token count), and its error against fp32 is within the activations'
     rounding: half a step per value times the weights' magnitudes."""
-    if _cpu_ops().avx512:
-        pytest.skip("AVX-512 builds multiply in fp32 (test_kernels.py compares them with the dequantizing reference)")
+    if not _cpu_ops().avx2:
+        pytest.skip("the int16 arithmetic is the AVX2-only tile's: AVX-512 and portable builds multiply in fp32 "
+                    "(test_kernels.py compares them with the dequantizing reference)")
     g = torch.Generator().manual_seed(5)
     q = linear.prepare_weight(randn(g, out_f, in_f, dtype=F32), "int8")
     x = randn(g, tokens, in_f, dtype=F32) * torch.rand(tokens, 1, generator=g) * 4
@@ -409,7 +410,8 @@ def test_cpu_half_linear_with_avx2_alone_multiplies_in_fp32_and_rows_do_not_depe
     differs), for tiles of 1 to 48 tokens, odd K and a bias, and a token's result does not depend on its batch
     (below the token count from which calls take torch's GEMM on the unpacked weight instead)."""
     if not _cpu_ops().avx2:
-        pytest.skip("an AVX-512 build keeps torch's bf16/fp16 GEMM (oneDNN has the types there)")
+        pytest.skip("the half operator is the AVX2-only tile's: AVX-512 builds keep torch's bf16/fp16 GEMM, where "
+                    "oneDNN has the types")
     g = torch.Generator().manual_seed(7)
     w, b = randn(g, out_f, in_f, dtype=dtype), randn(g, out_f, dtype=dtype)
     prepared = linear.prepare_weight(w)

@@ -4,7 +4,7 @@
 // Why: such a CPU has no bf16 or fp16 dot products, and torch's half GEMM there multiplies one token row at a time
 // (5-8x slower than fp32 from 16 tokens), so kernels/linear.py widened the whole weight to fp32 for each call of 4+
 // tokens: a second pass over memory that made bf16 0.90x fp32 (perf/RESULTS.md, "bf16 on an AVX2 CPU"). Here each
-// block is widened in L1, KC rows of k at a time, and multiplied in fp32 by up to 48 tokens in groups of 3: the
+// block is widened in L1, KC rows of k at a time, and multiplied in fp32 by up to 48 tokens in groups of 2: the
 // weights are read from memory once, at half fp32's bytes, and a bf16 value widens with one shift.
 #include "blocked_linear.h"
 
@@ -81,17 +81,20 @@ struct HalfKernel {
                    const float* bias, float* y, int64_t N) {
     alignas(32) float wf[KC * BLOCK];
     float sums[MT * BLOCK];
-    if constexpr (MT <= 3) group_widening<MT>(rows.x, rows.ldx, K, blk, sums);
-    for (int64_t k0 = 0; k0 < K && MT > 3; k0 += KC) {
-      const int64_t kc = std::min(KC, K - k0);
-      for (int64_t k = 0; k < kc; ++k) {
-        __m256 w[4];
-        widen32(blk + (k0 + k) * BLOCK, w);
-        for (int i = 0; i < 4; ++i) _mm256_store_ps(wf + k * BLOCK + 8 * i, w[i]);
+    if constexpr (MT <= 3) {
+      group_widening<MT>(rows.x, rows.ldx, K, blk, sums);
+    } else {
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        for (int64_t k = 0; k < kc; ++k) {
+          __m256 w[4];
+          widen32(blk + (k0 + k) * BLOCK, w);
+          for (int i = 0; i < 4; ++i) _mm256_store_ps(wf + k * BLOCK + 8 * i, w[i]);
+        }
+        int m = 0;
+        for (; m + 2 <= MT; m += 2) group<2>(rows.x + m * rows.ldx, rows.ldx, k0, kc, wf, sums + m * BLOCK);
+        if (MT - m == 1) group<1>(rows.x + m * rows.ldx, rows.ldx, k0, kc, wf, sums + m * BLOCK);
       }
-      int m = 0;
-      for (; m + 2 <= MT; m += 2) group<2>(rows.x + m * rows.ldx, rows.ldx, k0, kc, wf, sums + m * BLOCK);
-      if (MT - m == 1) group<1>(rows.x + m * rows.ldx, rows.ldx, k0, kc, wf, sums + m * BLOCK);
     }
     for (int m = 0; m < MT; ++m)
       for (int i = 0; i < 4; ++i) {

@@ -1,5 +1,9 @@
 """Streamed text: runs of tokens detokenized without state concatenate to exactly the full decode, and the engine's
 text (output_processor.py) is what a stateless step (postprocess) remakes from each output's tokens."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from trellm_backend.engine.detokenizer import TokenRun, prompt_context, run_text
@@ -152,3 +156,34 @@ def test_invalid_bytes_do_not_hold_tokens_forever(sp_tokenizer):
     byte = tok.convert_tokens_to_ids("<0x80>")
     proc = OutputProcessor(tok, tok("a").input_ids, SamplingParams())
     assert sum(proc.add(byte, finished=False).num_tokens for _ in range(10)) >= 7
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_servers_load_the_tokenizer_autotokenizer_loads(sp_tokenizer, default_model_path, tmp_path, model_type):
+    """load_tokenizer (every Triton model's) skips AutoTokenizer's imports where it would pick the generic class;
+    the tokenizer must be the same either way: its class, ids, text and chat prompt, on a byte-fallback tokenizer
+    saved as each model type (Qwen2's AutoTokenizer overrides the folder's class) and on the default model."""
+    import json
+    from transformers import AutoTokenizer
+    from trellm_backend.triton.tokenization import load_tokenizer
+    folder = tmp_path / model_type
+    sp_tokenizer.save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    chat = [{"role": "user", "content": "数据 and 🎉"}]
+    for path in (str(folder), default_model_path):
+        ours, theirs = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+        assert type(ours) is type(theirs)
+        for text in TEXTS:
+            ids = theirs(text).input_ids
+            assert ours(text).input_ids == ids and ours.decode(ids) == theirs.decode(ids)
+        assert ours.all_special_ids == theirs.all_special_ids and ours.eos_token_id == theirs.eos_token_id
+        if theirs.chat_template:
+            assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(chat, tokenize=False)
+
+
+def test_the_default_models_tokenizer_loads_without_torch(default_model_path):
+    """What makes the server start seconds sooner on two cores: preprocess and postprocess need no torch."""
+    probe = ("import sys; from trellm_backend.triton.tokenization import load_tokenizer; "
+             f"load_tokenizer({default_model_path!r}); print('torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip() == "False", run.stdout + run.stderr[-2000:]

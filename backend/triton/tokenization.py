@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 # Tokenizing a huge prompt holds up every request behind it in the same model instance, only for the engine to refuse
 # it. A token of text is a few characters; this many per token of the model's context is more than any real prompt
@@ -14,7 +15,29 @@ def prompt_char_limit(model_path: str) -> int:
     return CHARS_PER_TOKEN_BOUND * load_model_config(model_path).max_position_embeddings
 
 
+# Folders whose tokenizer AutoTokenizer would load as transformers' generic tokenizers.json class (the project's own
+# models, Llama 3's): a tokenizer.json declared as that class, for a model type AutoTokenizer maps to no class of its
+# own (Qwen2's, for one, it overrides). tests/test_detokenizer.py checks both loads agree on such folders.
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+GENERIC_TOKENIZER_MODEL_TYPES = ("llama", "mistral")
+
+
 def load_tokenizer(path: str):
+    """The folder's tokenizer, as AutoTokenizer.from_pretrained(path) makes it. Where that is the generic class
+    (above), the class is loaded directly: AutoTokenizer imports torch and every model config first, about 4 s in each
+    of the four Triton models that load a tokenizer, all at once at the server's start."""
+    def read(name: str) -> dict:
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
+    tc = read("tokenizer_config.json")
+    if (tc.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES and "auto_map" not in tc
+            and read("config.json").get("model_type") in GENERIC_TOKENIZER_MODEL_TYPES
+            and os.path.isfile(os.path.join(path, "tokenizer.json"))):
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
 

@@ -264,7 +264,9 @@ def test_a_terminated_pod_drains_and_exits_within_its_grace_period(default_model
         assert seen["vllm:num_requests_waiting"] >= 4 and seen["vllm:num_requests_running"] == 2
         queued_us = seen.get("nv_inference_queue_duration_us", 0.0)
         print(f"4+ requests waiting in the engine for 3 s; Triton's llm queue time so far: {queued_us:.0f} us")
-        assert queued_us < 100_000, "Triton's queue metric does see the engine's queue after all"
+        # Had Triton counted the engine's queue, 4 requests waiting 3 s would be 12 s of it; what it counts is the
+        # moments before execute() takes each request (0.1 s in all has been seen on a busy 2-core host).
+        assert queued_us < 1_000_000, "Triton's queue metric does see the engine's queue after all"
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=budget)

@@ -33,6 +33,24 @@ def test_openmp_wait_default_leaves_a_callers_choice_alone():
     assert openmp_wait_defaults({"GOMP_SPINCOUNT": "0"}) == {}
 
 
+def test_servers_started_from_several_threads_at_once_link_this_interpreters_libpython():
+    """Python 3.11's sysconfig fills its table on first use without a lock: two servers started at once from threads
+    (as the deployment tests do) once gave the second one the distribution's libpython, whose stubs then failed to
+    import _ssl. In a fresh interpreter, 8 threads prepare the server's environment together."""
+    import sysconfig
+    probe = ("import threading\nfrom trellm_backend.tools.launch import prepare_server\n"
+             "barrier, paths = threading.Barrier(8), []\n"
+             "def go():\n    barrier.wait()\n    paths.append(prepare_server()[1]['LD_LIBRARY_PATH'])\n"
+             "threads = [threading.Thread(target=go) for _ in range(8)]\n"
+             "[t.start() for t in threads]\n[t.join() for t in threads]\nprint('\\n'.join(paths))\n")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    paths = run.stdout.split()
+    assert len(paths) == 8, run.stderr[-2000:]
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        assert all(p.startswith(sysconfig.get_config_var("LIBDIR") + os.pathsep) for p in paths), set(paths)
+    assert len(set(paths)) == 1, set(paths)
+
+
 def test_load_models_need_explicit_model_control():
     """Explicit model control itself is exercised by test_add_model.py, test_load_errors.py and test_deploy.py."""
     with pytest.raises(ValueError, match="explicit"):

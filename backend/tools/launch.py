@@ -35,6 +35,11 @@ DEFAULT_REPOSITORY = default_repository()
 MODEL_CONTROL_MODES = ("none", "poll", "explicit")
 # Error lines of tritonserver's log that a CPU-only host always prints: not failures of this repository.
 HARMLESS_ERRORS = ("cuda", "nvml", "dcgm", "gpu", "pinned memory")
+# The stub links libpython3.X.so: it must be this interpreter's, whose standard library the stub then imports (a
+# distribution's libpython of another patch release fails on extension modules such as _ssl). Read at import, once:
+# sysconfig fills its table on first use, and on Python 3.11 a second thread can read it half-filled, which gave the
+# second of two servers started at once the distribution's libpython.
+PYTHON_LIBDIR = sysconfig.get_config_var("LIBDIR") if sysconfig.get_config_var("Py_ENABLE_SHARED") else None
 
 
 def log_errors(log_path: str) -> list[str]:
@@ -75,11 +80,8 @@ def prepare_server() -> tuple[list[str], dict[str, str]]:
             os.rename(tmp, dest)
         except OSError:   # another process prepared it first
             shutil.rmtree(tmp, ignore_errors=True)
-    # The stub links libpython3.X.so: it must be this interpreter's, whose standard library the stub then imports
-    # (a distribution's libpython of another patch release fails on extension modules such as _ssl).
-    py_libdir = sysconfig.get_config_var("LIBDIR") if sysconfig.get_config_var("Py_ENABLE_SHARED") else None
     env = {
-        "LD_LIBRARY_PATH": os.pathsep.join(p for p in (py_libdir, libs, os.environ.get("LD_LIBRARY_PATH")) if p),
+        "LD_LIBRARY_PATH": os.pathsep.join(p for p in (PYTHON_LIBDIR, libs, os.environ.get("LD_LIBRARY_PATH")) if p),
         # The stub runs the first `python` on PATH: make it this environment's.
         "PATH": os.pathsep.join((os.path.dirname(sys.executable), os.environ.get("PATH", ""))),
     }

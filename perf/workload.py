@@ -58,9 +58,9 @@ class PromptMaker:
     """Token-exact prompts cut from the corpus, for one model folder's tokenizer."""
 
     def __init__(self, model_dir: str):
-        from transformers import AutoTokenizer
         from trellm_backend.tools.default_model import corpus_text
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        from trellm_backend.triton.tokenization import load_tokenizer
+        self.tokenizer = load_tokenizer(model_dir)     # the one the server's preprocess loads
         # A quarter of the help topics (~30k tokens) is plenty for windows of a few thousand tokens.
         self.corpus_ids = self.tokenizer(corpus_text()[:150_000], add_special_tokens=False).input_ids
         self.special = len(self.tokenizer("x").input_ids) - len(self.tokenizer("x", add_special_tokens=False).input_ids)

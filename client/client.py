@@ -287,6 +287,14 @@ class AsyncLLMClient:
                 finished = chunk.final
                 yield chunk
                 if chunk.final:
+                    # Read the call to its end (the server closes it at once: our side sent its one request) rather
+                    # than cancel it: tritonserver 2.51 keeps an ensemble loaded for good after a stream cancelled
+                    # just after its final response, so its stop then waits out the whole exit timeout.
+                    try:
+                        async for _ in responses:
+                            pass
+                    except Exception:   # noqa: BLE001 - the answer is whole; how the call closes changes nothing
+                        pass
                     return
         except Exception as e:
             finished = True   # the request failed: nothing runs on

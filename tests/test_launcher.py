@@ -1,4 +1,5 @@
 """The launcher: starts tritonserver, reports readiness, and on SIGTERM leaves no process behind."""
+import asyncio
 import contextlib
 import functools
 import http.server
@@ -240,6 +241,25 @@ def test_a_server_whose_stubs_are_killed_at_stop_leaves_no_shared_memory(default
     assert len(regions) == len(python_models) == 4 and all(os.path.exists(f"/dev/shm/{r.lstrip('/')}") for r in regions), regions
     server.stop(timeout=0)       # SIGTERM, then SIGKILL to the group at once
     assert [r for r in regions if os.path.exists(f"/dev/shm/{r.lstrip('/')}")] == []
+
+
+def test_a_server_that_streamed_to_asyncio_clients_stops_without_waiting_out_the_exit_timeout(tmp_path):
+    """AsyncLLMClient (the OpenAI front door's) once cancelled each gRPC call just after its final response; with
+    16 streams at once tritonserver 2.51 then kept the ensemble loaded at stop until the 10 s exit timeout ran out
+    (3 of 3 runs), a stop of 14 s instead of 4. It now reads each call to its end."""
+    from trellm_client.client import AsyncLLMClient
+    log = tmp_path / "server.log"
+    server = TritonServer(os.path.join(REPO, "model_repository"), *free_ports(3), log_path=str(log)).start()
+    try:
+        async def streams():
+            async with AsyncLLMClient(server.grpc_url) as c:
+                async def one():
+                    return [chunk async for chunk in c.stream_chunks("The Python language " * 10, max_tokens=16)]
+                return await asyncio.gather(*(one() for _ in range(16)))
+        assert all(chunks[-1].final for chunks in asyncio.run(streams()))
+    finally:
+        server.stop()
+    assert "successfully unloaded 'ensemble'" in log.read_text() and "Exit timeout expired" not in log.read_text()
 
 
 def test_sigterm_stops_server_and_stubs(default_model_path, tmp_path):

@@ -195,7 +195,8 @@ class LLMClient:
                 if chunk.final:
                     return
         finally:
-            self.client.stop_stream(cancel_requests=True)
+            # A finished call is closed, not cancelled (AsyncLLMClient.stream_chunks says why).
+            self.client.stop_stream(cancel_requests=not finished)
             if not finished:
                 self._stop_engine_request(request_id)
 
@@ -288,7 +289,7 @@ class AsyncLLMClient:
                 yield chunk
                 if chunk.final:
                     # Read the call to its end (the server closes it at once: our side sent its one request) rather
-                    # than cancel it: tritonserver 2.51 keeps an ensemble loaded for good after a stream cancelled
+                    # than cancel it: tritonserver 2.51 can keep an ensemble loaded for good after a stream cancelled
                     # just after its final response, so its stop then waits out the whole exit timeout.
                     try:
                         async for _ in responses:

@@ -80,7 +80,9 @@ async def _one(client, grpc, model: str, item, send_min_tokens: bool, t0: float,
             num_output = int(np.asarray(count).reshape(-1)[-1])
         final = result.get_response().parameters.get("triton_final_response")
         if final is not None and final.bool_param:
-            break
+            # No break: the call is read to its end, which comes at once (a cancelled one can keep the ensemble
+            # loaded at the server's stop: client/client.py's AsyncLLMClient.stream_chunks).
+            continue
     if not arrivals and error is None:
         error = "no response with text_output"
     return _timing(item, start - t0, start, arrivals, num_output, error)

@@ -1,5 +1,7 @@
 """Broken model folders fail to load with a message naming the file and the value at fault, as Triton's load API
-reports it, while the healthy model on the same server keeps answering."""
+reports it, while the healthy model on the same server keeps answering. Every case is checked against the llm entry's
+own checks (what its initialize runs); three of them, one per kind of source (the weights, the folder's files, the
+machine), go through a real server's load API too: the way an error reaches the operator is the same for all."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -11,10 +13,11 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from repository_helpers import edit_json, explicit_mode_server
+from trellm_backend.models.config import ModelConfigError
 from trellm_backend.tools.add_model import add_model
+from trellm_backend.tools.repository import read_config
+from trellm_backend.triton.checks import serving_config
 from trellm_client.client import LLMClient
-
-pytestmark = pytest.mark.server
 
 KV = str(32 << 20)
 
@@ -77,6 +80,21 @@ def unsupported_quantization(folder):
 CASES = [missing_weights, truncated_weights, unsupported_architecture, tokenizer_larger_than_vocabulary,
          missing_tokenizer, kv_budget_below_one_sequence, negative_block_size, larger_than_memory,
          unsupported_quantization]
+THROUGH_TRITON = [missing_weights, tokenizer_larger_than_vocabulary, larger_than_memory]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_every_broken_folder_fails_the_llm_entrys_checks_by_name(default_model_path, tmp_path, case):
+    folder = broken_copy(default_model_path, str(tmp_path / "hf"))
+    engine, expected = case(folder)
+    (tmp_path / "repo").mkdir()
+    add_model(case.__name__, folder, str(tmp_path / "repo"), {"kv_cache_bytes": KV, **engine})
+    entry = tmp_path / "repo" / f"{case.__name__}_llm"
+    params = {k: v.string_value for k, v in read_config(str(entry / "config.pbtxt")).parameters.items()}
+    with pytest.raises(ModelConfigError) as e:
+        serving_config(params, str(entry))
+    for text in expected:
+        assert text in str(e.value)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +117,7 @@ def load_results(server, default_model_path):
     starts one Python-backend process, not the three of a whole ensemble): case name -> (expected, error text)."""
     s, root = server
     jobs = {}
-    for case in CASES:
+    for case in THROUGH_TRITON:
         name = case.__name__
         folder = broken_copy(default_model_path, str(root / f"hf_{name}"))
         engine, expected = case(folder)
@@ -119,7 +137,8 @@ def load_results(server, default_model_path):
     return {name: (jobs[name], errors[name]) for name in jobs}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+@pytest.mark.server
+@pytest.mark.parametrize("case", THROUGH_TRITON, ids=lambda c: c.__name__)
 def test_broken_folder_fails_with_named_message(server, load_results, case):
     s, _ = server
     expected, error = load_results[case.__name__]
@@ -132,6 +151,7 @@ def test_broken_folder_fails_with_named_message(server, load_results, case):
     good_still_answers(s)
 
 
+@pytest.mark.server
 def test_ensemble_load_reports_the_engine_error_everywhere(server, default_model_path):
     """What an operator sees: the load API's answer, the repository index and the server log all carry it."""
     s, root = server

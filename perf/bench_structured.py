@@ -109,8 +109,8 @@ def decode_rate(engine: LLMEngine, prompts, params_of) -> tuple[float, int, floa
 
 
 def cost(args) -> None:
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(args.model)
+    from trellm_backend.triton.tokenization import load_tokenizer
+    tok = load_tokenizer(args.model)
     engine = LLMEngine(EngineConfig(model_path=args.model, max_num_seqs=64), tok)
     prompts = [tok(PROMPTS[i % len(PROMPTS)] + f" {i}")["input_ids"] for i in range(args.sequences)]
     # A schema whose strings are long enough that most sequences are still decoding for most of the run.

@@ -67,6 +67,8 @@ async def _one(client, grpc, model: str, item, send_min_tokens: bool, t0: float,
 
     start = time.perf_counter()
     arrivals, num_output, error = [], None, None
+    # Read to the call's end, which comes right after the final response: a call cancelled (or left by a break)
+    # then can keep the ensemble loaded at the server's stop (client/client.py's AsyncLLMClient.stream_chunks).
     async for result, err in client.stream_infer(requests()):
         now = time.perf_counter()
         if err is not None:
@@ -78,11 +80,6 @@ async def _one(client, grpc, model: str, item, send_min_tokens: bool, t0: float,
         count = result.as_numpy("num_output_tokens")
         if count is not None:
             num_output = int(np.asarray(count).reshape(-1)[-1])
-        final = result.get_response().parameters.get("triton_final_response")
-        if final is not None and final.bool_param:
-            # No break: the call is read to its end, which comes at once (a cancelled one can keep the ensemble
-            # loaded at the server's stop: client/client.py's AsyncLLMClient.stream_chunks).
-            continue
     if not arrivals and error is None:
         error = "no response with text_output"
     return _timing(item, start - t0, start, arrivals, num_output, error)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -49,8 +50,7 @@ def check_parity(model_dir, vocab, max_tokens=MAX_TOKENS, **engine_kwargs):
     prompts = random_prompts(0, vocab, LENGTHS)
     expected = hf_greedy(model_dir, prompts, max_tokens)
     engine = LLMEngine(EngineConfig(model_path=model_dir, **engine_kwargs))
-    got = run_staggered(engine, prompts, ARRIVALS, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                  ignore_eos=True))
+    got = run_staggered(engine, prompts, ARRIVALS, replace(GREEDY, max_tokens=max_tokens))
     for i, (e, g) in enumerate(zip(expected, got)):
         assert g == e, f"prompt {i} (length {LENGTHS[i]}): engine {g} != transformers {e}"
     assert engine.kv_blocks_used() == 0, "blocks still held after every request finished"

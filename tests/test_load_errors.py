@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import tritonclient.http as httpclient
+from google.protobuf import json_format
 from tritonclient.utils import InferenceServerException
 
 from repository_helpers import edit_json, explicit_mode_server
@@ -17,6 +18,7 @@ from trellm_backend.models.config import ModelConfigError
 from trellm_backend.tools.add_model import add_model
 from trellm_backend.tools.repository import read_config
 from trellm_backend.triton.checks import serving_config
+from trellm_backend.triton.parameters import model_parameters
 from trellm_client.client import LLMClient
 
 KV = str(32 << 20)
@@ -90,9 +92,10 @@ def test_every_broken_folder_fails_the_llm_entrys_checks_by_name(default_model_p
     (tmp_path / "repo").mkdir()
     add_model(case.__name__, folder, str(tmp_path / "repo"), {"kv_cache_bytes": KV, **engine})
     entry = tmp_path / "repo" / f"{case.__name__}_llm"
-    params = {k: v.string_value for k, v in read_config(str(entry / "config.pbtxt")).parameters.items()}
+    # As Triton hands it to initialize: the config as JSON, read by the entry's own model_parameters.
+    config = json_format.MessageToDict(read_config(str(entry / "config.pbtxt")), preserving_proto_field_name=True)
     with pytest.raises(ModelConfigError) as e:
-        serving_config(params, str(entry))
+        serving_config(model_parameters(config), str(entry))
     for text in expected:
         assert text in str(e.value)
 

@@ -46,6 +46,9 @@ MODEL_SIZES = {
                    num_key_value_heads=4, max_position_embeddings=4096),
 }
 DEFAULT_TRAIN_STEPS = {"tiny": 300, "tiny-draft": 300, "small": 150, "40m": 0, "anchor": 0}
+# Sequences of 128 tokens per training step. "small" takes 4: a clean checkout's test run builds it, and at 16 its
+# single-threaded training was the suite's longest item (perf/RESULTS.md, "Quality on a larger model made here").
+TRAIN_BATCH = {"tiny": 16, "tiny-draft": 16, "small": 4, "40m": 16, "anchor": 16}
 VOCAB_SIZES = {"tiny": 4096, "tiny-draft": 4096, "small": 4096, "40m": 4096, "anchor": 8192}
 
 
@@ -114,7 +117,7 @@ def build(out_dir: str, train_steps: int = 300, size: str = "tiny") -> str:
             pad_token_id=tok.token_to_id("<pad>"), tie_word_embeddings=False, torch_dtype="float32")
         model = LlamaForCausalLM(config)
         if train_steps:
-            train(model, ids, train_steps)
+            train(model, ids, train_steps, batch=TRAIN_BATCH[size])
         model.generation_config.eos_token_id = eos
         model.generation_config.bos_token_id = config.bos_token_id
         model.generation_config.pad_token_id = config.pad_token_id

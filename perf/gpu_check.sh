@@ -65,7 +65,7 @@ if [ "$DRY" = 1 ]; then
     # A few tests of each kind: the point is the script, not the coverage (CI runs both files in full).
     KERNEL_ENV=(env TRITON_INTERPRET=1 TRELLM_KERNEL_TEST_DEVICE=cpu TRELLM_CPU_OPS=0)
     KERNEL_SELECT=(-k "test_attention_split_decode or test_write_kv_skips_padding or fp8_encoding or silu_and_mul")
-    PARITY=(tests/test_engine.py -k "test_default_model_matches_transformers or preemption")
+    PARITY=(tests/test_engine.py -k test_default_model_matches_transformers)
     BENCH=(--dry-run --anchor-model hf_models/tiny-llama)
     BENCH_ENV=(env TRITON_INTERPRET=1 TRELLM_CPU_OPS=0)
     LIMITS=(300 300 300)

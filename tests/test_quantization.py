@@ -374,9 +374,11 @@ def test_the_engine_reads_each_linear_of_an_awq_and_a_gptq_checkpoint_into_its_p
 
 @pytest.mark.server
 def test_quantized_models_added_with_the_command_serve_what_the_engine_generates(default_model_path, tmp_path):
-    """INT8 made at load and a GPTQ act-order checkpoint (read as stored: its config.json says so), in one
-    tritonserver. (INT4 made at load takes the INT8 path through the server: the same parameter, checked by
-    checks.py against the same list.)"""
+    """INT8 weights made at load, a GPTQ act-order checkpoint (read as stored: its config.json says so) and an INT8
+    KV cache, each an entry written by `add_model` with its parameter, in one tritonserver: each streams, for every
+    prompt, the tokens the engine makes with the same setting (themselves close to the float model's: above). INT4
+    made at load takes the INT8 path through the server: the same parameter, checked by checks.py against the same
+    list."""
     import subprocess
     import sys
     from conftest import free_ports
@@ -388,56 +390,28 @@ def test_quantized_models_added_with_the_command_serve_what_the_engine_generates
                                                                                     zero_offset=1))
     repo = tmp_path / "repository"
     repo.mkdir()
-    models = {"q8": (default_model_path, "int8"), "gptq": (gptq, "none")}
+    models = {"q8": (default_model_path, "int8", "auto", 32 << 20), "gptq": (gptq, "none", "auto", 32 << 20),
+              "kv8": (default_model_path, "none", "int8", 8 << 20)}
     tok = AutoTokenizer.from_pretrained(default_model_path)
     want = {}
-    for name, (path, quantization) in models.items():
-        r = subprocess.run([sys.executable, "-m", "trellm_backend.tools.add_model", name, path,
-                            f"--repository={repo}", f"--quantization={quantization}", f"--kv-cache-bytes={32 << 20}"],
-                           capture_output=True, text=True)
+    for name, (path, quantization, kv_dtype, kv_bytes) in models.items():
+        r = subprocess.run([sys.executable, "-m", "trellm_backend.tools.add_model", name, path, f"--repository={repo}",
+                            f"--quantization={quantization}", f"--kv-cache-dtype={kv_dtype}",
+                            f"--kv-cache-bytes={kv_bytes}"], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
-        config = read_config(repo / f"{name}_llm" / "config.pbtxt")
-        assert config.parameters["quantization"].string_value == quantization
+        parameters = read_config(repo / f"{name}_llm" / "config.pbtxt").parameters
+        assert parameters["quantization"].string_value == quantization, name
+        assert parameters["kv_cache_dtype"].string_value == kv_dtype, name
         want[name] = {p: tok.decode(ids, skip_special_tokens=True)
-                      for p, ids in engine_texts(path, quantization, 12).items()}
-    http, grpc, metrics = free_ports(3)
-    with TritonServer(str(repo), http, grpc, metrics, log_path=str(tmp_path / "server.log"),
-                      model_control_mode="explicit", load_models=list(models)) as server:
+                      for p, ids in engine_texts(path, quantization, 12, kv_dtype).items()}
+    log = tmp_path / "server.log"
+    with TritonServer(str(repo), *free_ports(3), log_path=str(log), model_control_mode="explicit",
+                      load_models=list(models)) as server:
         for name in models:
             with LLMClient(server.grpc_url, model=name) as c:
                 got = {p: "".join(c.stream(p, max_tokens=12, min_tokens=12)) for p in PROMPTS}
             assert got == want[name], name
-
-
-@pytest.mark.server
-def test_an_int8_kv_model_added_with_the_command_serves_what_the_engine_generates(default_model_path, tmp_path):
-    """`add_model --kv-cache-dtype int8` writes the parameter; tritonserver loads the entry and streams, for every
-    prompt, the tokens the engine makes with an INT8 cache (themselves close to the float model's: above)."""
-    import subprocess
-    import sys
-    from conftest import free_ports
-    from transformers import AutoTokenizer
-    from trellm_backend.tools.launch import TritonServer
-    from trellm_backend.tools.repository import read_config
-    from trellm_client.client import LLMClient
-    repo = tmp_path / "repository"
-    repo.mkdir()
-    r = subprocess.run([sys.executable, "-m", "trellm_backend.tools.add_model", "kv8", default_model_path,
-                        f"--repository={repo}", "--kv-cache-dtype", "int8", f"--kv-cache-bytes={8 << 20}"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert read_config(repo / "kv8_llm" / "config.pbtxt").parameters["kv_cache_dtype"].string_value == "int8"
-    tok = AutoTokenizer.from_pretrained(default_model_path)
-    want = {p: tok.decode(ids, skip_special_tokens=True)
-            for p, ids in engine_texts(default_model_path, "none", 12, "int8").items()}
-    http, grpc, metrics = free_ports(3)
-    log = tmp_path / "server.log"
-    with TritonServer(str(repo), http, grpc, metrics, log_path=str(log), model_control_mode="explicit",
-                      load_models=["kv8"]) as server:
-        with LLMClient(server.grpc_url, model="kv8") as c:
-            got = {p: "".join(c.stream(p, max_tokens=12, min_tokens=12)) for p in PROMPTS}
-    assert got == want
-    # The pool, logged at load: 8 MiB in INT8 holds 7 sequences of 2048 tokens (fp32: 2).
+    # The INT8 pool, logged at load: 8 MiB in INT8 holds 7 sequences of 2048 tokens (fp32: 2).
     assert "int8 (float16 scale per token and head)" in log.read_text()
 
 

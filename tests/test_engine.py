@@ -122,22 +122,6 @@ def test_bad_requests_are_refused_with_the_numbers(default_model_path):
         engine.make_request("f", [5], SamplingParams(top_p=0.0))
 
 
-def test_seeded_sampling_does_not_depend_on_batch_mates(default_model_path):
-    engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20))
-    p = random_prompts(3, 4096, [12, 30, 3])
-    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=42, ignore_eos=True)
-    alone = engine.generate([p[0]], seeded)[0]
-    engine.add_request("x", p[1], SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True))
-    engine.add_request("y", p[0], seeded)
-    engine.add_request("z", p[2], SamplingParams(max_tokens=30, temperature=0.7, seed=7, ignore_eos=True))
-    got = []
-    while engine.has_unfinished():
-        got += [t for o in engine.step() if o.request_id == "y" for t in o.new_token_ids]
-    assert got == alone
-    other_seed = engine.generate([p[0]], SamplingParams(**{**seeded.__dict__, "seed": 43}))[0]
-    assert other_seed != alone
-
-
 @pytest.mark.kernels
 @pytest.mark.parametrize("name, splits", [("default", None), ("qwen3-qknorm-hd8", "3"), ("qwen2-bias-gqa4", None)])
 def test_triton_kernels_match_transformers(monkeypatch, default_model_path, variant_dirs, name, splits, kernel_settings):

@@ -3,6 +3,7 @@ known, and on the engine with the default model."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -143,6 +144,7 @@ def test_every_control_keeps_seeded_output_independent_of_batch_mates(engine):
     engine.add_request("m1", p[1], SamplingParams(max_tokens=6, temperature=1.0, repetition_penalty=2.0))
     engine.add_request("m2", p[2], SamplingParams(max_tokens=14, temperature=0.0, frequency_penalty=1.0))
     assert [o.new_token_ids[0] for o in run(engine, p[0], seeded, "y")] == alone
+    assert [o.new_token_ids[0] for o in run(engine, p[0], replace(seeded, seed=6), "z")] != alone, "seed ignored"
 
 
 def test_min_tokens_and_stop_token_ids(engine):

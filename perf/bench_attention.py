@@ -28,29 +28,10 @@ import torch.nn.functional as F
 
 from trellm_kernels import cpu_ops
 from trellm_kernels.attention import paged_attention, paged_attention_reference
-from trellm_kernels.kv_cache import KV_CACHE_DTYPES, quantize_kv
+from trellm_kernels.kv_cache import KV_CACHE_DTYPES
 
-
-def paged_batch(seq_shapes, H, KVH, D, bs, dtype, seed=0):
-    """Random caches and a shuffled block layout for sequences given as (cached tokens, new tokens)."""
-    g = torch.Generator().manual_seed(seed)
-    n_blocks = sum((c + n + bs - 1) // bs for c, n in seq_shapes) + 1
-    perm = torch.randperm(n_blocks, generator=g).tolist()
-    tables, i = [], 0
-    for c, n in seq_shapes:
-        nb = (c + n + bs - 1) // bs
-        tables.append(perm[i:i + nb])
-        i += nb
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
-    k = torch.randn(n_blocks, bs, KVH, D, generator=g).to(dtype)
-    v = torch.randn(n_blocks, bs, KVH, D, generator=g).to(dtype)
-    q_lens = torch.tensor([n for _, n in seq_shapes], dtype=torch.int32)
-    cu = torch.zeros(len(seq_shapes) + 1, dtype=torch.int32)
-    cu[1:] = q_lens.cumsum(0)
-    seq_lens = torch.tensor([c + n for c, n in seq_shapes], dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), H, D, generator=g).to(dtype)
-    return q, k, v, cu, seq_lens, block_tables, int(q_lens.max()), int(seq_lens.max())
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from kernel_cases import paged_case, quantized  # noqa: E402
 
 
 def cpp(q, k, v, cu, seq_lens, bt, scale, mq, mk, k_scale=None, v_scale=None):
@@ -150,16 +131,9 @@ def main():
     for case, shapes in cases.items():
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
-            batch = paged_batch(shapes, H, KVH, D, bs, dtype)
-            q, k, v, cu, sl, bt, mq, mk = batch
+            batch = paged_case([n for _, n in shapes], [c for c, _ in shapes], H, KVH, D, bs, dtype)
             for kv_name in args.kv_dtypes.split(","):
-                kw = {}
-                if kv_name != "auto":
-                    (k_q, k_s), (v_q, v_s) = (quantize_kv(x, KV_CACHE_DTYPES[kv_name]) for x in (k, v))
-                    call = (q, k_q, v_q, cu, sl, bt, D ** -0.5, mq, mk)
-                    kw = dict(k_scale=k_s, v_scale=v_s)
-                else:
-                    call = (q, k, v, cu, sl, bt, D ** -0.5, mq, mk)
+                call, kw = (batch, {}) if kv_name == "auto" else quantized(batch, KV_CACHE_DTYPES[kv_name])
                 ref = paged_attention_reference(*call, **kw).float()
                 times = {}
                 for n in names:

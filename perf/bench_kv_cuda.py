@@ -10,36 +10,21 @@ Needs CUDA; the tests check the same kernels in Triton's interpreter (tests/test
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 import triton
 
 from trellm_kernels import attention, kv_cache, triton_attention, triton_kv_cache
 
-
-def paged(q_lens, ctx_lens, H, KVH, D, bs, dtype, device, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    n_blocks = [-(-s // bs) for s in seq_lens]
-    total = sum(n_blocks) + 3
-    perm = torch.randperm(total, generator=g).to(torch.int32)
-    tables = torch.full((len(q_lens), max(n_blocks)), -1, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(n_blocks):
-        tables[b, :n] = perm[used:used + n]
-        used += n
-    k = torch.randn(total, bs, KVH, D, generator=g).to(dtype)
-    v = torch.randn(total, bs, KVH, D, generator=g).to(dtype)
-    q = torch.randn(sum(q_lens), H, D, generator=g).to(dtype)
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    to = lambda t: t.to(device)  # noqa: E731
-    return (to(q), to(k), to(v), to(cu), to(torch.tensor(seq_lens, dtype=torch.int32)), to(tables), D ** -0.5,
-            max(q_lens), max(seq_lens))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from kernel_cases import paged_case, quantized  # noqa: E402
 
 
-def quantize(args, cache_dtype):
-    (kq, ks), (vq, vs) = kv_cache.quantize_kv(args[1], cache_dtype), kv_cache.quantize_kv(args[2], cache_dtype)
-    return (args[0], kq, vq, *args[3:]), dict(k_scale=ks, v_scale=vs)
+def paged(q_lens, ctx_lens, H, KVH, D, bs, dtype, device):
+    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t
+                 for t in paged_case(q_lens, ctx_lens, H, KVH, D, bs, dtype))
 
 
 def check(device):
@@ -63,7 +48,7 @@ def check(device):
             # attention: decodes, chunks over cached prefixes, GQA 4, head 128 and 64
             for H, KVH, D, bs in ((32, 8, 128, 16), (8, 2, 64, 32)):
                 for q_lens, ctx in (([1, 7, 33, 1, 200], [500, 16, 0, 1023, 77]), ([1] * 9, [5, 900, 33] * 3)):
-                    args, sc = quantize(paged(q_lens, ctx, H, KVH, D, bs, dtype, device), cache_dtype)
+                    args, sc = quantized(paged(q_lens, ctx, H, KVH, D, bs, dtype, device), cache_dtype)
                     ref = attention.paged_attention_reference(*args, **sc).float()
                     for splits in ((1, 4) if max(q_lens) == 1 else (1,)):
                         out = triton_attention.paged_attention_triton(*args, num_splits=splits, **sc).float()
@@ -81,7 +66,7 @@ def bench(args, device):
           f"{args.dtype} queries; microseconds per call")
     first = None
     for name, cache_dtype in (("model dtype", None), ("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)):
-        call, kw = (base, {}) if cache_dtype is None else quantize(base, cache_dtype)
+        call, kw = (base, {}) if cache_dtype is None else quantized(base, cache_dtype)
         for splits in (1, None):
             us = triton.testing.do_bench(lambda: triton_attention.paged_attention_triton(
                 *call, num_splits=splits, **kw)) * 1e3

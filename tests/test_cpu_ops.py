@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from trellm_kernels import activation, attention, cpu_ops, dispatch, kv_cache, linear, lora, rmsnorm, rotary
-from test_kernels import (BF16, F16, F32, KV_QUANT, QUANTIZED_WRITE_CASES, check_quantized_write, close, paged_case,
-                          quantized, randn)
+from kernel_cases import paged_case, quantized, randn
+from test_kernels import BF16, F16, F32, KV_QUANT, QUANTIZED_WRITE_CASES, check_quantized_write, close
 
 pytestmark = pytest.mark.kernels
 

@@ -28,6 +28,8 @@ from trellm_kernels import triton_activation, triton_attention, triton_kv_cache,
 from trellm_kernels import triton_linear
 from trellm_kernels import lora, triton_lora
 
+from kernel_cases import paged_case, quantized, randn
+
 INTERPRETED = dispatch.settings().triton_interpret
 # Where the Triton kernels run: unset, on the tests' own CPU tensors (interpreted); "cuda", compiled on the GPU.
 KERNEL_DEVICE = os.environ.get("TRELLM_KERNEL_TEST_DEVICE")
@@ -92,32 +94,7 @@ def close(actual, expected, dtype=None):
     torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype or expected.dtype])
 
 
-def randn(g, *shape, dtype=F32):
-    return torch.randn(*shape, generator=g).to(dtype)
-
-
 # ----------------------------------------------------------------------------------------------- paged attention
-
-def paged_case(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0):
-    """A batch whose sequence b has ctx_lens[b] cached tokens and q_lens[b] new ones. Blocks are a random
-    permutation (so neither contiguous nor ordered), the table is -1 padded, spare blocks hold garbage."""
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    n_blocks = [-(-s // block_size) for s in seq_lens]
-    total = sum(n_blocks) + 3
-    perm = torch.randperm(total, generator=g).to(torch.int32)
-    tables = torch.full((len(q_lens), max(n_blocks) + 2), -1, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(n_blocks):
-        tables[b, :n] = perm[used:used + n]
-        used += n
-    k_cache = randn(g, total, block_size, kv_heads, head_dim, dtype=dtype)
-    v_cache = randn(g, total, block_size, kv_heads, head_dim, dtype=dtype)
-    q = randn(g, sum(q_lens), heads, head_dim, dtype=dtype)
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    return (q, k_cache, v_cache, cu, torch.tensor(seq_lens, dtype=torch.int32), tables, head_dim ** -0.5,
-            max(q_lens), max(seq_lens))
-
 
 def check_attention(args, num_splits):
     out = triton_attention.paged_attention_triton(*args, num_splits=num_splits)
@@ -244,14 +221,6 @@ def test_write_kv_skips_padding(kvh, d, bs, dtype, cache_dtype):
 # ------------------------------------------------------------------------------- INT8 / FP8 KV cache (issue 17)
 
 KV_QUANT = [torch.int8, torch.float8_e4m3fn]
-
-
-def quantized(args, cache_dtype):
-    """paged_case's arguments with its caches quantized to cache_dtype (kv_cache.quantize_kv), and their scales."""
-    q, k_cache, v_cache = args[:3]
-    qk, k_scale = kv_cache.quantize_kv(k_cache, cache_dtype)
-    qv, v_scale = kv_cache.quantize_kv(v_cache, cache_dtype)
-    return (q, qk, qv, *args[3:]), dict(k_scale=k_scale, v_scale=v_scale)
 
 
 def dequantized(args, scales):

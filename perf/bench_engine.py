@@ -97,9 +97,7 @@ FORWARD_OPS = ("linear", "paged_attention", "write_kv", "apply_rotary", "fused_a
 def split_anchor_steps(engine: LLMEngine, model_dir: str, by_op: bool = False):
     """Run the anchor profile's requests and report prefill and decode steps apart (and, `by_op`, the forward's
     operations: each of FORWARD_OPS, as the model module calls it, timed around the call)."""
-    import sys
     from collections import defaultdict
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from workload import PromptMaker, make_items, profiles, run_at_once
     items = make_items(PromptMaker(model_dir), profiles()["anchor"], 48, 0)
     execute = engine.runner.execute

@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
-sys.path[:0] = [os.path.join(REPO, "tests"), os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, os.path.join(REPO, "tests"))
 
 from hf_models import LORAS, make_lora, random_prompts  # noqa: E402
 from trellm_backend.engine.config import EngineConfig  # noqa: E402

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from trellm_backend.tools.launch import openmp_wait_defaults
 
@@ -25,7 +24,6 @@ from trellm_backend.engine.engine import LLMEngine  # noqa: E402
 from trellm_backend.engine.limits import kv_bytes_per_block  # noqa: E402
 from trellm_backend.engine.request import SamplingParams  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import PromptMaker, make_items, profiles, run_at_once  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

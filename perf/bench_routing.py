@@ -23,7 +23,6 @@ import sys
 import time
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from trellm_backend.tools.launch import TritonServer, start_front_door, stop_front_door  # noqa: E402
 from trellm_backend.tools.testbed import free_ports, metric_samples, private_repository  # noqa: E402
 from workload import PromptMaker  # noqa: E402

@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "perf"))
 
 from workload import PromptMaker  # noqa: E402
 from trellm_backend.engine.config import EngineConfig  # noqa: E402

@@ -21,7 +21,6 @@ import os
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
@@ -34,7 +33,7 @@ from trellm_backend.engine.request import SamplingParams  # noqa: E402
 from trellm_backend.engine.structured_output import Guide  # noqa: E402
 from trellm_backend.tools.launch import TritonServer  # noqa: E402
 from trellm_backend.tools.testbed import free_ports  # noqa: E402
-from trellm_client.client import LLMClient  # noqa: E402
+from trellm_client.client import LLMClient, http_generate  # noqa: E402
 
 PROMPTS = ["Hello", "The answer is", "A list:", "def f(x):", "Once upon a time", "Q: what is it? A:"]
 VLLM_KEY = {"json_schema": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
@@ -58,13 +57,9 @@ def ensemble_sample(server: TritonServer, guide: Guide, seed: int) -> tuple[str,
 
 def vllm_sample(server: TritonServer, guide: Guide, seed: int) -> tuple[str, str]:
     value = json.loads(guide.text) if guide.type in ("json_schema", "choice") else guide.text
-    body = {"text_input": PROMPTS[seed % len(PROMPTS)], "exclude_input_in_output": True, "return_finish_reason": True,
-            "sampling_parameters": json.dumps({"temperature": 1.0, "seed": seed, "max_tokens": 400,
-                                               VLLM_KEY[guide.type]: value})}
-    req = urllib.request.Request(f"http://{server.http_url}/v2/models/vllm_model/generate",
-                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        out = json.loads(r.read())
+    [out] = http_generate(server.http_url, PROMPTS[seed % len(PROMPTS)], "vllm_model", exclude_input_in_output=True,
+                          return_finish_reason=True, sampling_parameters=json.dumps(
+                              {"temperature": 1.0, "seed": seed, "max_tokens": 400, VLLM_KEY[guide.type]: value}))
     return out["text_output"], out.get("finish_reason", "")
 
 

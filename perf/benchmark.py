@@ -41,7 +41,6 @@ os.environ.update(openmp_wait_defaults(os.environ))
 
 from tqdm import tqdm  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpc_load  # noqa: E402
 import report  # noqa: E402
 from workload import PROFILE_NAMES, PromptMaker, make_items, profiles, run_at_once  # noqa: E402
@@ -90,14 +89,6 @@ def baseline_requests(args, levels: list[dict], plan) -> tuple[str, dict, list, 
     return name, level, items, requests
 
 
-def load_llm_engine():
-    """This project's engine classes. One place to follow if the backend's modules move."""
-    from trellm_backend.engine.config import EngineConfig
-    from trellm_backend.engine.engine import LLMEngine
-    from trellm_backend.engine.request import SamplingParams
-    return LLMEngine, EngineConfig, SamplingParams
-
-
 def served_engine_settings(model_repository: str, llm_params: dict[str, str]) -> dict[str, str]:
     """The llm model's engine parameters in `model_repository` (its config.pbtxt), with `llm_params` on top."""
     from trellm_backend.tools.repository import read_config
@@ -112,7 +103,9 @@ def served_engine_settings(model_repository: str, llm_params: dict[str, str]) ->
 
 def run_engine_alone(model_dir: str, requests: list[tuple[list[int], int]], settings: dict[str, str]) -> dict:
     """This project's LLMEngine in this process, no Triton: every request added at t=0, stepped until done."""
-    LLMEngine, EngineConfig, SamplingParams = load_llm_engine()
+    from trellm_backend.engine.config import EngineConfig
+    from trellm_backend.engine.engine import LLMEngine
+    from trellm_backend.engine.request import SamplingParams
     engine = LLMEngine(EngineConfig.from_strings({**settings, "model_path": os.path.abspath(model_dir)}))
     engine.generate([requests[0][0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     run = run_at_once(engine, requests)

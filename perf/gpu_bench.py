@@ -25,7 +25,6 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The decode/prefill model on a GPU: TinyLlama-1.1B's shape (22 layers, GQA 4, head_dim 64), random bf16 weights:

@@ -15,10 +15,6 @@ class BaselineResult:
     wall_s: float
     output_tokens: int
 
-    @property
-    def output_tok_s(self) -> float:
-        return self.output_tokens / self.wall_s
-
 
 def load(model_dir: str):
     import torch

@@ -14,7 +14,6 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpc_load  # noqa: E402
 from benchmark import DEFAULT_MODEL_DIR, REPO  # noqa: E402
 from workload import Profile, PromptMaker, make_items  # noqa: E402

@@ -47,10 +47,8 @@ def default_model_path() -> str:
 def triton_server(default_model_path, tmp_path_factory):
     """tritonserver on the repository's model_repository, on free ports; stopped when the session ends."""
     from trellm_backend.tools.launch import TritonServer
-    http, grpc, metrics = free_ports(3)
     log = tmp_path_factory.mktemp("triton") / "server.log"
-    server = TritonServer(os.path.join(REPO, "model_repository"), http, grpc, metrics, log_path=str(log))
-    server.start()
+    server = TritonServer(os.path.join(REPO, "model_repository"), *free_ports(3), log_path=str(log)).start()
     yield server
     server.stop()
     assert server.proc is None

@@ -68,8 +68,5 @@ def explicit_mode_server(root, name: str, model_path: str, kv_cache_bytes: str):
     repo = root / "repository"
     repo.mkdir()
     add_model(name, model_path, str(repo), {"kv_cache_bytes": kv_cache_bytes})
-    http, grpc, metrics = free_ports(3)
-    server = TritonServer(str(repo), http, grpc, metrics, log_path=str(root / "server.log"),
-                          model_control_mode="explicit", load_models=[name])
-    server.start()
-    return server
+    return TritonServer(str(repo), *free_ports(3), log_path=str(root / "server.log"), model_control_mode="explicit",
+                        load_models=[name]).start()

@@ -17,6 +17,7 @@ from repository_helpers import (MAX_TOKENS, PROMPTS, explicit_mode_server, greed
                                 processes_mentioning, variant_model)
 from trellm_backend.tools.add_model import TEMPLATE_ENTRIES, add_model, remove_model
 from trellm_backend.tools.repository import read_config
+from trellm_backend.tools.testbed import wait_until
 from trellm_client.client import LLMClient, http_generate
 
 pytestmark = pytest.mark.server
@@ -112,15 +113,6 @@ def vllm_answers(http_url: str, model: str) -> dict[str, str]:
                              exclude_input_in_output=True)[0]["text_output"] for p in PROMPTS}
 
 
-def wait_for(predicate, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.5)
-    return False
-
-
 def test_hot_load_serves_own_weights_and_unload_returns_memory(explicit_server, default_model_path):
     server, root = explicit_server
     second = variant_model(default_model_path, str(root / "hf_second"))
@@ -148,8 +140,8 @@ def test_hot_load_serves_own_weights_and_unload_returns_memory(explicit_server, 
 
     client.unload_model("second_vllm_model")                      # not a dependency of the ensemble: on its own
     client.unload_model("second", unload_dependents=True)
-    stubs_gone = wait_for(lambda: not processes_mentioning(os.path.join(server.model_repository, "second_")))
-    assert stubs_gone, "the unloaded model's Python-backend processes are still running"
+    wait_until(lambda: not processes_mentioning(os.path.join(server.model_repository, "second_")), 60,
+               "the unloaded model's Python-backend processes to end", interval=0.5)
     time.sleep(1)
     rss_after = process_group_rss(server.proc.pid)
     print(f"\nserver process-tree RSS: before load {rss_before / 2**20:.0f} MiB, after load "

@@ -14,7 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from trellm_client.client import LLMClient, http_generate, vllm_inputs
-from trellm_backend.tools.testbed import metric_sum
+from trellm_backend.tools.testbed import metric_sum, wait_until
 
 pytestmark = pytest.mark.server
 
@@ -256,7 +256,6 @@ def _metric(server, name, **labels) -> float:
 
 
 def test_vllm_model_client_cancel_aborts_the_generation(triton_server):
-    import time
     aborted = dict(name="vllm:request_success_total", finished_reason="abort")
     before = _metric(triton_server, **aborted)
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
@@ -268,7 +267,5 @@ def test_vllm_model_client_cancel_aborts_the_generation(triton_server):
         assert q.get(timeout=60)[1] is None
     client.stop_stream(cancel_requests=True)
     client.close()
-    deadline = time.monotonic() + 30
-    while _metric(triton_server, **aborted) == before and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: _metric(triton_server, **aborted) != before, 30, "the cancelled request to end as aborted", 0.2)
     assert _metric(triton_server, **aborted) == before + 1, "the engine kept generating for a cancelled client"

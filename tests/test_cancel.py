@@ -35,9 +35,7 @@ def server(default_model_path, tmp_path_factory):
     from trellm_backend.tools.launch import TritonServer
     root = tmp_path_factory.mktemp("cancel")
     repo = private_repository(os.path.join(REPO, "model_repository"), str(root / "model_repository"), SETTINGS)
-    http, grpc, metrics = free_ports(3)
-    s = TritonServer(repo, http, grpc, metrics, log_path=str(root / "server.log"))
-    s.start()
+    s = TritonServer(repo, *free_ports(3), log_path=str(root / "server.log")).start()
     yield s
     s.stop()
 

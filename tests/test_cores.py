@@ -6,15 +6,15 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 
 import pytest
 
+from test_engine_loop import SlowSink
 from trellm_backend.engine.loop import EngineLoop
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.request import SamplingParams
+from trellm_backend.tools.testbed import wait_until
 
 # A thread (the stepping thread's place) runs 300 parallel regions back to back; the process's context switches
 # meanwhile count how often a worker slept between them. All cores are used, so the loading thread's pool plus the
@@ -88,9 +88,7 @@ def test_yield_process_lowers_every_thread_of_a_process():
                               "[threading.Thread(target=time.sleep, args=(30,), daemon=True).start() for _ in range(3)]\n"
                               "time.sleep(30)"])
     try:
-        deadline = time.monotonic() + 10
-        while len(os.listdir(f"/proc/{child.pid}/task")) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: len(os.listdir(f"/proc/{child.pid}/task")) >= 4, 10, "the child's four threads")
         assert yield_process(child.pid) == 4
         assert {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{child.pid}/task")} == {os.SCHED_IDLE}
     finally:
@@ -98,23 +96,9 @@ def test_yield_process_lowers_every_thread_of_a_process():
         child.wait()
 
 
-class SlowSink:
-    """A sink whose send blocks like an IPC round trip through tritonserver (2 ms), recording each output."""
-
-    def __init__(self):
-        self.outputs, self.done = [], threading.Event()
-
-    def send(self, output):
-        time.sleep(0.002)
-        self.outputs.append(output)
-        if output.finished:
-            self.done.set()
-
-    def fail(self, message):
-        self.done.set()
-
-    def is_cancelled(self):
-        return False
+class IpcSink(SlowSink):
+    """A sink whose send blocks like an IPC round trip through tritonserver (2 ms)."""
+    delay = 0.002
 
 
 def test_a_lone_stream_gets_every_token_in_its_own_response(default_model_path):
@@ -123,7 +107,7 @@ def test_a_lone_stream_gets_every_token_in_its_own_response(default_model_path):
     engine = LLMEngine(EngineConfig(model_path=default_model_path, kv_cache_bytes=16 << 20))
     loop = EngineLoop(engine)
     try:
-        sink = SlowSink()
+        sink = IpcSink()
         params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0, ignore_eos=True)
         loop.submit([engine.make_request("lone", [1, 2, 3, 4], params)], [sink])
         assert sink.done.wait(60)

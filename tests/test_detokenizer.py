@@ -1,6 +1,5 @@
 """Streamed text: runs of tokens detokenized without state concatenate to exactly the full decode, and the engine's
 text (output_processor.py) is what a stateless step (postprocess) remakes from each output's tokens."""
-import os
 import subprocess
 import sys
 

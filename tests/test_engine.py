@@ -21,20 +21,34 @@ ARRIVALS = [0, 0, 2, 3, 5, 9]          # engine step at which each request is ad
 MAX_TOKENS = 20
 
 
-def run_staggered(engine: LLMEngine, prompts, arrivals, params) -> list[list[int]]:
-    """Add prompt i at step arrivals[i]; step until all finish; return each one's tokens."""
-    out = {i: [] for i in range(len(prompts))}
-    order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+def run(eng: LLMEngine, prompts, params, arrivals=None, params_of=None, after_step=None) -> list[dict]:
+    """Add prompt i at step arrivals[i] (all at once by default) with `params` (or params_of(i)); step until all
+    finish, calling after_step() after each step if given; check that no KV block is still held. Returns each
+    prompt's outputs merged: tokens, text, logprobs, top logprobs and finish reason."""
+    arrivals = arrivals or [0] * len(prompts)
+    outs = {i: [] for i in range(len(prompts))}
+    order = sorted(range(len(prompts)), key=arrivals.__getitem__)
     step = 0
-    while order or engine.has_unfinished():
+    while order or eng.has_unfinished():
         while order and arrivals[order[0]] <= step:
             i = order.pop(0)
-            engine.add_request(str(i), prompts[i], params)
-        for o in engine.step():
-            out[int(o.request_id)].extend(o.new_token_ids)
+            eng.add_request(str(i), prompts[i], params_of(i) if params_of else params)
+        for o in eng.step():
+            outs[int(o.request_id)].append(o)
+        if after_step is not None:
+            after_step()
         step += 1
         assert step < 10_000
-    return [out[i] for i in range(len(prompts))]
+    assert eng.kv_blocks_used() == 0, "blocks still held after every request finished"
+    return [dict(tokens=[t for x in o for t in x.new_token_ids], text="".join(x.text for x in o),
+                 logprobs=[v for x in o for v in (x.logprobs or [])],
+                 top=[v for x in o for v in (x.top_logprobs or [])], reason=o[-1].finish_reason)
+            for o in (outs[i] for i in range(len(prompts)))]
+
+
+def run_staggered(engine: LLMEngine, prompts, arrivals, params) -> list[list[int]]:
+    """Each prompt's tokens, prompt i added at step arrivals[i]."""
+    return [r["tokens"] for r in run(engine, prompts, params, arrivals)]
 
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -53,7 +67,6 @@ def check_parity(model_dir, vocab, max_tokens=MAX_TOKENS, **engine_kwargs):
     got = run_staggered(engine, prompts, ARRIVALS, replace(GREEDY, max_tokens=max_tokens))
     for i, (e, g) in enumerate(zip(expected, got)):
         assert g == e, f"prompt {i} (length {LENGTHS[i]}): engine {g} != transformers {e}"
-    assert engine.kv_blocks_used() == 0, "blocks still held after every request finished"
     return engine
 
 

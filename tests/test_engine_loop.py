@@ -10,6 +10,7 @@ from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.loop import DuplicateClientId, EngineLoop, QueueFull
 from trellm_backend.engine.request import SamplingParams
+from trellm_backend.tools.testbed import wait_until
 from trellm_backend.triton.tokenization import load_tokenizer
 
 LONG = SamplingParams(max_tokens=5000, temperature=0.0, ignore_eos=True)
@@ -41,13 +42,6 @@ def loop(default_model_path):
     loop = EngineLoop(engine)
     yield loop
     loop.stop()
-
-
-def wait_until(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def submit(loop, rid, client_id=None, n=1):
@@ -174,10 +168,11 @@ def test_shut_down_refuses_new_requests_and_ends_those_in_flight_after_the_grace
 
 
 class SlowSink(Sink):
-    """A client whose responses take longer than a step, as a busy server's IPC does."""
+    """A client whose responses take `delay` seconds each: longer than a step, as a busy server's IPC does."""
+    delay = 0.03
 
     def send(self, output):
-        time.sleep(0.03)
+        time.sleep(self.delay)
         super().send(output)
 
 

@@ -21,7 +21,7 @@ from conftest import REPO, free_ports
 from trellm_backend.engine.limits import DEFAULT_BLOCK_SIZE
 from trellm_backend.tools import launch
 from trellm_backend.tools.healthcheck import generate_probe
-from trellm_backend.tools.testbed import metric_samples, metric_sum, private_repository
+from trellm_backend.tools.testbed import metric_samples, metric_sum, private_repository, wait_until
 from trellm_client.client import LLMClient
 
 K8S = os.path.join(REPO, "deploy", "k8s")
@@ -255,10 +255,7 @@ def test_a_terminated_pod_drains_and_exits_within_its_grace_period(default_model
         def llm_samples():
             return {s.name: s.value for s in metric_samples(metrics)
                     if s.labels.get("model") == "llm" or s.name.startswith("vllm:")}
-        deadline = time.monotonic() + 120
-        while llm_samples().get("vllm:num_requests_waiting", 0) < 4:
-            assert time.monotonic() < deadline, "the requests never queued"
-            time.sleep(0.2)
+        wait_until(lambda: llm_samples().get("vllm:num_requests_waiting", 0) >= 4, 120, "four queued requests", 0.2)
         time.sleep(3)
         seen = llm_samples()
         assert seen["vllm:num_requests_waiting"] >= 4 and seen["vllm:num_requests_running"] == 2
@@ -327,10 +324,7 @@ def test_the_autoscaler_asks_for_more_replicas_as_the_queue_grows(default_model_
             while len(readers) < streams:
                 readers.append(threading.Thread(target=stream, daemon=True))
                 readers[-1].start()
-            deadline = time.monotonic() + 60
-            while waiting(server) < streams - 4:
-                assert time.monotonic() < deadline, f"{streams} streams never queued"
-                time.sleep(0.1)
+            wait_until(lambda: waiting(server) >= streams - 4, 60, f"{streams - 4} of {streams} streams queued", 0.1)
             series = []
             for _ in range(20):          # the rule's mean over its window, here 2 s of samples
                 series.append(waiting(server))

@@ -22,7 +22,7 @@ from conftest import REPO, free_ports
 from repository_helpers import processes_mentioning
 from trellm_backend.tools.launch import TritonServer, openmp_wait_defaults
 from trellm_backend.tools.supervisor import Supervisor, server_children, stub_shm_regions
-from trellm_backend.tools.testbed import private_repository
+from trellm_backend.tools.testbed import private_repository, wait_until
 from trellm_client.client import LLMClient
 
 pytestmark = pytest.mark.server
@@ -149,9 +149,7 @@ def test_a_front_end_dying_mid_answer_does_not_end_the_supervision():
     answer raised out of check() and ended the supervisor, so nothing restarted the crashed server."""
     with _fake_server_behind(_CutIndex) as server:
         supervisor = Supervisor(server, log=open(os.devnull, "w"), probe_interval=0.01, probe_failures=1)
-        deadline = time.monotonic() + 10
-        while (reason := supervisor.check()) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        reason = wait_until(supervisor.check, 10, "a reason to restart", 0.01)
         assert reason and "generate probes" in reason and "IncompleteRead" in reason, reason
 
 
@@ -219,10 +217,8 @@ def test_a_stub_that_died_before_the_supervisor_first_looked_is_noticed(tmp_path
     stub.symlink_to(shutil.which("true"))
     with _fake_server_behind(_IndexAndConfigs, functools.partial(_ServerWhoseStubDiedUnseen,
                                                                  stub_program=str(stub))) as server:
-        deadline = time.monotonic() + 30
-        while not any(c.state == "Z" for c in server_children(server.proc.pid).values()):
-            assert time.monotonic() < deadline, "the stand-in stub never became a zombie"
-            time.sleep(0.05)
+        wait_until(lambda: any(c.state == "Z" for c in server_children(server.proc.pid).values()), 30,
+                   "the stand-in stub becoming a zombie", 0.05)
         supervisor = Supervisor(server, log=open(os.devnull, "w"))
         reasons = [supervisor.check(), supervisor.check()]     # a zombie counts when seen twice
         assert reasons[0] is None and reasons[1] is not None
@@ -232,8 +228,7 @@ def test_a_stub_that_died_before_the_supervisor_first_looked_is_noticed(tmp_path
 def test_a_server_whose_stubs_are_killed_at_stop_leaves_no_shared_memory(default_model_path, tmp_path):
     """A stub removes its /dev/shm region only when its model unloads; one killed (a stop past the exit timeout, or
     at once as here) left its region for good, 1-64 MiB each."""
-    http, grpc, metrics = free_ports(3)
-    server = TritonServer(os.path.join(REPO, "model_repository"), http, grpc, metrics,
+    server = TritonServer(os.path.join(REPO, "model_repository"), *free_ports(3),
                           log_path=str(tmp_path / "server.log")).start()
     regions = stub_shm_regions(server.proc.pid)
     python_models = [m for m in os.listdir(os.path.join(REPO, "model_repository"))
@@ -468,18 +463,17 @@ def test_stopping_the_server_ends_ensemble_streams_with_a_final_abort(tmp_path):
     such stream a leak that kept every stop waiting out the exit timeout)."""
     repo = tmp_path / "model_repository"
     private_repository(os.path.join(REPO, "model_repository"), str(repo), {"llm": {"shutdown_grace_s": "1"}})
-    http, grpc, metrics = free_ports(3)
     log = tmp_path / "server.log"
-    server = TritonServer(str(repo), http, grpc, metrics, log_path=str(log)).start()
+    server = TritonServer(str(repo), *free_ports(3), log_path=str(log)).start()
     try:
-        cancel_ensemble_stream_midway(f"localhost:{grpc}")
+        cancel_ensemble_stream_midway(server.grpc_url)
         ends: dict[int, tuple] = {}
         started = threading.Barrier(4)
 
         def stream(i):
             chunks = []
             try:
-                with LLMClient(f"localhost:{grpc}") as c:
+                with LLMClient(server.grpc_url) as c:
                     for chunk in c.stream_chunks("Once upon a time", stream=True, max_tokens=2000, min_tokens=2000):
                         chunks.append(chunk)
                         if len(chunks) == 3:

@@ -11,6 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from hf_models import LORAS, hf_lora_greedy, make_lora, random_prompts
+from test_engine import run
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.request import SamplingParams
@@ -31,17 +32,9 @@ def greedy(eng: LLMEngine, prompts, names, max_tokens, after_step=None) -> list[
     """Every (prompt, adapter) pair admitted at once: one continuous batch mixing the adapters and the base.
     `after_step()`, if given, runs after every step (a test's per-step check)."""
     jobs = [(p, n) for n in names for p in prompts]
-    out = {i: [] for i in range(len(jobs))}
-    for i, (p, n) in enumerate(jobs):
-        eng.add_request(str(i), p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                                  lora_name=n))
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[int(o.request_id)].extend(o.new_token_ids)
-        if after_step is not None:
-            after_step()
-    assert eng.kv_blocks_used() == 0
-    return [out[i] for i in range(len(jobs))]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, lora_name=n) for _, n in jobs]
+    return [r["tokens"] for r in run(eng, [p for p, _ in jobs], None, params_of=params.__getitem__,
+                                     after_step=after_step)]
 
 
 def running_adapters_at_most(eng: LLMEngine, n: int) -> None:
@@ -145,13 +138,12 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
     sampling_parameters.lora_name) give transformers + peft's greedy text for each, requests of all at once."""
     import concurrent.futures
     import urllib.error
-    import urllib.request
 
     from transformers import AutoTokenizer
 
     from trellm_backend.tools.launch import TritonServer
     from trellm_backend.tools.testbed import free_ports, private_repository
-    from trellm_client.client import LLMClient, infer_input
+    from trellm_client.client import LLMClient, http_generate, infer_input
     repo = private_repository(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                            "model_repository"), str(tmp_path / "repo"),
                               {"llm": {"lora_adapters": json.dumps(adapters)}})
@@ -160,8 +152,7 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
     ids = tok(prompt)["input_ids"]
     want = {n: tok.decode(hf_lora_greedy(default_model_path, adapters.get(n), [ids], 10)[0], skip_special_tokens=True)
             for n in [None, *LORAS]}
-    http, grpc, metrics = free_ports(3)
-    with TritonServer(repo, http, grpc, metrics, log_path=str(tmp_path / "server.log")) as server:
+    with TritonServer(repo, *free_ports(3), log_path=str(tmp_path / "server.log")) as server:
         def ensemble(name):
             with LLMClient(server.grpc_url) as c:
                 return c.generate(prompt, max_tokens=10, ignore_eos=True, exclude_input_in_output=True,
@@ -169,12 +160,9 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
 
         def vllm(name):
             sampling = {"max_tokens": 10, "temperature": 0, "ignore_eos": True, **({"lora_name": name} if name else {})}
-            body = {"text_input": prompt, "exclude_input_in_output": True, "sampling_parameters": json.dumps(sampling)}
-            req = urllib.request.Request(f"http://{server.http_url}/v2/models/vllm_model/generate",
-                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=60) as r:
-                    return json.loads(r.read())["text_output"]
+                return http_generate(server.http_url, prompt, "vllm_model", exclude_input_in_output=True,
+                                     sampling_parameters=json.dumps(sampling))[0]["text_output"]
             except urllib.error.HTTPError as e:
                 return f"HTTP {e.code}: {e.read().decode()}"
         names = [None, *LORAS] * 2
@@ -217,7 +205,7 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
         def benchmark(names):
             return subprocess.run([sys.executable, os.path.join(
                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf", "benchmark.py"),
-                "--url", server.grpc_url, "--metrics-url", f"http://localhost:{metrics}/metrics", "--model-dir",
+                "--url", server.grpc_url, "--metrics-url", f"http://localhost:{server.metrics_port}/metrics", "--model-dir",
                 default_model_path, "--smoke", "--profiles", "anchor", "--out", str(out), "--no-progress",
                 *(f"--lora={n}={adapters.get(n, tmp_path)}" for n in names)], capture_output=True, text=True,
                 timeout=300)

@@ -67,10 +67,8 @@ def test_metrics_match_the_requests_sent(triton_server):
 def test_server_with_metrics_off_still_serves(default_model_path, tmp_path):
     from conftest import REPO, free_ports
     from trellm_backend.tools.launch import TritonServer
-    http, grpc, metrics = free_ports(3)
-    server = TritonServer(f"{REPO}/model_repository", http, grpc, metrics, log_path=str(tmp_path / "server.log"),
-                          extra_args=["--allow-metrics=false"])
-    server.start()
+    server = TritonServer(f"{REPO}/model_repository", *free_ports(3), log_path=str(tmp_path / "server.log"),
+                          extra_args=["--allow-metrics=false"]).start()
     try:
         with LLMClient(server.grpc_url) as client:
             assert client.generate(PROMPTS[0], max_tokens=4, min_tokens=4, exclude_input_in_output=True)

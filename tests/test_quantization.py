@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 
+from test_engine import run
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.request import SamplingParams
@@ -34,14 +35,9 @@ def engine_texts(model_path: str, quantization: str, max_tokens: int, kv_cache_d
     tok = AutoTokenizer.from_pretrained(model_path)
     engine = LLMEngine(EngineConfig(model_path=model_path, kv_cache_bytes=64 << 20, quantization=quantization,
                                     kv_cache_dtype=kv_cache_dtype, **engine))
-    for p in PROMPTS:
-        engine.add_request(p, tok(p).input_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                ignore_eos=True))
-    tokens: dict[str, list[int]] = {p: [] for p in PROMPTS}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-    return tokens
+    outputs = run(engine, [tok(p).input_ids for p in PROMPTS],
+                  SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return {p: out["tokens"] for p, out in zip(PROMPTS, outputs)}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from test_engine import check_parity, model_dir_for, random_prompts, VARIANTS
+from test_engine import check_parity, model_dir_for, random_prompts, run, VARIANTS
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.proposers import NgramProposer
@@ -25,30 +25,6 @@ REPETITIVE = ["def add(a, b):\n    return a + b\n\ndef add(a, b):",
 def engine(path, tokenizer=None, method="ngram", **kw):
     kw.setdefault("speculative_disable_batch_size", 64)
     return LLMEngine(EngineConfig(path, speculative_method=method, **kw), tokenizer)
-
-
-def run(eng: LLMEngine, prompts, params, arrivals=None, params_of=None):
-    """Add prompt i at step arrivals[i] (all at once by default); returns each one's outputs (merged)."""
-    arrivals = arrivals or [0] * len(prompts)
-    outs = {i: [] for i in range(len(prompts))}
-    order = sorted(range(len(prompts)), key=arrivals.__getitem__)
-    step = 0
-    while order or eng.has_unfinished():
-        while order and arrivals[order[0]] <= step:
-            i = order.pop(0)
-            eng.add_request(str(i), prompts[i], params_of(i) if params_of else params)
-        for o in eng.step():
-            outs[int(o.request_id)].append(o)
-        step += 1
-        assert step < 5000
-    assert eng.kv_blocks_used() == 0, "blocks still held after every request finished"
-    merged = []
-    for i in range(len(prompts)):
-        o = outs[i]
-        merged.append(dict(tokens=[t for x in o for t in x.new_token_ids], text="".join(x.text for x in o),
-                           logprobs=[v for x in o for v in (x.logprobs or [])],
-                           top=[v for x in o for v in (x.top_logprobs or [])], reason=o[-1].finish_reason))
-    return merged
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
@@ -342,8 +318,7 @@ def test_served_streams_are_the_same_with_speculation_on_and_off(default_model_p
                             f"--repository={repo}", f"--kv-cache-bytes={32 << 20}", *flags],
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
-    http, grpc, metrics = free_ports(3)
-    with TritonServer(str(repo), http, grpc, metrics, log_path=str(tmp_path / "server.log"),
+    with TritonServer(str(repo), *free_ports(3), log_path=str(tmp_path / "server.log"),
                       model_control_mode="explicit", load_models=list(models)) as server:
         for name in models:
             with LLMClient(server.grpc_url, model=name) as c:
@@ -352,7 +327,7 @@ def test_served_streams_are_the_same_with_speculation_on_and_off(default_model_p
             assert ["".join(ch.text for ch in chunk) for chunk in chunks] == want, name
             counts = [[ch.num_output_tokens for ch in chunk if ch.num_output_tokens] for chunk in chunks]
             assert max(b - a for n in counts for a, b in zip([0] + n, n)) > 1, "no response carried several tokens"
-        page = urllib.request.urlopen(f"http://localhost:{metrics}/metrics", timeout=5).read().decode()
+        page = urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=5).read().decode()
         accepted = {m: float(v) for m, v in re.findall(
             r'vllm:spec_decode_num_accepted_tokens_total\{model="(\w+)_llm"[^}]*\} (\S+)', page)}
         assert accepted["lookup"] > 0 and accepted["drafted"] > 0, accepted

@@ -10,7 +10,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from test_spec_decode import REPETITIVE, engine, run
+from test_engine import run
+from test_spec_decode import REPETITIVE, engine
 from trellm_backend.engine.request import SamplingParams
 from trellm_backend.engine.structured_output import Guide, GuideError
 
@@ -147,17 +148,10 @@ def test_a_grammar_that_does_not_compile_fails_its_request_only(default_model_pa
     assert eng.grammars.stats.requests == 2
 
 
-
-def text_before(text: str, stop: str) -> str:
-    return text[:text.index(stop)]
-
-
 # -- through a real tritonserver ------------------------------------------------------------------------------
 @pytest.mark.server
 def test_every_entry_point_takes_a_guide(triton_server):
-    import urllib.request
-
-    from trellm_client.client import LLMClient
+    from trellm_client.client import LLMClient, http_generate
     schema = json.dumps(SCHEMA)
     with LLMClient(triton_server.grpc_url) as c:
         text = c.generate("Hello", max_tokens=300, temperature=1.0, seed=3, exclude_input_in_output=True,
@@ -175,16 +169,12 @@ def test_every_entry_point_takes_a_guide(triton_server):
         assert texts[0] != texts[1]
         cut = c.generate("Hello", max_tokens=300, temperature=1.0, seed=3, exclude_input_in_output=True,
                          stop_words=['"age"'], guided_decoding_guide_type="json_schema", guided_decoding_guide=schema)
-        assert text_before(text, '"age"') == cut, "the stop string cuts the same guided answer"
+        assert text[:text.index('"age"')] == cut, "the stop string cuts the same guided answer"
         with pytest.raises(Exception, match="'uniqueItems'"):
             c.generate("Hello", guided_decoding_guide_type="json_schema",
                        guided_decoding_guide='{"type": "array", "uniqueItems": true}')
-    body = {"text_input": "Pick one", "sampling_parameters": json.dumps(
-        {"temperature": 1.0, "seed": 1, "max_tokens": 20, "guided_choice": CHOICES})}
-    req = urllib.request.Request(f"http://{triton_server.http_url}/v2/models/vllm_model/generate",
-                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        answer = json.loads(r.read())["text_output"]
+    answer = http_generate(triton_server.http_url, "Pick one", "vllm_model", sampling_parameters=json.dumps(
+        {"temperature": 1.0, "seed": 1, "max_tokens": 20, "guided_choice": CHOICES}))[0]["text_output"]
     assert answer.removeprefix("Pick one") in CHOICES, answer
 
 

@@ -1,12 +1,13 @@
 """What the tests, the perf scripts and the launcher share about a running server: free ports, a private copy of
-the model repository with its parameters changed, the samples of its metrics endpoint, and its processes as seen
-from outside (by command line, with their resident memory)."""
+the model repository with its parameters changed, the samples of its metrics endpoint, its processes as seen from
+outside (by command line, with their resident memory), and waiting for any of these to change."""
 from __future__ import annotations
 
 import os
 import re
 import shutil
 import socket
+import time
 import urllib.request
 from dataclasses import dataclass
 
@@ -22,6 +23,17 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def wait_until(predicate, timeout: float = 30.0, what: str = "the condition", interval: float = 0.02):
+    """Call `predicate` until it returns something true, and return that; TimeoutError naming `what` after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not within {timeout} s")
+        time.sleep(interval)
+    return value
 
 
 def private_repository(src: str, dest: str, settings: dict[str, dict[str, str]] | None = None,

@@ -184,6 +184,23 @@ def test_cpu_rms_norm_operators_match_reference(rows, cols, dtype):
     close(x, ref_normed)
 
 
+def test_the_operators_round_to_bf16_as_torch_does_at_ties_overflow_and_nan():
+    """The residual add rounds each float sum to bf16 with the operators' own branch-free rounding: ties to even
+    (1 + 2^-8 down to 1, 1 + 3 * 2^-8 up), a sum past bf16's largest value to inf, a subnormal kept, NaN (inf - inf)
+    to a NaN. Compared bit for bit with torch's sum in bf16, but for NaN's bits (torch's own scalar and vector
+    conversions differ there)."""
+    ops = _cpu_ops()
+    x = torch.tensor([[1.0, 1.0, 3e38, float("inf"), float("nan"), -1.0, 0.5, 1e-40]], dtype=torch.bfloat16)
+    res = torch.tensor([[2 ** -8, 3 * 2 ** -8, 3e38, -float("inf"), 0.0, -2 ** -8, 2 ** -10, 0.0]],
+                       dtype=torch.bfloat16)
+    normed, new_res = torch.empty_like(x), torch.empty_like(res)
+    ops.fused_add_rms_norm(normed, new_res, x, res, torch.ones(8, dtype=torch.bfloat16), 1e-6)
+    want = (x.float() + res.float()).to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(new_res.isnan(), nan) and nan.sum() == 2, (new_res, want)
+    assert torch.equal(new_res[~nan].view(torch.int16), want[~nan].view(torch.int16)), (new_res, want)
+
+
 @pytest.mark.parametrize("h,kvh,d,rot,dtype", [(8, 4, 64, 64, F32), (7, 1, 8, 8, F32), (4, 4, 64, 32, F32),
                                                (8, 2, 16, 16, F16), (2, 1, 128, 128, BF16)])
 def test_cpu_rotary_operator_matches_reference(h, kvh, d, rot, dtype):

@@ -431,9 +431,10 @@ def is_decoupled(model_config: dict) -> bool:
 
 
 def http_generate(url: str, prompt: str | None, model: str = "ensemble", stream: bool = False,
-                  **params) -> list[dict]:
+                  timeout: float = 600.0, **params) -> list[dict]:
     """POST to Triton's /generate (one JSON response) or /generate_stream (SSE events); returns the JSON objects.
-    Raises urllib.error.HTTPError for an error status, ServerUnavailable when nothing listens."""
+    Raises urllib.error.HTTPError for an error status, ServerUnavailable when nothing listens, TimeoutError after
+    `timeout` seconds without an answer."""
     endpoint = "generate_stream" if stream else "generate"
     body = {"stream": stream, **params}
     if prompt is not None:
@@ -441,7 +442,7 @@ def http_generate(url: str, prompt: str | None, model: str = "ensemble", stream:
     req = urllib.request.Request(f"http://{url}/v2/models/{model}/{endpoint}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=600) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read().decode("utf-8")
     except urllib.error.URLError as e:
         if isinstance(e, urllib.error.HTTPError):

@@ -57,8 +57,8 @@ def ensemble_sample(server: TritonServer, guide: Guide, seed: int) -> tuple[str,
 
 def vllm_sample(server: TritonServer, guide: Guide, seed: int) -> tuple[str, str]:
     value = json.loads(guide.text) if guide.type in ("json_schema", "choice") else guide.text
-    [out] = http_generate(server.http_url, PROMPTS[seed % len(PROMPTS)], "vllm_model", exclude_input_in_output=True,
-                          return_finish_reason=True, sampling_parameters=json.dumps(
+    [out] = http_generate(server.http_url, PROMPTS[seed % len(PROMPTS)], "vllm_model", timeout=300,
+                          exclude_input_in_output=True, return_finish_reason=True, sampling_parameters=json.dumps(
                               {"temperature": 1.0, "seed": seed, "max_tokens": 400, VLLM_KEY[guide.type]: value}))
     return out["text_output"], out.get("finish_reason", "")
 

@@ -1,5 +1,6 @@
-"""Random inputs for the kernels: the paged-attention batches that tests/test_kernels.py checks and that
-perf/bench_attention.py and perf/bench_kv_cuda.py time, built in one place so that what is timed is what is tested."""
+"""Random inputs for the kernels: the paged-attention batches that tests/test_kernels.py and tests/test_cpu_ops.py
+check and that perf/bench_attention.py and perf/bench_kv_cuda.py time, built in one place so that what is timed is
+what is tested."""
 import torch
 
 from trellm_kernels import kv_cache

@@ -161,7 +161,7 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
         def vllm(name):
             sampling = {"max_tokens": 10, "temperature": 0, "ignore_eos": True, **({"lora_name": name} if name else {})}
             try:
-                return http_generate(server.http_url, prompt, "vllm_model", exclude_input_in_output=True,
+                return http_generate(server.http_url, prompt, "vllm_model", timeout=60, exclude_input_in_output=True,
                                      sampling_parameters=json.dumps(sampling))[0]["text_output"]
             except urllib.error.HTTPError as e:
                 return f"HTTP {e.code}: {e.read().decode()}"
@@ -205,9 +205,9 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
         def benchmark(names):
             return subprocess.run([sys.executable, os.path.join(
                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf", "benchmark.py"),
-                "--url", server.grpc_url, "--metrics-url", f"http://localhost:{server.metrics_port}/metrics", "--model-dir",
-                default_model_path, "--smoke", "--profiles", "anchor", "--out", str(out), "--no-progress",
-                *(f"--lora={n}={adapters.get(n, tmp_path)}" for n in names)], capture_output=True, text=True,
+                "--url", server.grpc_url, "--metrics-url", f"http://localhost:{server.metrics_port}/metrics",
+                "--model-dir", default_model_path, "--smoke", "--profiles", "anchor", "--out", str(out),
+                "--no-progress", *(f"--lora={n}={adapters.get(n, tmp_path)}" for n in names)], capture_output=True, text=True,
                 timeout=300)
         run = benchmark(LORAS)
         assert run.returncode == 0, run.stdout + run.stderr

@@ -209,7 +209,8 @@ def test_the_load_log_names_each_linear_layers_path(default_model_path, caplog):
 @pytest.fixture(scope="module")
 def small_model_path():
     """A larger model made here (`default_model --size small`: 4x the default model's layer width, 6 layers,
-    head_dim 32, 150 training steps of 4 sequences, ~2 minutes to build on 2 cores)."""
+    head_dim 32, 150 training steps of 4 sequences, ~2 minutes to build on 2 cores). A folder built before
+    2026-11-28 trained on 16 sequences a step: `rm -rf hf_models/small` to get the model the figures below describe."""
     from conftest import REPO
     from trellm_backend.tools.default_model import DEFAULT_TRAIN_STEPS, build
     return build(os.path.join(REPO, "hf_models", "small"), DEFAULT_TRAIN_STEPS["small"], size="small")

@@ -143,6 +143,7 @@ def test_every_control_keeps_seeded_output_independent_of_batch_mates(engine):
     alone = [o.new_token_ids[0] for o in run(engine, p[0], seeded)]
     engine.add_request("m1", p[1], SamplingParams(max_tokens=6, temperature=1.0, repetition_penalty=2.0))
     engine.add_request("m2", p[2], SamplingParams(max_tokens=14, temperature=0.0, frequency_penalty=1.0))
+    engine.add_request("m3", p[2], replace(seeded, seed=7, max_tokens=14))      # a seeded mate: its own generator
     assert [o.new_token_ids[0] for o in run(engine, p[0], seeded, "y")] == alone
     assert [o.new_token_ids[0] for o in run(engine, p[0], replace(seeded, seed=6), "z")] != alone, "seed ignored"
 

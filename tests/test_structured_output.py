@@ -173,7 +173,7 @@ def test_every_entry_point_takes_a_guide(triton_server):
         with pytest.raises(Exception, match="'uniqueItems'"):
             c.generate("Hello", guided_decoding_guide_type="json_schema",
                        guided_decoding_guide='{"type": "array", "uniqueItems": true}')
-    answer = http_generate(triton_server.http_url, "Pick one", "vllm_model", sampling_parameters=json.dumps(
+    answer = http_generate(triton_server.http_url, "Pick one", "vllm_model", timeout=60, sampling_parameters=json.dumps(
         {"temperature": 1.0, "seed": 1, "max_tokens": 20, "guided_choice": CHOICES}))[0]["text_output"]
     assert answer.removeprefix("Pick one") in CHOICES, answer
 

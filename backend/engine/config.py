@@ -3,20 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from trellm_backend.engine.request import parse_bool
 from trellm_kernels import kv_cache
 from trellm_kernels.attention import CPU_OP_MAX_Q_LEN
-
-
-def parse_bool(value) -> bool:
-    """A boolean as config files and JSON clients write it: true/false/1/0 (any case) as text, 0/1, or a bool.
-    Raises ValueError on anything else."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
-        return value.strip().lower() in ("true", "1")
-    raise ValueError(f"not a boolean: {value!r}")
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")

@@ -16,7 +16,7 @@ def resolve_device_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> tuple[tor
     if cfg.dtype == "auto":
         dtype = model_cfg.torch_dtype if device.type == "cuda" else torch.float32
     elif cfg.dtype in DTYPES:
-        dtype = DTYPES[cfg.dtype]
+        dtype = getattr(torch, cfg.dtype)
     else:
         raise ValueError(f"dtype={cfg.dtype!r} is not one of auto, {', '.join(DTYPES)}")
     return device, dtype

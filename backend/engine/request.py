@@ -5,10 +5,24 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field, fields, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from trellm_backend.engine.structured_output import Guide
+
+if TYPE_CHECKING:
+    import torch
+
+
+def parse_bool(value) -> bool:
+    """A boolean as config files and JSON clients write it: true/false/1/0 (any case) as text, 0/1, or a bool.
+    Raises ValueError on anything else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise ValueError(f"not a boolean: {value!r}")
 
 
 U64_MAX = (1 << 64) - 1
@@ -161,6 +175,7 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         if self.params.seed is not None:
+            import torch   # here, not at the top: the Python models that only parse requests load without torch
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property

@@ -22,8 +22,10 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # TRT-LLM's guided_decoding_guide_type values, plus `choice` (vLLM's guided_choice: a JSON list of strings).
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "choice")

@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from trellm_kernels.int4 import GROUP_SIZES
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -52,6 +53,7 @@ def parse_quantization_config(qc, cfg_file: str) -> QuantFormat | None:
     if bits != 4:
         raise ModelConfigError(f"{cfg_file}: quantization_config.bits={bits!r} is not supported ({method}: 4 only)")
     group = qc.get("group_size", qc.get("q_group_size"))
+    from trellm_kernels.int4 import GROUP_SIZES   # here: this module loads without torch (preprocess reads it)
     if group not in GROUP_SIZES:
         raise ModelConfigError(f"{cfg_file}: quantization_config.group_size={group!r} is not supported "
                                f"(one of {', '.join(map(str, GROUP_SIZES))})")
@@ -99,7 +101,7 @@ class ModelConfig:
     rope_scaling: dict | None
     partial_rotary_factor: float
     sliding_window: int | None
-    torch_dtype: torch.dtype
+    dtype: str                                      # config.json's: one of DTYPES
     eos_token_ids: list[int] = field(default_factory=list)
     quant: QuantFormat | None = None   # a GPTQ/AWQ checkpoint: config.json's quantization_config
 
@@ -107,8 +109,13 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch   # here, not at the top: preprocess reads a model's config without loading torch
+        return getattr(torch, self.dtype)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+DTYPES = ("float32", "float16", "bfloat16")   # torch's names
 
 
 def _as_list(x) -> list[int]:
@@ -202,7 +209,7 @@ def load_model_config(path: str) -> ModelConfig:
         rope_scaling=rope_scaling,
         partial_rotary_factor=partial,
         sliding_window=int(sliding) if sliding else None,
-        torch_dtype=DTYPES[dtype_name],
+        dtype=dtype_name,
         eos_token_ids=eos,
         quant=quant,
     )

@@ -22,11 +22,9 @@ from trellm_backend.models.lora import adapter_table
 from trellm_backend.engine.limits import (context_limit, kv_budget, kv_bytes_per_block, resolve_block_size,
                                          resolve_device_dtype, resolve_kv_cache_dtype)
 from trellm_backend.triton.parameters import resolve_model_path
+from trellm_backend.triton.tokenization import require_tokenizer_files
 from trellm_kernels.linear import QUANTIZATIONS
 from trellm_backend.models.weights import safetensors_files, tensor_header
-
-# One of these must exist for AutoTokenizer to build the model's tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def serving_config(params: dict[str, str], model_dir: str) -> EngineConfig:
@@ -77,12 +75,6 @@ def check_model(cfg: EngineConfig, config_file: str) -> ModelConfig:
     kv = check_kv_budget(cfg, mc, device, dtype, weights, config_file, draft)
     check_memory(mc.path, device, weights, kv, config_file)
     return mc
-
-
-def require_tokenizer_files(path: str) -> None:
-    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
-        raise ModelConfigError(f"{path}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); copy the "
-                               "checkpoint's tokenizer into the model folder")
 
 
 def tokenizer_size(path: str) -> int:

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trellm_backend.engine.config import parse_bool
-from trellm_backend.engine.request import I32_MAX, LIST_LIMITS, Bounds, SamplingParams
+from trellm_backend.engine.request import I32_MAX, LIST_LIMITS, Bounds, SamplingParams, parse_bool
 from trellm_backend.engine.structured_output import GUIDE_TYPES, Guide
 from trellm_backend.triton.tokenization import decode_utf8
 

@@ -4,14 +4,25 @@ from __future__ import annotations
 import json
 import os
 
+from trellm_backend.models.config import ModelConfigError, load_model_config
+
 # Tokenizing a huge prompt holds up every request behind it in the same model instance, only for the engine to refuse
 # it. A token of text is a few characters; this many per token of the model's context is more than any real prompt
 # that fits, so longer ones are refused before tokenizing.
 CHARS_PER_TOKEN_BOUND = 32
 
 
+# One of these must exist for AutoTokenizer to build the model's tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def require_tokenizer_files(path: str) -> None:
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ModelConfigError(f"{path}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); copy the "
+                               "checkpoint's tokenizer into the model folder")
+
+
 def prompt_char_limit(model_path: str) -> int:
-    from trellm_backend.models.config import load_model_config
     return CHARS_PER_TOKEN_BOUND * load_model_config(model_path).max_position_embeddings
 
 

@@ -7,9 +7,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trellm_backend.engine.detokenizer import TokenRun, run_texts
-from trellm_backend.triton.checks import require_tokenizer_files
 from trellm_backend.triton.parameters import model_parameters, resolve_model_path
-from trellm_backend.triton.tokenization import load_tokenizer
+from trellm_backend.triton.tokenization import load_tokenizer, require_tokenizer_files
 
 
 class TritonPythonModel:

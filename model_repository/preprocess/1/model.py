@@ -8,8 +8,8 @@ import triton_python_backend_utils as pb_utils
 
 from trellm_backend.triton.fields import request_parameters_error
 from trellm_backend.triton.parameters import model_parameters, resolve_model_path
-from trellm_backend.triton.tokenization import decode_utf8, encode_prompt, load_tokenizer, prompt_char_limit
-from trellm_backend.triton.checks import require_tokenizer_files
+from trellm_backend.triton.tokenization import (decode_utf8, encode_prompt, load_tokenizer, prompt_char_limit,
+                                                 require_tokenizer_files)
 
 
 class TritonPythonModel:

@@ -11,7 +11,8 @@
 // else is in the batch.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <array>
@@ -44,11 +45,11 @@ constexpr std::array<TileFn<Kernel>, sizeof...(I)> tile_table(std::index_sequenc
 // y = x times the packed weight, through Kernel's tiles; `epilogue` (or null): N floats, the bias or the scales;
 // `x_scales`: one per row of x when x is quantized (Kernel::Input int16), else null.
 template <class Kernel>
-void run(const char* name, torch::Tensor y, torch::Tensor x, const float* x_scales, torch::Tensor packed,
+void run(const char* name, at::Tensor y, at::Tensor x, const float* x_scales, at::Tensor packed,
          const float* epilogue) {
   using W = typename Kernel::Weight;
   using In = typename Kernel::Input;
-  TORCH_CHECK(x.scalar_type() == c10::CppTypeToScalarType<In>::value && y.scalar_type() == torch::kFloat32, name,
+  TORCH_CHECK(x.scalar_type() == c10::CppTypeToScalarType<In>::value && y.scalar_type() == at::kFloat, name,
               ": x must be ", c10::CppTypeToScalarType<In>::value, " and y float32");
   TORCH_CHECK(packed.scalar_type() == c10::CppTypeToScalarType<W>::value, name, ": the weight is ",
               packed.scalar_type(), ", expected ", c10::CppTypeToScalarType<W>::value);

@@ -49,17 +49,17 @@ struct Fp32Kernel {
 
 }  // namespace
 
-void fp32_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+void fp32_linear_cpu(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
   const float* bp = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                 bias->numel() == packed.size(0) * BLOCK, "fp32_linear: a float32 bias of N values");
     bp = bias->data_ptr<float>();
   }
   trellm::blocked_linear::run<Fp32Kernel>("fp32_linear", y, x, nullptr, packed, bp);
 }
 #else
-void fp32_linear_cpu(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) {
+void fp32_linear_cpu(at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>) {
   TORCH_CHECK(false, "fp32_linear: built without AVX-512 (kernels/linear.py keeps oneDNN there)");
 }
 #endif

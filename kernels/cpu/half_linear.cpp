@@ -106,20 +106,20 @@ struct HalfKernel {
 
 }  // namespace
 
-void half_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+void half_linear_cpu(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
   const float* bp = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                 bias->numel() == packed.size(0) * BLOCK, "half_linear: a float32 bias of N values");
     bp = bias->data_ptr<float>();
   }
-  if (packed.scalar_type() == torch::kBFloat16)
+  if (packed.scalar_type() == at::kBFloat16)
     trellm::blocked_linear::run<HalfKernel<c10::BFloat16>>("half_linear", y, x, nullptr, packed, bp);
   else
     trellm::blocked_linear::run<HalfKernel<c10::Half>>("half_linear", y, x, nullptr, packed, bp);
 }
 #else
-void half_linear_cpu(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) {
+void half_linear_cpu(at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>) {
   TORCH_CHECK(false, "half_linear: built without AVX2, or with AVX-512 (kernels/linear.py keeps torch's path there)");
 }
 #endif

@@ -10,6 +10,8 @@
 // instructions, where the first version of this operator (16 k-lanes per output, folded at the end) spent about as
 // many instructions widening as multiplying and fell well behind oneDNN's fp32 from 16 tokens up (the same
 // section's table).
+#include <ATen/ops/empty.h>
+
 #include "blocked_linear.h"
 
 #include <algorithm>
@@ -173,10 +175,10 @@ inline void int8_tile_avx2(const int16_t* x, int64_t ldx, const float* xs, int64
 
 // x [M, K] float32 -> [M, K rounded up to even] int16 and one scale per row: q = round(x / scale), scale =
 // max |x[m, :]| / 32767 (1 for a row of zeros).
-std::pair<torch::Tensor, torch::Tensor> quantize_rows_int16(torch::Tensor x) {
+std::pair<at::Tensor, at::Tensor> quantize_rows_int16(at::Tensor x) {
   const int64_t M = x.size(0), K = x.size(1), ldx = K + (K & 1);
-  auto q = torch::empty({M, ldx}, x.options().dtype(torch::kInt16));
-  auto scales = torch::empty({M}, x.options());
+  auto q = at::empty({M, ldx}, x.options().dtype(at::kShort));
+  auto scales = at::empty({M}, x.options());
   const float* xp = x.data_ptr<float>();
   int16_t* qp = q.data_ptr<int16_t>();
   float* sp = scales.data_ptr<float>();
@@ -266,11 +268,11 @@ struct Int8Kernel {
 
 }  // namespace
 
-void int8_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, torch::Tensor scales) {
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
+void int8_linear_cpu(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales) {
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
               scales.numel() == packed.size(0) * BLOCK, "int8_linear: float32 scales, one per output");
 #if defined(TRELLM_AVX2)
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) == packed.size(1),
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == packed.size(1),
               "int8_linear: x must be contiguous float32 [M, ", packed.size(1), "]");
   const auto [q, x_scales] = quantize_rows_int16(x);
   trellm::blocked_linear::run<Int8Kernel>("int8_linear", y, q, x_scales.data_ptr<float>(), packed,

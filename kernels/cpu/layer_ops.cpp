@@ -5,7 +5,8 @@
 // they cost a sixth of a prefill step and a fifth of a small decode step. Here each is one pass, computed in float
 // and rounded to the tensor's dtype where the references in kernels/*.py round (they stay the tests' oracle).
 // Rows are split across torch's thread pool only when there is enough work to pay for waking it.
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -15,35 +16,13 @@
 
 namespace {
 
+using trellm::f32;
+using trellm::round_to;
+
 constexpr int64_t kElementsPerTask = 32768;  // below this many elements per thread, one thread does it all
 
 int64_t grain_rows(int64_t row_elements) {
   return std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(row_elements, 1));
-}
-
-template <typename T>
-inline float f32(T v) { return static_cast<float>(v); }
-
-// bf16 both ways as c10 converts (float -> bf16 rounds to nearest even, NaN becomes 0x7FC0), written without a
-// branch: c10::BFloat16's constructor tests isnan first, which kept every `omp simd` loop below scalar for bf16
-// (3-4x the float32 time for half the bytes).
-template <>
-inline float f32<c10::BFloat16>(c10::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-template <typename scalar_t>
-inline scalar_t round_to(float v) { return static_cast<scalar_t>(v); }
-
-template <>
-inline c10::BFloat16 round_to<c10::BFloat16>(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return c10::BFloat16(static_cast<uint16_t>(v != v ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
 }
 
 // Hugging Face order: the mean of squares and the normalisation in float, the result rounded to the dtype, then
@@ -126,7 +105,7 @@ void silu_and_mul_rows(const scalar_t* x, scalar_t* out, int64_t N, int64_t I) {
 }  // namespace
 
 // out[n, :] = rms_norm(x[n, :]) * weight. x, out: [N, C] contiguous; weight [C] of x's dtype.
-void rms_norm_cpu(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+void rms_norm_cpu(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
   const int64_t C = x.size(-1), N = x.numel() / C;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_cpu", [&] {
     rms_norm_rows(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), N, C,
@@ -136,8 +115,8 @@ void rms_norm_cpu(torch::Tensor out, torch::Tensor x, torch::Tensor weight, doub
 
 // res_out = x + residual (rounded to the dtype), out = rms_norm(res_out) * weight. All [N, C] contiguous; out and
 // res_out may be x and residual themselves.
-void fused_add_rms_norm_cpu(torch::Tensor out, torch::Tensor res_out, torch::Tensor x, torch::Tensor residual,
-                            torch::Tensor weight, double eps) {
+void fused_add_rms_norm_cpu(at::Tensor out, at::Tensor res_out, at::Tensor x, at::Tensor residual,
+                            at::Tensor weight, double eps) {
   const int64_t C = x.size(-1), N = x.numel() / C;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm_cpu", [&] {
     add_rms_norm_rows(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
@@ -147,7 +126,7 @@ void fused_add_rms_norm_cpu(torch::Tensor out, torch::Tensor res_out, torch::Ten
 
 // In place, rotate-half convention: q [T, H, D], k [T, KVH, D] contiguous; positions [T] int32; cos_sin
 // [max_pos, R] float holding cos in its first R/2 columns and sin in the last R/2; columns R.. pass through.
-void rotary_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos_sin) {
+void rotary_cpu(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos_sin) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_cpu", [&] {
     rotary_rows(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), positions.data_ptr<int32_t>(),
                 cos_sin.data_ptr<float>(), q.size(0), q.size(1), k.size(1), q.size(2), cos_sin.size(1));
@@ -155,7 +134,7 @@ void rotary_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch
 }
 
 // out [N, I] = silu(x[:, :I]) * x[:, I:], x [N, 2I] contiguous.
-void silu_and_mul_cpu(torch::Tensor out, torch::Tensor x) {
+void silu_and_mul_cpu(at::Tensor out, at::Tensor x) {
   const int64_t I = out.size(-1), N = out.numel() / I;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul_cpu", [&] {
     silu_and_mul_rows(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), N, I);
@@ -165,8 +144,8 @@ void silu_and_mul_cpu(torch::Tensor out, torch::Tensor x) {
 // k_cache[slot], v_cache[slot] = k[t], v[t] for every t whose slot_mapping[t] >= 0. k, v: [T, KVH, D] with each
 // token's KVH * D values contiguous (any stride between tokens: views into a merged qkv work as they are);
 // caches [num_blocks, block_size, KVH, D] contiguous, of k's dtype; slot_mapping [T] int32.
-void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor slot_mapping) {
+void write_kv_cpu(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+                  at::Tensor slot_mapping) {
   const int64_t T = k.size(0), es = k.element_size();
   const int64_t bytes = k.size(1) * k.size(2) * es, k_step = k.stride(0) * es, v_step = v.stride(0) * es;
   const int32_t* slots = slot_mapping.data_ptr<int32_t>();
@@ -218,8 +197,8 @@ void write_kv_quantized_rows(const scalar_t* x, int64_t x_step, int8_t* cache, a
 
 }  // namespace
 
-void write_kv_quantized_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor slot_mapping, bool is_int8) {
+void write_kv_quantized_cpu(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+                            at::Tensor k_scale, at::Tensor v_scale, at::Tensor slot_mapping, bool is_int8) {
   TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar &&
                   k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf,
               "write_kv_quantized: caches as int8 views, scales float16");
@@ -252,10 +231,10 @@ void gather_dequantize_rows(out_t* out, const kv_t* cache, const at::Half* scale
         for (int64_t d = 0; d < D; d += 16) {
           const trellm::v16 y = trellm::load16(x + d) * s;
           if constexpr (std::is_same_v<out_t, float>) trellm::store16(o + d, y);
-          else for (int j = 0; j < 16; ++j) o[d + j] = static_cast<out_t>(y[j]);
+          else for (int j = 0; j < 16; ++j) o[d + j] = round_to<out_t>(y[j]);
         }
       } else {
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<out_t>(static_cast<float>(x[d]) * s);
+        for (int64_t d = 0; d < D; ++d) o[d] = round_to<out_t>(static_cast<float>(x[d]) * s);
       }
     }
   });
@@ -263,7 +242,7 @@ void gather_dequantize_rows(out_t* out, const kv_t* cache, const at::Half* scale
 
 }  // namespace
 
-void gather_dequantize_cpu(torch::Tensor out, torch::Tensor cache, torch::Tensor scales, torch::Tensor blocks,
+void gather_dequantize_cpu(at::Tensor out, at::Tensor cache, at::Tensor scales, at::Tensor blocks,
                            bool is_int8) {
   TORCH_CHECK(out.is_contiguous() && cache.is_contiguous() && scales.is_contiguous() &&
                   cache.scalar_type() == at::kChar && scales.scalar_type() == at::kHalf &&

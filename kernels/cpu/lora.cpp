@@ -8,7 +8,8 @@
 // Here rows go four at a time on the calling thread, each weight read once per four rows, and the sums run along
 // the rank and the columns (no horizontal reductions). B is block-diagonal over the site's modules (models/lora.py),
 // so each rank row r of B^T touches only its module's columns, spans[r] = (first column, count).
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -54,12 +55,12 @@ void rows_block(const float* xp, int64_t xs, float* op, int64_t os, const float*
 
 }  // namespace
 
-void lora_add_cpu(torch::Tensor out, torch::Tensor x, torch::Tensor at, torch::Tensor bt, torch::Tensor spans,
+void lora_add_cpu(at::Tensor out, at::Tensor x, at::Tensor at, at::Tensor bt, at::Tensor spans,
                   double scale) {
-  TORCH_CHECK(out.scalar_type() == torch::kFloat && x.scalar_type() == torch::kFloat &&
-                  at.scalar_type() == torch::kFloat && bt.scalar_type() == torch::kFloat,
+  TORCH_CHECK(out.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
+                  at.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat,
               "lora_add: out, x, at and bt must be float32");
-  TORCH_CHECK(spans.scalar_type() == torch::kLong && spans.dim() == 2 && spans.size(1) == 2 && spans.is_contiguous(),
+  TORCH_CHECK(spans.scalar_type() == at::kLong && spans.dim() == 2 && spans.size(1) == 2 && spans.is_contiguous(),
               "lora_add: spans must be int64 [R, 2] (first column, count)");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && at.dim() == 2 && bt.dim() == 2, "lora_add: 2-D tensors only");
   const int64_t T = x.size(0), K = x.size(1), R = at.size(1), N = bt.size(1);

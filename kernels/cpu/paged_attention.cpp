@@ -16,7 +16,8 @@
 // max_q_len query rows are skipped (their output rows are left as they are): long prefill chunks are
 // compute-bound and run faster in torch's fused attention (kernels/attention.py), whose gather is small next to
 // their work.
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -306,7 +307,7 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
     for (int64_t i = 0; i < heads; ++i) {
       const int64_t r = p * heads + i;
       const float inv = 1.f / l[r];
-      for (int64_t d = 0; d < D; ++d) orow[i * D + d] = static_cast<scalar_t>(acc[r * D + d] * inv);
+      for (int64_t d = 0; d < D; ++d) orow[i * D + d] = trellm::round_to<scalar_t>(acc[r * D + d] * inv);
     }
   }
 }
@@ -338,8 +339,8 @@ void run_all(const std::vector<WorkItem>& items, const scalar_t* q, const kv_t* 
 
 namespace {
 
-std::vector<WorkItem> work_items(torch::Tensor q, torch::Tensor out, torch::Tensor k_cache, torch::Tensor v_cache,
-                                 torch::Tensor cu_seqlens_q, torch::Tensor seq_lens, torch::Tensor block_tables,
+std::vector<WorkItem> work_items(at::Tensor q, at::Tensor out, at::Tensor k_cache, at::Tensor v_cache,
+                                 at::Tensor cu_seqlens_q, at::Tensor seq_lens, at::Tensor block_tables,
                                  int64_t max_q_len) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention_cpu: q, out and the caches must be contiguous");
@@ -380,8 +381,8 @@ std::vector<WorkItem> work_items(torch::Tensor q, torch::Tensor out, torch::Tens
 
 }  // namespace
 
-void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                         torch::Tensor cu_seqlens_q, torch::Tensor seq_lens, torch::Tensor block_tables,
+void paged_attention_cpu(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                         at::Tensor cu_seqlens_q, at::Tensor seq_lens, at::Tensor block_tables,
                          double scale, int64_t max_q_len) {
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "paged_attention_cpu: q, out and the caches must share a dtype");
@@ -398,9 +399,9 @@ void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
 
 // The same over an INT8 (is_int8) or FP8 e4m3 cache, given as int8 views of its bytes, with float16 scales
 // [num_blocks, block_size, KVH]; q and out float32 or bfloat16.
-void paged_attention_quantized_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                   torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor cu_seqlens_q,
-                                   torch::Tensor seq_lens, torch::Tensor block_tables, double scale, int64_t max_q_len,
+void paged_attention_quantized_cpu(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                   at::Tensor k_scale, at::Tensor v_scale, at::Tensor cu_seqlens_q,
+                                   at::Tensor seq_lens, at::Tensor block_tables, double scale, int64_t max_q_len,
                                    bool is_int8) {
   TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar &&
                   k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf &&

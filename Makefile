@@ -11,7 +11,7 @@ PROMPT     ?= The Python language reference says that a function
 .PHONY: setup model serve test clean
 
 setup:
-	@bash scripts/setup.sh
+	@MODEL_DIR=$(MODEL_DIR) bash scripts/setup.sh
 
 model: setup
 	@test -f $(MODEL_DIR)/model.safetensors || $(PY) -m trellm_backend.tools.default_model $(MODEL_DIR)

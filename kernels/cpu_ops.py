@@ -3,8 +3,8 @@ machine.
 
 The build needs a C++ compiler and `ninja`; it takes over a minute on two cores, so the setup step runs it
 (`python -m trellm_kernels.cpu_ops`) and the engine loads the result when a model loads, never on a request.
-The operators include ATen's tensor header, not `torch/extension.h` (only bindings.cpp needs pybind11): the whole
-torch C++ API in every file took the build from 76 s to 192 s.
+The operators include ATen's tensor and dispatch headers, not `torch/extension.h`: only bindings.cpp needs
+pybind11, and torch's whole C++ API in every file made the build 2.5x as long (perf/RESULTS.md).
 The binary is compiled for this CPU (-march=native), so the cache folder is keyed by the source, the flags, torch's
 version and the CPU's feature flags: a copied cache from another machine is never picked up. Without a compiler
 the engine logs why and keeps the PyTorch path, which is also the tests' oracle.

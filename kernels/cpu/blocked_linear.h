@@ -11,7 +11,6 @@
 // else is in the batch.
 #pragma once
 
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 

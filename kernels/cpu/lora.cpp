@@ -8,7 +8,6 @@
 // Here rows go four at a time on the calling thread, each weight read once per four rows, and the sums run along
 // the rank and the columns (no horizontal reductions). B is block-diagonal over the site's modules (models/lora.py),
 // so each rank row r of B^T touches only its module's columns, spans[r] = (first column, count).
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 

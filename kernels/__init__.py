@@ -5,7 +5,6 @@ dispatch function the engine calls. dispatch.py holds the choice's settings (the
 read once) and `use_triton(t)`: a Triton-lang kernel runs on CUDA tensors always, on CPU tensors only when
 TRELLM_FORCE_TRITON=1 together with TRITON_INTERPRET=1 (Triton's interpreter), which is how the tests check
 kernels without a GPU; otherwise a CPU tensor takes the C++ operator where there is one, else the reference.
-"""
-from trellm_kernels.dispatch import use_triton
 
-__all__ = ["use_triton"]
+The package itself imports nothing, so that formats.py (plain values) loads without torch.
+"""

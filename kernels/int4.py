@@ -30,7 +30,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-GROUP_SIZES = (32, 64, 128)
+from trellm_kernels.formats import GROUP_SIZES
+
 CPU_OP_GROUPS = (32, 64, 128, 256)     # what torch._weight_int4pack_mm_for_cpu accepts
 
 

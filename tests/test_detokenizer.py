@@ -1,5 +1,6 @@
 """Streamed text: runs of tokens detokenized without state concatenate to exactly the full decode, and the engine's
 text (output_processor.py) is what a stateless step (postprocess) remakes from each output's tokens."""
+import json
 import os
 import subprocess
 import sys
@@ -183,10 +184,17 @@ def test_servers_load_the_tokenizer_autotokenizer_loads(sp_tokenizer, default_mo
 
 
 @pytest.mark.parametrize("model", ["preprocess", "postprocess", "vllm_model"])
-def test_the_models_that_only_tokenize_load_without_torch(default_model_path, model):
+def test_the_models_that_only_tokenize_load_without_torch(default_model_path, model, tmp_path):
     """What makes the server start 6 s sooner on two cores, with 570 MiB less resident: of the repository's Python
     models only `llm` needs torch. The model file is imported as the Python backend imports it (its utilities
-    module stood in for), then the calls its `initialize` makes on the model folder."""
+    module stood in for), then the calls its `initialize` makes on the model folder, and on a GPTQ folder, whose
+    group size is checked against the INT4 kernels'."""
+    for name in os.listdir(default_model_path):
+        os.symlink(os.path.join(default_model_path, name), tmp_path / name)
+    config = json.load(open(tmp_path / "config.json"))
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}
+    os.unlink(tmp_path / "config.json")
+    json.dump(config, open(tmp_path / "config.json", "w"))
     path = os.path.join(REPO, "model_repository", model, "1", "model.py")
     probe = f"""
 import importlib.util, sys, types
@@ -195,8 +203,8 @@ utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 spec = importlib.util.spec_from_file_location("model", {path!r})
 spec.loader.exec_module(importlib.util.module_from_spec(spec))
 from trellm_backend.triton.tokenization import load_tokenizer, prompt_char_limit, require_tokenizer_files
-require_tokenizer_files({default_model_path!r}); load_tokenizer({default_model_path!r})
-prompt_char_limit({default_model_path!r})
+for folder in ({default_model_path!r}, {str(tmp_path)!r}):
+    require_tokenizer_files(folder); load_tokenizer(folder); prompt_char_limit(folder)
 print(sorted(m for m in sys.modules if m.split(".")[0] == "torch")[:3])
 """
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from trellm_kernels.formats import GROUP_SIZES
+
 if TYPE_CHECKING:
     import torch
 
@@ -53,7 +55,6 @@ def parse_quantization_config(qc, cfg_file: str) -> QuantFormat | None:
     if bits != 4:
         raise ModelConfigError(f"{cfg_file}: quantization_config.bits={bits!r} is not supported ({method}: 4 only)")
     group = qc.get("group_size", qc.get("q_group_size"))
-    from trellm_kernels.int4 import GROUP_SIZES   # here: this module loads without torch (preprocess reads it)
     if group not in GROUP_SIZES:
         raise ModelConfigError(f"{cfg_file}: quantization_config.group_size={group!r} is not supported "
                                f"(one of {', '.join(map(str, GROUP_SIZES))})")

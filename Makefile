@@ -11,10 +11,10 @@ PROMPT     ?= The Python language reference says that a function
 .PHONY: setup model serve test clean
 
 setup:
-	@MODEL_DIR=$(MODEL_DIR) bash scripts/setup.sh
+	@MODEL_DIR="$(MODEL_DIR)" bash scripts/setup.sh
 
 model: setup
-	@test -f $(MODEL_DIR)/model.safetensors || $(PY) -m trellm_backend.tools.default_model $(MODEL_DIR)
+	@test -f "$(MODEL_DIR)/model.safetensors" || $(PY) -m trellm_backend.tools.default_model "$(MODEL_DIR)"
 
 serve: model
 	$(PY) -m trellm_backend.tools.launch --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \

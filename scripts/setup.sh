@@ -77,14 +77,23 @@ install_side_environments() {
     echo "$GENAI_PERF_PINS" > "$GENAI_PERF_VENV/.trellm-genai-perf"
   fi
 }
+# The side installs run in a process group of their own (set -m), so that a failed model build or a Ctrl-C
+# stops them and their pip children too, instead of leaving them running after setup has exited.
 side_log=$(mktemp)
+set -m
 install_side_environments >"$side_log" 2>&1 &
 side_pid=$!
+set +m
+trap 'kill -- -"$side_pid" 2>/dev/null || true' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+echo "[setup] the side environments install in the background (log: $side_log)"
 if [ -n "${MODEL_DIR:-}" ] && [ ! -f "$MODEL_DIR/model.safetensors" ]; then
   "$VENV/bin/python" -m trellm_backend.tools.default_model "$MODEL_DIR"
 fi
 side_status=0
 wait "$side_pid" || side_status=$?
+trap - EXIT INT TERM
 cat "$side_log"
 rm -f "$side_log"
 [ "$side_status" = 0 ] || { echo "[setup] installing the side environments failed (above)" >&2; exit 1; }

@@ -18,7 +18,8 @@ model: setup
 
 serve: model
 	$(PY) -m trellm_backend.tools.launch --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT) --demo-prompt "$(PROMPT)"
+		--metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT) --openai-tool-call-parser hermes \
+		--demo-prompt "$(PROMPT)"
 
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)

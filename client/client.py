@@ -9,7 +9,8 @@ gRPC streaming, and HTTP generate / generate_stream.
         print(await c.generate("Hello", max_tokens=32))
 
 Request fields are the ensemble's inputs (README: "The ensemble contract"); `stop_words` and `bad_words` take a
-list of strings, `messages` a list of {"role", "content"} dicts.
+list of strings, `messages` a list of {"role", "content"} dicts, `tools` (with messages) a list of OpenAI-shaped
+function tools for the chat template.
 """
 from __future__ import annotations
 
@@ -76,6 +77,9 @@ def build_inputs(grpc_module, prompt: str | bytes | None, params: dict, messages
         add("messages", np.array([[json.dumps(messages).encode("utf-8")]], dtype=np.object_))
     for name, value in params.items():
         if value is None:
+            continue
+        if name == "tools":     # JSON, as messages
+            add(name, np.array([[json.dumps(value).encode("utf-8")]], dtype=np.object_))
             continue
         if name not in INPUT_TYPES:
             raise ValueError(f"unknown request field {name!r}; known: {', '.join(sorted(INPUT_TYPES))}")

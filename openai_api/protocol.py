@@ -3,7 +3,8 @@
 Sampling keys are the request field table's (backend/triton/fields.py, the vLLM contract's JSON names: OpenAI's
 `max_tokens`, `temperature`, `top_p`, `seed`, `stop`, `n`, penalties, and vLLM's extras), so their types and ranges
 are checked there, once. This module adds what only OpenAI has: `model`, `prompt` / `messages`, `stream`,
-`stream_options`, `max_completion_tokens`, `echo`, `logprobs` / `top_logprobs` in their two shapes, `user`.
+`stream_options`, `max_completion_tokens`, `echo`, `logprobs` / `top_logprobs` in their two shapes, `user`, and
+chat's tool calls (`tools`, `tool_choice`, `parallel_tool_calls`: tools.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from trellm_backend.triton import fields
+from trellm_openai.tools import ToolChoice, ToolError, parse_tool_choice
 
 # OpenAI keys accepted and ignored (they change nothing this server does), and keys refused with a reason.
 IGNORED = {"user", "service_tier", "store", "metadata", "modalities", "reasoning_effort", "verbosity"}
@@ -22,13 +24,12 @@ AT_DEFAULT = {"skip_special_tokens": True, "no_stop_trim": False, "return_hidden
               "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True}
 MAX_TOP_LOGPROBS = 20          # OpenAI's own limit
 OPENAI_ONLY = {"model", "prompt", "messages", "stream", "stream_options", "max_completion_tokens", "echo",
-               "logprobs", "top_logprobs", "response_format"}
+               "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 # Keys that would change the answer in ways this server cannot do yet: refused by name rather than ignored.
 UNSUPPORTED = {"logit_bias": "logit_bias is not supported", "suffix": "suffix (insertion) is not supported",
-               "best_of": "best_of is not supported: use n", "tools": "tool calls are not supported",
-               "tool_choice": "tool calls are not supported", "functions": "function calls are not supported",
-               "function_call": "function calls are not supported", "prediction": "predicted outputs are not "
-               "supported", "parallel_tool_calls": "tool calls are not supported"}
+               "best_of": "best_of is not supported: use n", "functions": "functions is deprecated: use tools",
+               "function_call": "function_call is deprecated: use tool_choice", "prediction": "predicted outputs "
+               "are not supported"}
 
 
 class APIError(Exception):
@@ -61,6 +62,7 @@ class Generation:
     include_usage: bool = False
     echo: bool = False
     top_logprobs: int | None = None     # None: no logprobs; else how many alternatives per token
+    tools: ToolChoice | None = None     # chat: the tools offered, and how the answer is read as calls
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -71,6 +73,9 @@ def _param_of(message: str, keys) -> str | None:
 
 
 def _chat_messages(raw) -> list[dict]:
+    """OpenAI's messages -> the chat template's: content parts joined into one string; an assistant message's
+    tool_calls with their arguments as objects (what templates print: vLLM hands them over the same way), a tool
+    message's tool_call_id and name kept."""
     if not isinstance(raw, list) or not raw:
         raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
     out = []
@@ -90,13 +95,39 @@ def _chat_messages(raw) -> list[dict]:
         if not isinstance(content, str):
             raise invalid(f"messages[{i}].content must be a string or a list of text parts",
                           f"messages[{i}].content")
-        out.append({"role": m["role"], "content": content})
+        message = {"role": m["role"], "content": content}
+        if m.get("tool_calls"):
+            message["tool_calls"] = _message_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise invalid(f"messages[{i}].{key} must be a string", f"messages[{i}].{key}")
+                message[key] = m[key]
+        out.append(message)
     return out
 
 
-def parse(body, chat: bool) -> Generation:
+def _message_tool_calls(calls, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise invalid(f"{where} must be a list of calls", where)
+    out = []
+    for k, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise invalid(f'{where}[{k}] must be {{"id", "type": "function", "function": {{"name", "arguments"}}}} '
+                          "with arguments a JSON string", f"{where}[{k}]")
+        try:
+            arguments = json.loads(fn["arguments"])
+        except json.JSONDecodeError as e:
+            raise invalid(f"{where}[{k}].function.arguments is not valid JSON: {e}",
+                          f"{where}[{k}].function.arguments") from None
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
+def parse(body, chat: bool, tool_call_parser: str | None = None) -> Generation:
     """Validate an OpenAI completions (chat=False) or chat completions body. Raises APIError (400) naming the
-    parameter at fault."""
+    parameter at fault. `tool_call_parser`: how `auto` tool choice reads calls (tools.py), None to refuse it."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     model = body.get("model")
@@ -114,6 +145,7 @@ def parse(body, chat: bool) -> Generation:
         raise invalid(f"unknown parameter(s) {', '.join(unknown)}", unknown[0])
     sampling = {k: v for k, v in body.items() if k in fields.BY_JSON and k not in ("logprobs",)}
     sampling.update(_response_format(body.get("response_format")))
+    tools = _tools(body, chat, tool_call_parser, sampling)
     if body.get("max_completion_tokens") is not None:
         sampling["max_tokens"] = body["max_completion_tokens"]
     if "temperature" not in sampling or sampling["temperature"] is None:
@@ -132,6 +164,8 @@ def parse(body, chat: bool) -> Generation:
         raise invalid("stream_options must be an object", "stream_options")
     include_usage = bool(options and _flag(options, "include_usage", "stream_options.include_usage"))
     top = _logprobs(body, chat)
+    if top is not None and tools is not None and tools.parses_calls:
+        raise invalid("logprobs cannot be combined with tool calls (tool_choice other than \"none\")", "logprobs")
     if top is not None:
         params["logprobs"] = top
         params["return_log_probs"] = True
@@ -139,7 +173,7 @@ def parse(body, chat: bool) -> Generation:
     params.update(return_num_input_tokens=True, return_num_output_tokens=True, stream=True)
     if chat:
         return Generation(True, model, None, _chat_messages(body.get("messages")), params, n, stream, include_usage,
-                          top_logprobs=top)
+                          top_logprobs=top, tools=tools)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -147,6 +181,28 @@ def parse(body, chat: bool) -> Generation:
         raise invalid("prompt must be a non-empty string (one prompt per request)", "prompt")
     return Generation(False, model, prompt, None, params, n, stream, include_usage, _flag(body, "echo"),
                       top_logprobs=top)
+
+
+def _tools(body: dict, chat: bool, parser: str | None, sampling: dict) -> ToolChoice | None:
+    """The request's ToolChoice; its guide joins `sampling`, which must hold no other."""
+    if not chat:
+        for key in ("tools", "tool_choice", "parallel_tool_calls"):
+            if body.get(key) is not None:
+                raise invalid(f"{key} is for chat completions (/v1/chat/completions)", key)
+        return None
+    try:
+        tools = parse_tool_choice(body, parser)
+    except ToolError as e:
+        raise invalid(str(e), e.param) from None
+    guide = tools.guide() if tools else None
+    if guide:
+        taken = [k for k in sampling if k in fields.VLLM_GUIDES or k == "structured_outputs"]
+        if taken:
+            key = "response_format" if body.get("response_format") is not None else taken[0]
+            raise invalid(f"{key} cannot be combined with tool_choice \"required\" or a named function, which "
+                          "constrain the answer to a call", key)
+        sampling.update(guide)
+    return tools
 
 
 def _response_format(fmt) -> dict:
@@ -222,9 +278,10 @@ def stream_choice(g: Generation, index: int, text: str, finish_reason: str | Non
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def final_object(g: Generation, texts: list[str], reasons: list[str | None], logprobs: list, usage_block: dict) -> dict:
+def final_object(g: Generation, texts: list, reasons: list[str | None], logprobs: list, usage_block: dict) -> dict:
+    """`texts`: each choice's text, or for chat its message (a dict: content and tool calls)."""
     if g.chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": r}
+        choices = [{"index": i, "message": t, "logprobs": lp, "finish_reason": r}
                    for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
     else:
         choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}

@@ -23,6 +23,7 @@ from aiohttp import web
 from trellm_openai import protocol
 from trellm_openai.keys import KeyStore, Limiter
 from trellm_openai.protocol import APIError, Generation
+from trellm_openai.tools import TOOL_CALL_PARSERS, CallStream, final_message
 from trellm_client.client import AsyncLLMClient, ServerUnavailable, ensemble_steps, infer_input
 
 log = logging.getLogger("trellm.openai")
@@ -64,7 +65,7 @@ class Metrics:
 
 class FrontDoor:
     def __init__(self, triton_url: str, keys_file: str | None = None, model_repository: str | None = None,
-                 triton_metrics_url: str | None = None):
+                 triton_metrics_url: str | None = None, tool_call_parser: str | None = None):
         import tritonclient.grpc.aio as aio
         self.triton_url = triton_url
         self.triton_metrics_url = triton_metrics_url
@@ -75,6 +76,7 @@ class FrontDoor:
         self.limiter = Limiter()
         self.metrics = Metrics()
         self.model_repository = model_repository
+        self.tool_call_parser = tool_call_parser   # how `auto` tool choice reads the model's calls (tools.py)
         self._models: tuple[float, dict[str, tuple[str, str | None]]] = (0.0, {})
         self._models_lock = asyncio.Lock()     # one refresh at a time: requests arriving meanwhile wait for it
         self._tokenizers: dict[str, object] = {}
@@ -205,7 +207,7 @@ class FrontDoor:
             raise APIError(401, "missing or unknown API key: send Authorization: Bearer <key>",
                            type_="authentication_error", code="invalid_api_key")
         request["key"] = key.name
-        g = protocol.parse(await self.read_body(request), chat)
+        g = protocol.parse(await self.read_body(request), chat, self.tool_call_parser)
         try:
             models = await self.models()
         except Exception as e:   # noqa: BLE001 -- tritonserver unreachable or stopping
@@ -223,7 +225,8 @@ class FrontDoor:
         answer = Answer(g, tokenizer)
         try:
             params = {**g.params, "lora_name": lora_name} if lora_name else g.params
-            chunks = self.client(ensemble).stream_chunks(g.prompt, g.messages, **params)
+            chunks = self.client(ensemble).stream_chunks(g.prompt, g.messages, tools=g.tools and list(g.tools.tools),
+                                                         **params)
             async with contextlib.aclosing(chunks) as chunks:
                 first = await self._first(chunks)
                 if g.stream:
@@ -301,6 +304,7 @@ class Answer:
         self.started = [False] * g.n
         self.prompt_tokens = 0
         self.output_tokens = [0] * g.n
+        self.calls = [CallStream(g.tools) for _ in range(g.n)] if g.tools and g.tools.parses_calls else None
 
     @property
     def completion_tokens(self) -> int:
@@ -332,6 +336,13 @@ class Answer:
         reason = protocol.FINISH_REASONS.get(chunk.finish_reason, chunk.finish_reason)
         self.reasons[i] = reason or self.reasons[i]
         block = self._logprobs(i, chunk)
+        if self.calls is not None:
+            deltas, reason = self.calls[i].deltas(self.texts[i], reason)
+            choices = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+            if reason:
+                choices = choices or [{"index": i, "delta": {}, "logprobs": None, "finish_reason": None}]
+                choices[-1]["finish_reason"] = reason
+            return [protocol.chunk_object(self.g, [c]) for c in choices]
         if not chunk.text and reason is None and self.started[i]:
             return []
         text = chunk.text
@@ -343,7 +354,10 @@ class Answer:
         return out
 
     def final(self) -> dict:
-        return protocol.final_object(self.g, self.texts, self.reasons, self.logprobs, self.usage())
+        if not self.g.chat:
+            return protocol.final_object(self.g, self.texts, self.reasons, self.logprobs, self.usage())
+        messages, reasons = zip(*(final_message(self.g.tools, t, r) for t, r in zip(self.texts, self.reasons)))
+        return protocol.final_object(self.g, list(messages), list(reasons), self.logprobs, self.usage())
 
 
 # -- the aiohttp application ---------------------------------------------------------------------------------------
@@ -430,13 +444,17 @@ def main(argv=None) -> int:
                     help="tritonserver's metrics, appended to this server's /metrics ('' for none)")
     ap.add_argument("--model-repository", default=default_repository(),
                     help="the repository tritonserver serves (where model_path parameters are relative to)")
+    ap.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                    help="the format the served models write tool calls in, for tool_choice \"auto\" "
+                         "(openai_api/tools.py); without one, auto is refused and required or named calls work")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[openai] %(message)s")
     if args.keys_file:
         KeyStore(args.keys_file)   # a malformed file stops the start, naming the line
 
     async def run():
-        door = FrontDoor(args.triton_url, args.keys_file, args.model_repository, args.triton_metrics_url)
+        door = FrontDoor(args.triton_url, args.keys_file, args.model_repository, args.triton_metrics_url,
+                         args.tool_call_parser)
         runner = await serve(door, args.host, args.port)
         print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 "
               f"({'keys from ' + args.keys_file if args.keys_file else 'open: no keys file'})", flush=True)

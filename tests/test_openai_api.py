@@ -32,9 +32,10 @@ sk-c name=c concurrency=1
 
 
 def start_front_door(triton_server, keys_file=None) -> tuple[subprocess.Popen, str]:
-    """The launcher's front door (`python -m trellm_openai` as `launch --openai-port` starts it), on a free port."""
+    """The launcher's front door (`python -m trellm_openai` as `launch --openai-port` starts it), on a free port,
+    reading `auto` tool calls in the default model's format."""
     port = free_ports(1)[0]
-    return launch.start_front_door(triton_server, port, None if keys_file is None else str(keys_file)), \
+    return launch.start_front_door(triton_server, port, None if keys_file is None else str(keys_file), "hermes"), \
         f"http://127.0.0.1:{port}"
 
 
@@ -149,6 +150,74 @@ def test_response_format_constrains_the_answer(door):
     assert r.status_code == 400 and "'uniqueItems'" in r.json()["error"]["message"], r.text
 
 
+WEATHER = [{"type": "function", "function": {
+                "name": "get_weather", "description": "Today's weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                               "required": ["city"], "additionalProperties": False}}},
+           {"type": "function", "function": {"name": "get_time"}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def template_tokens(model_path, messages, tools) -> int:
+    from transformers import AutoTokenizer
+    return len(AutoTokenizer.from_pretrained(model_path).apply_chat_template(
+        messages, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+
+@pytest.mark.server
+def test_tool_calls_for_each_tool_choice_streamed_and_not(door, default_model_path):
+    """Named and required calls are constrained to the tools' schemas; `auto` reads the model's own call format
+    (hermes: a guided regex makes this small model write one); the tools reach the chat template, and a call's
+    result goes back to the model in the history, rendered as transformers renders it."""
+    client = sdk(door)
+    named = dict(model="ensemble", messages=ASK, tools=WEATHER, max_tokens=40, temperature=1.0, seed=3,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    out = client.chat.completions.create(**named)
+    assert out.usage.prompt_tokens == template_tokens(default_model_path, ASK, WEATHER)
+    choice = out.choices[0]
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert choice.message.content is None and choice.finish_reason == "stop" and call.id.startswith("call_")
+    parts = [c.choices[0].delta.tool_calls[0] for c in client.chat.completions.create(**named, stream=True)
+             if c.choices and c.choices[0].delta.tool_calls]
+    assert parts[0].function.name == "get_weather" and parts[0].id and all(p.index == 0 for p in parts)
+    assert "".join(p.function.arguments for p in parts) == call.function.arguments      # the same seed
+
+    required = client.chat.completions.create(**{**named, "tool_choice": "required", "max_tokens": 100,
+                                                 "parallel_tool_calls": False})
+    calls = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "tool_calls" and len(calls) == 1, required
+    for c in calls:
+        assert c.function.name in ("get_weather", "get_time") and isinstance(json.loads(c.function.arguments), dict)
+
+    said = r'Checking\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}</tool_call>'
+    auto = dict(model="ensemble", messages=ASK, tools=WEATHER, max_tokens=120, temperature=0,
+                extra_body={"guided_regex": said})
+    out = client.chat.completions.create(**auto)
+    assert out.choices[0].message.content == "Checking. " and out.choices[0].finish_reason == "tool_calls"
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    chunks = list(client.chat.completions.create(**auto, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Checking. "
+    streamed_calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.function.name, t.function.arguments) for t in streamed_calls] == \
+        [("get_weather", call.function.arguments)] and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    follow = client.chat.completions.create(model="ensemble", messages=history, tools=WEATHER, tool_choice="none",
+                                            max_tokens=6, temperature=0)
+    rendered = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
+        c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in history]
+    assert follow.usage.prompt_tokens == template_tokens(default_model_path, rendered, WEATHER)
+    assert follow.choices[0].message.tool_calls is None and follow.choices[0].finish_reason == "length"
+    bad = httpx.post(door + "/v1/chat/completions", timeout=30, json={
+        "model": "ensemble", "messages": ASK, "tools": WEATHER, "tool_choice": {"type": "function",
+                                                                              "function": {"name": "nope"}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice" and "get_time" in bad.text
+
+
 def post(url, body, key=None, raw=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(url + "/v1/completions", content=raw if raw is not None else json.dumps(body),
@@ -168,6 +237,7 @@ ERROR_CASES = [  # body, status, param
     ({"model": "ensemble", "prompt": "a", "unknown_knob": 1}, 400, "unknown_knob"),
     ({"model": "ensemble", "prompt": "a", "response_format": {"type": "xml"}}, 400, "response_format"),
     ({"model": "ensemble", "prompt": "a", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ({"model": "ensemble", "prompt": "a", "tools": WEATHER}, 400, "tools"),
     ({"model": "ensemble", "prompt": ""}, 400, "prompt"),
     ({"model": "ensemble"}, 400, "prompt"),
     ({"prompt": "a"}, 400, "model"),
@@ -345,3 +415,70 @@ def test_a_failure_after_the_answer_began_is_an_error_event_or_a_500():
     assert status == 200 and events[0]["choices"][0]["text"] == "Hello"
     assert "the llm stub died" in events[-1]["error"]["message"] and body.endswith("data: [DONE]\n\n")
     assert whole_status == 500 and whole["error"]["type"] == "server_error"
+
+
+def test_tool_choice_becomes_a_guide_and_bad_tools_are_named():
+    chat = {"model": "m", "messages": ASK, "tools": WEATHER}
+    named = protocol.parse({**chat, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, True)
+    assert json.loads(named.params["guided_decoding_guide"]) == WEATHER[0]["function"]["parameters"]
+    required = protocol.parse({**chat, "tool_choice": "required", "parallel_tool_calls": False}, True)
+    schema = json.loads(required.params["guided_decoding_guide"])
+    assert schema["maxItems"] == 1 and [s["properties"]["name"]["enum"] for s in schema["items"]["anyOf"]] == \
+        [["get_weather"], ["get_time"]]
+    assert "guided_decoding_guide" not in protocol.parse({**chat, "tool_choice": "none"}, True).params
+    assert protocol.parse(chat, True, tool_call_parser="hermes").tools.mode == "auto"
+    bad_args = [ASK[0], {"role": "assistant", "tool_calls": [{"type": "function",
+                                                               "function": {"name": "f", "arguments": "{"}}]}]
+    for body, param, words in [
+            ({}, "tool_choice", "--tool-call-parser"),
+            ({"tool_choice": "bogus"}, "tool_choice", '"bogus"'),
+            ({"tools": [], "tool_choice": "required"}, "tool_choice", "needs tools"),
+            ({"tools": [{"type": "x"}]}, "tools", "tools[0]"),
+            ({"tools": [WEATHER[0], WEATHER[0]], "tool_choice": "required"}, "tools", "names two tools"),
+            ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"uniqueItems": True}}}],
+              "tool_choice": "required"}, "tools", "tools[0].function.parameters/uniqueItems"),
+            ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "combined"),
+            ({"tool_choice": "required", "logprobs": True}, "logprobs", "tool calls"),
+            ({"tool_choice": "none", "messages": bad_args}, "messages[1].tool_calls[0].function.arguments", "JSON")]:
+        with pytest.raises(protocol.APIError) as e:
+            protocol.parse({**chat, **body}, True)
+        assert e.value.param == param and words in e.value.message, (body, e.value.message)
+
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+
+
+@pytest.mark.parametrize("mode, text, reason", [
+    ("auto", "Let me look. " + CALL + "\n" + CALL.replace("Rome", "Paris"), "stop"),
+    ("auto", CALL, "stop"),
+    ("auto", "a < b, and <tool_ca", "length"),                      # held back while it could start a call
+    ("auto", "<tool_call>{not json}</tool_call>", "stop"),          # malformed: stays content
+    ("required", '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]',
+     "stop"),
+    ("required", '[{"name": "get_ti', "length"),
+    ("named", '{"city": "Paris"}', "stop")])
+def test_streamed_tool_calls_join_to_the_whole_answer(mode, text, reason):
+    """However the answer's text arrives, the streamed content and calls are the whole answer's, and no delta
+    carries text that later turns out to be a call."""
+    import random
+    from trellm_openai.tools import CallStream, ToolChoice, final_message
+    choice = ToolChoice(mode, tuple(WEATHER), "get_weather" if mode == "named" else None)
+    whole, whole_reason = final_message(choice, text, reason)
+    rng = random.Random(0)
+    for _ in range(20):
+        stream, deltas, at = CallStream(choice), [], 0
+        while at < len(text):
+            at = min(len(text), at + rng.randint(1, 6))
+            got, _ = stream.deltas(text[:at], None)
+            deltas += got
+        got, streamed_reason = stream.deltas(text, reason)
+        deltas += got
+        calls = [t for d in deltas for t in d.get("tool_calls", [])]
+        if mode == "named":
+            calls = [{"function": {"name": calls[0]["function"]["name"],
+                                   "arguments": "".join(c["function"]["arguments"] for c in calls)}}]
+        assert "".join(d.get("content") or "" for d in deltas) == (whole["content"] or "")
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+            [(c["function"]["name"], c["function"]["arguments"]) for c in whole.get("tool_calls", [])]
+        assert streamed_reason == whole_reason and deltas[0]["role"] == "assistant"
+    assert whole_reason == ("tool_calls" if mode != "named" and whole.get("tool_calls") else reason)

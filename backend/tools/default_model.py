@@ -20,8 +20,14 @@ import os
 import sys
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# Tools and tool calls are written as Hermes and Qwen write them (openai_api/tools.py reads that format back).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{{ bos_token }}{% if tools %}<|system|>\nYou can call these functions: {{ tools | tojson }}\n"
+    "To call one, answer <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call><|end|>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>"
+    "{% endfor %}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -30,6 +30,7 @@ import urllib.request
 from trellm_backend.tools.repository import default_repository
 from trellm_backend.tools.supervisor import Supervisor, remove_shm_regions, server_children, stub_shm_regions
 from trellm_backend.tools.testbed import metric_samples
+from trellm_openai.tools import TOOL_CALL_PARSERS
 
 DEFAULT_REPOSITORY = default_repository()
 MODEL_CONTROL_MODES = ("none", "poll", "explicit")
@@ -260,6 +261,9 @@ def parser() -> argparse.ArgumentParser:
                          "(default 0: not started; `make serve` starts it on 9000)")
     ap.add_argument("--openai-keys-file", default=None, metavar="FILE",
                     help="the front door's API keys and limits (openai_api/keys.py); without one it is open")
+    ap.add_argument("--openai-tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                    help="the format the models write tool calls in, for the front door's tool_choice \"auto\" "
+                         "(the default model writes hermes; without one, auto is refused)")
     ap.add_argument("--http-loopback", action="store_true",
                     help="tritonserver's HTTP port on 127.0.0.1 only (clients outside use the front door or gRPC)")
     return ap
@@ -301,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         log_line = f"\n  log     {log_path}" if log_path else ""
         openai_line = ""
         if args.openai_port:
-            front_door = start_front_door(server, args.openai_port, args.openai_keys_file)
+            front_door = start_front_door(server, args.openai_port, args.openai_keys_file,
+                                          args.openai_tool_call_parser)
             openai_line = f"\n  OpenAI  http://localhost:{args.openai_port}/v1  (POST /v1/chat/completions)"
         print(f"\ntritonserver is ready\n  HTTP    http://localhost:{args.http_port}  (POST /v2/models/ensemble/generate"
               f"_stream)\n  gRPC    localhost:{args.grpc_port}\n  metrics http://localhost:{args.metrics_port}/metrics"
@@ -334,13 +339,16 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
 
 
-def start_front_door(server: "TritonServer", port: int, keys_file: str | None) -> subprocess.Popen:
+def start_front_door(server: "TritonServer", port: int, keys_file: str | None,
+                     tool_call_parser: str | None = None) -> subprocess.Popen:
     """The OpenAI front door as a child process, talking to `server` over gRPC; returns once it listens."""
     cmd = [sys.executable, "-m", "trellm_openai", "--triton-url", server.grpc_url, "--port", str(port),
            "--triton-metrics-url", f"http://localhost:{server.metrics_port}/metrics",
            "--model-repository", server.model_repository]
     if keys_file:
         cmd += ["--keys-file", keys_file]
+    if tool_call_parser:
+        cmd += ["--tool-call-parser", tool_call_parser]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()   # its "OpenAI-compatible API on ..." line, or nothing if it failed to start
     if proc.poll() is not None or "OpenAI-compatible API" not in line:

@@ -136,8 +136,9 @@ SAMPLING_FIELDS = [f for f in FIELDS if f.name in SamplingParams.__dataclass_fie
 
 # Inputs of the llm step besides FIELDS: the prompt's token ids (from preprocess or vllm_model).
 LLM_PROMPT_INPUTS = ["input_ids", "input_lengths"]
-# Inputs of the ensemble besides FIELDS: the prompt as text, or chat messages (JSON list of {role, content}).
-ENSEMBLE_PROMPT_INPUTS = ["text_input", "messages"]
+# Inputs of the ensemble besides FIELDS: the prompt as text, or chat messages (JSON list of {role, content}) and
+# the tools the chat template shows (JSON list of function tools).
+ENSEMBLE_PROMPT_INPUTS = ["text_input", "messages", "tools"]
 # The vLLM-shaped contract: its tensors (besides text_input) and the output each return_* switch adds.
 VLLM_INPUTS = {"stream": "bool", "sampling_parameters": "str", "exclude_input_in_output": "bool",
                "return_finish_reason": "bool", "return_cumulative_logprob": "bool", "return_logprobs": "bool",

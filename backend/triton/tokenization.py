@@ -63,7 +63,8 @@ def decode_utf8(value, field: str) -> str:
 
 
 def parse_messages(text: str) -> list[dict]:
-    """A chat as JSON: a list of {"role": ..., "content": ...}; raises ValueError naming what is wrong."""
+    """A chat as JSON: a list of {"role": ..., "content": ...} (content may be null in an assistant message that
+    carries tool_calls); raises ValueError naming what is wrong."""
     try:
         messages = json.loads(text)
     except json.JSONDecodeError as e:
@@ -71,20 +72,34 @@ def parse_messages(text: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ValueError('messages must be a non-empty JSON list of {"role": ..., "content": ...} objects')
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
+                isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))):
             raise ValueError(f'messages[{i}] must be an object with string "role" and "content", got {json.dumps(m)}')
     return messages
 
 
+def parse_tools(text: str) -> list[dict]:
+    """Tools as JSON: a list of objects (OpenAI's function tools), as chat templates take them."""
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"tools is not valid JSON: {e}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError('tools must be a JSON list of objects ({"type": "function", "function": {...}})')
+    return tools
+
+
 def encode_prompt(tokenizer, text: str | None = None, messages: str | None = None,
-                  max_chars: int | None = None) -> list[int]:
+                  max_chars: int | None = None, tools: str | None = None) -> list[int]:
     """Token ids of a prompt (special tokens such as BOS added) or of chat messages rendered by the tokenizer's
-    chat template with the assistant's turn opened. Exactly one of the two must be given, of at most `max_chars`
-    characters (prompt_char_limit)."""
+    chat template with the assistant's turn opened, and the `tools` (JSON) the template shows the model. Exactly
+    one of text and messages must be given, of at most `max_chars` characters with the tools (prompt_char_limit)."""
     if (text is None) == (messages is None):
         raise ValueError("text_input is missing: every request needs a prompt (text_input, or messages for chat)"
                          if text is None else "send either text_input or messages, not both")
-    given = text if text is not None else messages
+    if tools is not None and messages is None:
+        raise ValueError("tools go with messages (chat): a plain text_input has no template to show them")
+    given = text if text is not None else messages + (tools or "")
     if max_chars is not None and len(given) > max_chars:
         raise ValueError(f"{'text_input' if text is not None else 'messages'} has {len(given)} characters; at most "
                          f"{max_chars} are allowed ({CHARS_PER_TOKEN_BOUND} per token of the model's context)")
@@ -92,7 +107,8 @@ def encode_prompt(tokenizer, text: str | None = None, messages: str | None = Non
         chat = parse_messages(messages)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("messages needs a chat template, and this model's tokenizer has none")
-        rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(chat, tools=None if tools is None else parse_tools(tools),
+                                                 tokenize=False, add_generation_prompt=True)
         # The template writes any BOS itself.
         return tokenizer(rendered, add_special_tokens=False).input_ids
     if not text:

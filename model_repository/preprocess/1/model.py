@@ -1,4 +1,4 @@
-"""Triton adapter: text_input (or chat messages) -> input_ids with the model folder's tokenizer
+"""Triton adapter: text_input (or chat messages, with any tools) -> input_ids with the model folder's tokenizer
 (backend/triton/tokenization.py). Also reports request parameters that name no input (a typo in an HTTP generate body)."""
 import faulthandler
 import json
@@ -30,7 +30,7 @@ class TritonPythonModel:
             if error:
                 raise ValueError(error)
             ids = encode_prompt(self.tokenizer, _string(request, "text_input"), _string(request, "messages"),
-                                self.max_prompt_chars)
+                                self.max_prompt_chars, _string(request, "tools"))
         except ValueError as e:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
         return pb_utils.InferenceResponse(output_tensors=[

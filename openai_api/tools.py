@@ -1,0 +1,242 @@
+"""Tool calls: OpenAI's `tools` and `tool_choice` on chat completions, as vLLM's front end reads them.
+
+The tools go to the model's chat template (preprocess renders them with the messages), and the answer's text becomes
+the message's `tool_calls`. How the text is made and read depends on `tool_choice`:
+- a named function (`{"type": "function", "function": {"name": ...}}`): the answer is constrained to the function's
+  `parameters` schema (structured output), so the whole answer is the call's arguments, valid JSON of that schema;
+- `required`: the answer is constrained to a JSON list of one or more `{"name", "parameters"}` objects, each naming
+  one of the tools with its own arguments (one at most when `parallel_tool_calls` is false);
+- `auto` (the default when tools are given): the model decides, writing calls in its own format, which the front
+  door reads with the parser it was started with (`--tool-call-parser`). Models differ in that format, so without
+  a parser `auto` is refused by name, as vLLM refuses it. `hermes` (Hermes', Qwen2.5's and Qwen3's format, and this
+  project's default model's template): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of
+  them; text before the first call is the message's content;
+- `none`: the tools are still shown to the model (vLLM does the same) and the answer is plain content.
+
+A streamed named call streams its arguments as they come. `required` and `auto` hold the call text back and send
+the calls whole when the answer ends (text before an `auto` answer's first call streams as content): a partial
+call cannot be parsed, and a client reads calls only once they are whole anyway.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from trellm_backend.engine.structured_output import GuideError, check_schema
+
+TOOL_CALL_PARSERS = ("hermes",)
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")     # OpenAI's rule for function names
+MAX_TOOLS = 128                                        # OpenAI's own limit
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}   # a function without parameters
+
+
+class ToolError(ValueError):
+    """A tools or tool_choice value that cannot be served; `param` is the request key it names."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a request's tools ask of its answer."""
+    mode: str                  # "none", "auto", "required" or "named"
+    tools: tuple               # the request's tools (validated), as the chat template gets them
+    name: str | None = None    # the function, when mode is "named"
+    parallel: bool = True      # parallel_tool_calls
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.mode != "none"
+
+    def guide(self) -> dict | None:
+        """The structured-output key (the field table's `guided_json`) that makes the answer a call, or None."""
+        schemas = {t["function"]["name"]: t["function"].get("parameters", NO_PARAMETERS) for t in self.tools}
+        if self.mode == "named":
+            return {"guided_json": schemas[self.name]}
+        if self.mode == "required":
+            one = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                                "parameters": schema},
+                              "required": ["name", "parameters"], "additionalProperties": False}
+                             for name, schema in schemas.items()]}
+            return {"guided_json": {"type": "array", "items": one, "minItems": 1,
+                                    **({} if self.parallel else {"maxItems": 1})}}
+        return None
+
+
+def parse_tool_choice(body: dict, parser: str | None) -> ToolChoice | None:
+    """A chat body's tools, tool_choice and parallel_tool_calls -> ToolChoice (None without tools). Raises ToolError
+    naming the key at fault."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ToolError(f"parallel_tool_calls must be true or false, got {json.dumps(parallel)}",
+                        "parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise ToolError("tool_choice needs tools: a list of functions the model may call", "tool_choice")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ToolError(f"tools must be a list of at most {MAX_TOOLS} functions", "tools")
+    names = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise ToolError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}', "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise ToolError(f"tools[{i}].function.name must be 1 to 64 letters, digits, _ or -, got "
+                            f"{json.dumps(name)}", "tools")
+        if name in names:
+            raise ToolError(f"tools[{i}].function.name {name!r} names two tools", "tools")
+        names.append(name)
+        if not isinstance(fn.get("description", ""), str):
+            raise ToolError(f"tools[{i}].function.description must be a string", "tools")
+        if "parameters" in fn:
+            if not isinstance(fn["parameters"], dict):
+                raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+            try:
+                check_schema(fn["parameters"], f"tools[{i}].function.parameters")
+            except GuideError as e:
+                raise ToolError(str(e), "tools") from None
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or name not in names:
+            raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                            f'{{"name": NAME}}}} naming one of the tools ({", ".join(names)})', "tool_choice")
+        return ToolChoice("named", tuple(tools), name, parallel)
+    if choice not in ("none", "auto", "required"):
+        raise ToolError(f'tool_choice must be "none", "auto", "required" or a named function, got '
+                        f"{json.dumps(choice)}", "tool_choice")
+    if choice == "auto" and parser is None:
+        raise ToolError('tool_choice "auto" (the default when tools are given) needs the front door started with '
+                        f"--tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}), the format this model writes calls "
+                        'in; "required" or a named function work without one', "tool_choice")
+    return ToolChoice(choice, tuple(tools), None, parallel)
+
+
+def call(name: str, arguments: str) -> dict:
+    """One entry of a message's tool_calls."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass
+class ParsedAnswer:
+    content: str | None
+    calls: list[dict]
+
+
+def parse_answer(choice: ToolChoice, text: str) -> ParsedAnswer:
+    """A whole answer's text -> its content and tool calls. Text that does not parse as calls (an answer cut short
+    by max_tokens, or an `auto` answer whose call is malformed) stays content, so nothing the model wrote is lost."""
+    if choice.mode == "named":
+        return ParsedAnswer(None, [call(choice.name, text)])
+    if choice.mode == "required":
+        try:
+            items = json.loads(text)
+            calls = [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
+        except (ValueError, TypeError, KeyError):
+            return ParsedAnswer(text, [])
+        return ParsedAnswer(None, calls)
+    if choice.mode == "auto":
+        return parse_hermes(text)
+    return ParsedAnswer(text, [])
+
+
+def parse_hermes(text: str) -> ParsedAnswer:
+    start = text.find(HERMES_OPEN)
+    if start < 0:
+        return ParsedAnswer(text, [])
+    calls, at = [], start
+    while at >= 0:
+        end = text.find(HERMES_CLOSE, at)
+        body = text[at + len(HERMES_OPEN):end if end >= 0 else len(text)]
+        try:
+            obj = json.loads(body)
+            calls.append(call(obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False)))
+        except (ValueError, TypeError, KeyError):
+            return ParsedAnswer(text, [])
+        at = text.find(HERMES_OPEN, end) if end >= 0 else -1
+    return ParsedAnswer(text[:start] or None, calls)
+
+
+def streamable_content(choice: ToolChoice, text: str) -> int:
+    """How many leading characters of an unfinished answer are surely content, so may stream now: all of a `none`
+    answer, none of a `required` one, and of an `auto` one what comes before anything that starts a call (text that
+    could still become `<tool_call>` is held back)."""
+    if choice.mode == "none":
+        return len(text)
+    if choice.mode != "auto":
+        return 0
+    start = text.find(HERMES_OPEN)
+    if start >= 0:
+        return start
+    for keep in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
+        if HERMES_OPEN.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)
+
+
+def final_message(choice: ToolChoice | None, text: str, reason: str | None) -> tuple[dict, str | None]:
+    """A non-streamed chat choice: its message and finish reason (`tool_calls` when the model chose to call)."""
+    if choice is None or not choice.parses_calls:
+        return {"role": "assistant", "content": text}, reason
+    parsed = parse_answer(choice, text)
+    message = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["tool_calls"] = parsed.calls
+    return message, _finish_reason(choice, parsed, reason)
+
+
+def _finish_reason(choice: ToolChoice, parsed: ParsedAnswer, reason: str | None) -> str | None:
+    # OpenAI's: a forced named call ends with "stop"; a call the model chose (or was required to make) with
+    # "tool_calls"; an answer cut short keeps "length".
+    return "tool_calls" if parsed.calls and choice.mode != "named" and reason == "stop" else reason
+
+
+class CallStream:
+    """One streamed chat choice under a ToolChoice that parses calls: the deltas each new piece of text makes.
+    The streamed content and calls join to what final_message gives for the same text."""
+
+    def __init__(self, choice: ToolChoice):
+        self.choice = choice
+        self.sent = 0            # characters of the text already sent (as content, or as a named call's arguments)
+        self.started = False
+        self.named_id = call(choice.name, "")["id"] if choice.mode == "named" else None
+
+    def deltas(self, text: str, reason: str | None) -> tuple[list[dict], str | None]:
+        """The deltas for the answer's text so far (`reason` set when it has ended), and the finish reason."""
+        out = []
+        if self.choice.mode == "named":
+            new = text[self.sent:]
+            if not self.started:
+                out.append({"role": "assistant", "content": None, "tool_calls": [
+                    {"index": 0, "id": self.named_id, "type": "function",
+                     "function": {"name": self.choice.name, "arguments": new}}]})
+            elif new:
+                out.append({"tool_calls": [{"index": 0, "function": {"arguments": new}}]})
+            self.sent, self.started = len(text), True
+            return out, reason
+        parsed = parse_answer(self.choice, text) if reason else None
+        if parsed is None:
+            upto = streamable_content(self.choice, text)
+        else:
+            upto = len(parsed.content or "") if parsed.calls else len(text)
+        new = text[self.sent:max(upto, self.sent)]
+        if not self.started:
+            out.append({"role": "assistant", "content": new})
+        elif new:
+            out.append({"content": new})
+        self.sent, self.started = max(upto, self.sent), True
+        if parsed is not None and parsed.calls:
+            out.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(parsed.calls)]})
+            reason = _finish_reason(self.choice, parsed, reason)
+        return out, reason

@@ -33,7 +33,7 @@ INPUT_TYPES = {
     "top_k": np.int32, "top_p": np.float32, "min_p": np.float32, "repetition_penalty": np.float32,
     "presence_penalty": np.float32, "frequency_penalty": np.float32, "seed": np.uint64, "random_seed": np.uint64,
     "end_id": np.int32, "pad_id": np.int32, "stop_token_ids": np.int32, "ignore_eos": np.bool_,
-    "stop_words": np.object_, "bad_words": np.object_, "logprobs": np.int32,
+    "stop_words": np.object_, "bad_words": np.object_, "logit_bias": np.object_, "logprobs": np.int32,
     "num_return_sequences": np.int32, "return_log_probs": np.bool_, "beam_width": np.int32,
     "length_penalty": np.float32, "stream": np.bool_, "exclude_input_in_output": np.bool_,
     "return_num_input_tokens": np.bool_, "return_num_output_tokens": np.bool_, "return_perf_metrics": np.bool_,
@@ -78,7 +78,7 @@ def build_inputs(grpc_module, prompt: str | bytes | None, params: dict, messages
     for name, value in params.items():
         if value is None:
             continue
-        if name == "tools":     # JSON, as messages
+        if name in ("tools", "logit_bias") and not isinstance(value, str):     # JSON, as messages
             add(name, np.array([[json.dumps(value).encode("utf-8")]], dtype=np.object_))
             continue
         if name not in INPUT_TYPES:

@@ -26,7 +26,7 @@ MAX_TOP_LOGPROBS = 20          # OpenAI's own limit
 OPENAI_ONLY = {"model", "prompt", "messages", "stream", "stream_options", "max_completion_tokens", "echo",
                "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 # Keys that would change the answer in ways this server cannot do yet: refused by name rather than ignored.
-UNSUPPORTED = {"logit_bias": "logit_bias is not supported", "suffix": "suffix (insertion) is not supported",
+UNSUPPORTED = {"suffix": "suffix (insertion) is not supported",
                "best_of": "best_of is not supported: use n", "functions": "functions is deprecated: use tools",
                "function_call": "function_call is deprecated: use tool_choice", "prediction": "predicted outputs "
                "are not supported"}

@@ -113,7 +113,7 @@ def test_client_types_match_the_ensemble():
     ens = {t: f for f in fields.FIELDS if f.in_ensemble for t in f.tensor_names}
     assert set(INPUT_TYPES) == set(ens)
     numpy_of = {"int": np.int32, "uint": np.uint64, "float": np.float32, "bool": np.bool_, "str": np.object_,
-                "str_list": np.object_, "int_list": np.int32}
+                "str_list": np.object_, "int_list": np.int32, "json": np.object_}
     assert all(INPUT_TYPES[t] is numpy_of[f.kind] for t, f in ens.items())
     assert LIST_INPUTS == {t for t, f in ens.items() if f.kind == "str_list"}
 

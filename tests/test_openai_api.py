@@ -131,6 +131,9 @@ def test_logprobs_in_both_shapes(door):
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
     assert "".join(t.token for t in content) == chat.choices[0].message.content
+    forced = client.completions.create(model="ensemble", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0,
+                                       logit_bias={"17": 100}).choices[0].logprobs     # biased before logprobs
+    assert len(set(forced.tokens)) == 1 and all(lp > -1e-3 for lp in forced.token_logprobs), forced
 
 
 @pytest.mark.server
@@ -236,7 +239,8 @@ ERROR_CASES = [  # body, status, param
     ({"model": "ensemble", "prompt": "a", "stream": "yes"}, 400, "stream"),
     ({"model": "ensemble", "prompt": "a", "unknown_knob": 1}, 400, "unknown_knob"),
     ({"model": "ensemble", "prompt": "a", "response_format": {"type": "xml"}}, 400, "response_format"),
-    ({"model": "ensemble", "prompt": "a", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ({"model": "ensemble", "prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": "ensemble", "prompt": "a", "logit_bias": {"99999": 1}}, 400, None),   # the engine's vocabulary check
     ({"model": "ensemble", "prompt": "a", "tools": WEATHER}, 400, "tools"),
     ({"model": "ensemble", "prompt": ""}, 400, "prompt"),
     ({"model": "ensemble"}, 400, "prompt"),

@@ -12,7 +12,7 @@ from hf_models import random_prompts
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.request import Request, SamplingParams
-from trellm_backend.engine.sampler import SamplingRow, apply_bans, apply_penalties, sample
+from trellm_backend.engine.sampler import SamplingRow, apply_bans, apply_logit_bias, apply_penalties, sample
 from trellm_backend.engine.scheduler import sampling_row
 
 V = 12
@@ -106,6 +106,18 @@ def test_word_lists_are_bounded_by_name(params, message):
     SamplingParams(stop=["x"] * 64, bad_words=["y" * 256] * 1024, stop_token_ids=[1] * 256).validate()
 
 
+def test_logit_bias_is_added_to_its_own_row_and_steers_the_draw():
+    logits = torch.zeros(2, V)
+    got = apply_logit_bias(logits, [req([1], logit_bias={3: 5.0, 4: -100}), req([1])])
+    assert got[0, 3] == 5 and got[0, 4] == -100 and got[0].sum() == -95 and torch.equal(got[1], logits[1])
+    assert sample(torch.tensor([LOGITS]), [req([0], temperature=0.0, logit_bias={11: 100})])[0].token_id == 11
+    assert draws(LOGITS, logit_bias={0: -100, 1: -100}).isdisjoint({0, 1})
+    for bias, message in (({1: 100.5}, r"\[-100, 100\], got 100.5"), ({-1: 1}, "integers >= 0"),
+                          (dict.fromkeys(range(1025), 1), "1025 entries; at most 1024")):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(logit_bias=bias).validate()
+
+
 def test_logprobs_are_of_the_processed_distribution():
     logits = torch.tensor([LOGITS, LOGITS])
     rows = [req([0], temperature=0.0, logprobs=3, top_k=2), req([0], temperature=0.0)]
@@ -146,6 +158,22 @@ def test_every_control_keeps_seeded_output_independent_of_batch_mates(engine):
     engine.add_request("m3", p[2], replace(seeded, seed=7, max_tokens=14))      # a seeded mate: its own generator
     assert [o.new_token_ids[0] for o in run(engine, p[0], seeded, "y")] == alone
     assert [o.new_token_ids[0] for o in run(engine, p[0], replace(seeded, seed=6), "z")] != alone, "seed ignored"
+
+
+def test_logit_bias_on_the_model_moves_greedy_tokens_as_transformers_logits_say(engine, default_model_path):
+    """-100 on the greedy token makes the first token the runner-up of transformers' logits; +100 on a token makes
+    every token that one."""
+    from transformers import AutoModelForCausalLM
+    prompt = random_prompts(8, 4096, [12])[0]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = engine.generate([prompt], greedy)[0][0]
+    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        runner_up = model(torch.tensor([prompt])).logits[0, -1].topk(2).indices[1].item()
+    assert engine.generate([prompt], replace(greedy, logit_bias={first: -100}))[0][0] == runner_up
+    assert engine.generate([prompt], replace(greedy, logit_bias={17: 100}))[0] == [17] * 4
+    with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 4096\), got \[4096\]"):
+        engine.make_request("v", prompt, SamplingParams(logit_bias={4096: 1}))
 
 
 def test_min_tokens_and_stop_token_ids(engine):

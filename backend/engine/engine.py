@@ -99,6 +99,9 @@ class LLMEngine:
         bad_ids = [t for t in params.stop_token_ids if t >= vocab]
         if bad_ids:
             raise ValueError(f"stop token ids (end_id, stop_token_ids) must be in [0, {vocab}), got {bad_ids}")
+        bad_ids = sorted(t for t in params.logit_bias if t >= vocab)
+        if bad_ids:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad_ids[:8]}")
         if (params.stop or params.bad_words) and self.tokenizer is None:
             raise ValueError("stop strings and bad words need the engine's tokenizer")
         if params.guide is not None and self.tokenizer is None:

@@ -32,6 +32,8 @@ I32_MAX = (1 << 31) - 1
 # {attribute: (the names a request uses, most entries, most characters per entry)}.
 LIST_LIMITS = {"stop": ("stop_words / stop", 64, 256), "bad_words": ("bad_words", 1024, 256),
                "stop_token_ids": ("stop_token_ids", 256, None)}
+LOGIT_BIAS_MOST = 1024             # entries of logit_bias (added to each row's logits on every step)
+LOGIT_BIAS_BOUNDS = (-100, 100)    # OpenAI's range: -100 bans a token in effect, 100 all but forces it
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,41 @@ class Bounds:
             low_bad = self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo)
             if low_bad or (self.hi is not None and v > self.hi):
                 raise ValueError(f"{shown} must be in {self.text()}, got {value}")
+
+
+def check_logit_bias(bias: dict) -> dict[int, float]:
+    """Raise ValueError naming logit_bias unless it maps at most LOGIT_BIAS_MOST token ids to numbers in
+    LOGIT_BIAS_BOUNDS; return it."""
+    if len(bias) > LOGIT_BIAS_MOST:
+        raise ValueError(f"logit_bias has {len(bias)} entries; at most {LOGIT_BIAS_MOST} are allowed")
+    lo, hi = LOGIT_BIAS_BOUNDS
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+            raise ValueError(f"logit_bias values must be numbers in [{lo}, {hi}], got {value!r} for token {token}")
+    return bias
+
+
+def parse_logit_bias(value) -> dict[int, float]:
+    """OpenAI's logit_bias ({"token id": bias}, as a JSON object or its text) -> {token id: bias}, checked
+    (check_logit_bias); raises ValueError naming what is wrong."""
+    import json
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"logit_bias is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError('logit_bias must be an object of token ids and biases: {"50256": -100}')
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}") from None
+        out[token] = bias
+    return check_logit_bias(out)
 
 
 def _num(x) -> str:
@@ -96,6 +133,7 @@ class SamplingParams:
     speculative_decoding: bool = True                # false: this request's steps carry no guesses (same output)
     guide: Guide | None = None                       # structured output (structured_output.py)
     lora_name: str | None = None                     # a LoRA adapter of the model (models/lora.py); None: the base
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit before sampling
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the allowed range."""
@@ -111,6 +149,15 @@ class SamplingParams:
                 raise ValueError(f"{shown} has an entry of {longest} characters; at most {chars} are allowed")
         if self.guide is not None:
             self.guide.validate()
+        check_logit_bias(self.logit_bias)
+
+    def logit_bias_columns(self) -> tuple[list[int], list[float]]:
+        """logit_bias as (token ids, biases), built once per request rather than on every step."""
+        cached = self.__dict__.get("_logit_bias_columns")
+        if cached is None or cached[0] is not self.logit_bias:
+            cached = self.__dict__["_logit_bias_columns"] = (
+                self.logit_bias, list(self.logit_bias), [float(b) for b in self.logit_bias.values()])
+        return cached[1], cached[2]
 
     def bad_word_table(self) -> tuple[list[int], dict[int, dict[tuple[int, ...], list[int]]]]:
         """bad_words_ids as (ids banned always, {head length: {head: ids banned after it}}), built once: a sampling

@@ -1,6 +1,6 @@
 """Turn a batch of logits into next tokens, with every sampling control applied to the whole batch at once.
 
-Order (vLLM's): penalties (repetition on prompt + output, presence and frequency on the output), token bans
+Order (vLLM's): logit_bias, penalties (repetition on prompt + output, presence and frequency on the output), token bans
 (EOS and stop ids before min_tokens, bad words), then greedy rows take the argmax; the others get temperature,
 top-k, top-p and min-p, and draw with the exponential-race trick (argmax of p / Exp(1) noise, equivalent to
 drawing from p). A seeded request draws its noise row from its own generator and every control depends only on
@@ -59,6 +59,7 @@ class SampledToken:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids=()) -> list[SampledToken]:
     """logits [B, V] fp32 -> one SampledToken per row."""
+    logits = apply_logit_bias(logits, rows)
     logits = apply_penalties(logits, rows)
     logits = apply_bans(logits, rows, eos_token_ids)
     temps = [r.params.temperature for r in rows]
@@ -72,6 +73,24 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids=()) -> l
     for i, state in states.items():
         out[i].rng_state = state
     return out
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's logit_bias added to its logits (one indexed add for the batch)."""
+    row_ids, token_ids, biases = [], [], []
+    for i, r in enumerate(rows):
+        if r.params.logit_bias:
+            ids, values = r.params.logit_bias_columns()
+            row_ids += [i] * len(ids)
+            token_ids += ids
+            biases += values
+    if not row_ids:
+        return logits
+    dev = logits.device
+    logits = logits.clone()
+    logits.index_put_((torch.tensor(row_ids, device=dev), torch.tensor(token_ids, device=dev)),
+                      torch.tensor(biases, dtype=logits.dtype, device=dev), accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

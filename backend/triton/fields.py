@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trellm_backend.engine.request import I32_MAX, LIST_LIMITS, Bounds, SamplingParams, parse_bool
+from trellm_backend.engine.request import (I32_MAX, LIST_LIMITS, LOGIT_BIAS_BOUNDS, LOGIT_BIAS_MOST, Bounds,
+                                           SamplingParams, parse_bool, parse_logit_bias)
 from trellm_backend.engine.structured_output import GUIDE_TYPES, Guide
 from trellm_backend.triton.tokenization import decode_utf8
 
 TRITON_TYPES = {"int": "TYPE_INT32", "uint": "TYPE_UINT64", "float": "TYPE_FP32", "bool": "TYPE_BOOL",
-                "str": "TYPE_STRING", "str_list": "TYPE_STRING", "int_list": "TYPE_INT32"}
+                "str": "TYPE_STRING", "str_list": "TYPE_STRING", "int_list": "TYPE_INT32", "json": "TYPE_STRING"}
 # The vLLM contract's structured-output keys -> the guide type each one means (`structured_outputs` holds one of
 # json, regex, choice, grammar, json_object).
 VLLM_GUIDES = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
@@ -30,13 +31,14 @@ _SAMPLING = {f.name: f for f in dataclasses.fields(SamplingParams)}
 @dataclass(frozen=True)
 class Field:
     name: str                      # SamplingParams attribute, or a request-level setting
-    kind: str                      # int, uint, float, bool, str, str_list, int_list
+    kind: str                      # int, uint, float, bool, str, str_list, int_list, json (an object, as text)
     default: object
     bounds: Bounds | None = None   # allowed range (numbers only)
     tensors: tuple[str, ...] = ()  # ensemble/llm tensor names, aliases after the first; () = llm only, as `name`
     in_ensemble: bool = True       # declared by the TRT-LLM-shaped ensemble
     json: tuple[str, ...] = ()     # keys of the vLLM contract's sampling_parameters
     doc: str = ""
+    parse: object = None           # json fields: text -> the engine's value, raising ValueError naming the field
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -57,6 +59,8 @@ class Field:
         """Raise ValueError naming `shown` (the name the caller used) and the allowed range."""
         if self.bounds is not None:
             self.bounds.check(value, shown)
+        if self.parse is not None:
+            self.parse(value)
 
 
 def _sampling(name: str, kind: str, **kw) -> Field:
@@ -100,6 +104,9 @@ FIELDS: list[Field] = [
               doc="stop strings, matched on the text across tokens; cut from the output (finish_reason stop)"),
     _sampling("bad_words", "str_list", tensors=("bad_words",), json=("bad_words",),
               doc="words never generated (each as tokenized alone and after a space)"),
+    Field("logit_bias", "json", None, None, tensors=("logit_bias",), json=("logit_bias",), parse=parse_logit_bias,
+          doc=f"added to the logits of those token ids before sampling: {{\"id\": bias}}, each bias in "
+              f"[{LOGIT_BIAS_BOUNDS[0]}, {LOGIT_BIAS_BOUNDS[1]}], at most {LOGIT_BIAS_MOST} ids"),
     _sampling("n", "int", tensors=("num_return_sequences",), json=("n",),
               doc="parallel samples; responses carry sequence_index"),
     _sampling("speculative_decoding", "bool", in_ensemble=False, json=("speculative_decoding",),
@@ -172,7 +179,7 @@ def ensemble_tensor_names() -> list[str]:
 # -- values from tensors ---------------------------------------------------------------------------------------
 def _tensor_value(f: Field, shown: str, arr: np.ndarray):
     a = np.asarray(arr)
-    if f.kind == "str":
+    if f.kind in ("str", "json"):
         if (a.dtype != np.object_ and a.dtype.kind not in "SU") or a.size != 1:
             raise ValueError(f"{shown} must be one STRING value, got {a.dtype} of shape {list(a.shape)}")
         return decode_utf8(a.reshape(-1)[0], shown)
@@ -230,6 +237,10 @@ def _coerce(f: Field, shown: str, v):
             if not isinstance(v, str):
                 raise ValueError
             return v
+        if f.kind == "json":
+            if not isinstance(v, (str, dict)):
+                raise ValueError
+            return v if isinstance(v, str) else json.dumps(v)
         if f.kind == "str_list":
             v = [v] if isinstance(v, str) else v
             if not isinstance(v, list) or not all(isinstance(w, str) for w in v):
@@ -242,6 +253,7 @@ def _coerce(f: Field, shown: str, v):
         pass
     expected = {"bool": "true or false", "int": "an integer", "uint": "a non-negative integer",
                 "float": "a number", "str": "a string", "str_list": "a string or a list of strings",
+                "json": "a JSON object",
                 "int_list": "an integer or a list of integers"}[f.kind]
     raise ValueError(f"{shown} must be {expected}, got {json.dumps(v)}")
 
@@ -321,7 +333,7 @@ def tensors_from_values(values: dict[str, object]) -> dict[str, np.ndarray]:
     for name, v in values.items():
         f = BY_NAME[name]
         t = f.tensor_names[0]
-        if f.kind == "str":
+        if f.kind in ("str", "json"):
             out[t] = np.array([[v.encode("utf-8")]], dtype=np.object_)
         elif f.kind == "str_list":
             out[t] = np.array([[w.encode("utf-8") for w in v]], dtype=np.object_)
@@ -344,6 +356,9 @@ def sampling_params(values: dict[str, object]) -> SamplingParams:
         kwargs["stop_token_ids"] = [*kwargs.get("stop_token_ids", []), values["end_id"]]
     if values.get("return_log_probs") and kwargs.get("logprobs") is None:
         kwargs["logprobs"] = 0
+    for f in SAMPLING_FIELDS:
+        if f.parse is not None and values.get(f.name) is not None:
+            kwargs[f.name] = f.parse(values[f.name])
     if values.get("guided_decoding_guide_type") is not None:
         kwargs["guide"] = Guide(values["guided_decoding_guide_type"], values.get("guided_decoding_guide") or "")
     elif values.get("guided_decoding_guide"):

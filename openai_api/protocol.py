@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from trellm_backend.triton import fields
+from trellm_backend.triton.tokenization import tool_call
 from trellm_openai.tools import ToolChoice, ToolError, parse_tool_choice
 
 # OpenAI keys accepted and ignored (they change nothing this server does), and keys refused with a reason.
@@ -73,9 +74,8 @@ def _param_of(message: str, keys) -> str | None:
 
 
 def _chat_messages(raw) -> list[dict]:
-    """OpenAI's messages -> the chat template's: content parts joined into one string; an assistant message's
-    tool_calls with their arguments as objects (what templates print: vLLM hands them over the same way), a tool
-    message's tool_call_id and name kept."""
+    """OpenAI's messages -> the ensemble's: content parts joined into one string; an assistant message's tool_calls
+    and a tool message's tool_call_id and name kept."""
     if not isinstance(raw, list) or not raw:
         raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
     out = []
@@ -108,21 +108,16 @@ def _chat_messages(raw) -> list[dict]:
 
 
 def _message_tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's tool_calls, checked by preprocess's own rule (so a bad one is a 400 naming it here)
+    and passed on as sent."""
     if not isinstance(calls, list):
         raise invalid(f"{where} must be a list of calls", where)
-    out = []
     for k, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
-            raise invalid(f'{where}[{k}] must be {{"id", "type": "function", "function": {{"name", "arguments"}}}} '
-                          "with arguments a JSON string", f"{where}[{k}]")
         try:
-            arguments = json.loads(fn["arguments"])
-        except json.JSONDecodeError as e:
-            raise invalid(f"{where}[{k}].function.arguments is not valid JSON: {e}",
-                          f"{where}[{k}].function.arguments") from None
-        out.append({"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
-    return out
+            tool_call(c, f"{where}[{k}]")
+        except ValueError as e:
+            raise invalid(str(e), _param_of(str(e), [f"{where}[{k}].function.arguments", f"{where}[{k}]"])) from None
+    return calls
 
 
 def parse(body, chat: bool, tool_call_parser: str | None = None) -> Generation:

@@ -24,7 +24,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from trellm_backend.engine.structured_output import GuideError, check_schema
+from trellm_backend.engine.structured_output import Guide, GuideError, check_schema
 
 TOOL_CALL_PARSERS = ("hermes",)
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -53,26 +53,62 @@ class ToolChoice:
     def parses_calls(self) -> bool:
         return self.mode != "none"
 
+    @property
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
     def guide(self) -> dict | None:
         """The structured-output key (the field table's `guided_json`) that makes the answer a call, or None."""
         schemas = {t["function"]["name"]: t["function"].get("parameters", NO_PARAMETERS) for t in self.tools}
         if self.mode == "named":
             return {"guided_json": schemas[self.name]}
-        if self.mode == "required":
-            one = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                                                "parameters": schema},
-                              "required": ["name", "parameters"], "additionalProperties": False}
-                             for name, schema in schemas.items()]}
-            return {"guided_json": {"type": "array", "items": one, "minItems": 1,
-                                    **({} if self.parallel else {"maxItems": 1})}}
-        return None
+        if self.mode != "required":
+            return None
+        defs, calls = {}, []
+        for name, schema in schemas.items():
+            schema = _hoist_definitions(schema, name, defs)
+            calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                            "parameters": schema},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        return {"guided_json": {"type": "array", "items": {"anyOf": calls}, "minItems": 1,
+                                **({} if self.parallel else {"maxItems": 1}), **({"$defs": defs} if defs else {})}}
+
+
+def _hoist_definitions(schema: dict, tool: str, defs: dict) -> dict:
+    """A tool's parameters schema moved under `required`'s list: its `$defs` / `definitions` go to the list's root
+    as `TOOL.NAME` (two tools may name theirs alike), and its `$ref`s are rewritten to match. A `$ref` to anything
+    else (its own root, say) would point elsewhere once moved, so it is refused by name."""
+    local = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    renamed = {name: f"{tool}.{name}" for name in local}
+
+    def moved(node):
+        if isinstance(node, list):
+            return [moved(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                section, _, rest = value.removeprefix("#/").partition("/")
+                name, slash, tail = rest.partition("/")
+                if section not in ("$defs", "definitions") or name not in renamed:
+                    raise ToolError(f"tools: {tool}'s parameters use $ref {value!r}; with tool_choice \"required\" "
+                                    "only references to its own $defs or definitions are supported", "tools")
+                out[key] = f"#/$defs/{renamed[name]}{slash}{tail}"
+            else:
+                out[key] = moved(value)
+        return out
+    for name, sub in local.items():
+        defs[renamed[name]] = moved(sub)
+    return moved({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
 
 
 def parse_tool_choice(body: dict, parser: str | None) -> ToolChoice | None:
     """A chat body's tools, tool_choice and parallel_tool_calls -> ToolChoice (None without tools). Raises ToolError
     naming the key at fault."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel
     if not isinstance(parallel, bool):
         raise ToolError(f"parallel_tool_calls must be true or false, got {json.dumps(parallel)}",
                         "parallel_tool_calls")
@@ -111,15 +147,23 @@ def parse_tool_choice(body: dict, parser: str | None) -> ToolChoice | None:
         if choice.get("type") != "function" or name not in names:
             raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                             f'{{"name": NAME}}}} naming one of the tools ({", ".join(names)})', "tool_choice")
-        return ToolChoice("named", tuple(tools), name, parallel)
-    if choice not in ("none", "auto", "required"):
+        tool_choice = ToolChoice("named", tuple(tools), name, parallel)
+    elif choice not in ("none", "auto", "required"):
         raise ToolError(f'tool_choice must be "none", "auto", "required" or a named function, got '
                         f"{json.dumps(choice)}", "tool_choice")
-    if choice == "auto" and parser is None:
+    elif choice == "auto" and parser is None:
         raise ToolError('tool_choice "auto" (the default when tools are given) needs the front door started with '
                         f"--tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}), the format this model writes calls "
                         'in; "required" or a named function work without one', "tool_choice")
-    return ToolChoice(choice, tuple(tools), None, parallel)
+    else:
+        tool_choice = ToolChoice(choice, tuple(tools), None, parallel)
+    guide = tool_choice.guide()
+    if guide:   # the wrapped schemas, checked as a guide the engine would be sent (depth and size included)
+        try:
+            Guide("json_schema", json.dumps(guide["guided_json"])).validate()
+        except GuideError as e:
+            raise ToolError(f"tools, as tool_choice {tool_choice.mode} sends them: {e}", "tools") from None
+    return tool_choice
 
 
 def call(name: str, arguments: str) -> dict:
@@ -135,37 +179,48 @@ class ParsedAnswer:
 
 
 def parse_answer(choice: ToolChoice, text: str) -> ParsedAnswer:
-    """A whole answer's text -> its content and tool calls. Text that does not parse as calls (an answer cut short
-    by max_tokens, or an `auto` answer whose call is malformed) stays content, so nothing the model wrote is lost."""
+    """A whole answer's text -> its content and tool calls. Text that does not parse as calls of the tools (an
+    answer cut short by max_tokens, a malformed call, a name that is none of the tools) stays content, whole, so
+    nothing the model wrote is lost. Once calls parse, text after the first one is dropped (as vLLM's parsers do)."""
     if choice.mode == "named":
         return ParsedAnswer(None, [call(choice.name, text)])
     if choice.mode == "required":
         try:
             items = json.loads(text)
-            calls = [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, RecursionError):
+            items = None
+        if not isinstance(items, list) or not items or not all(
+                isinstance(c, dict) and c.get("name") in choice.names and isinstance(c.get("parameters"), dict)
+                for c in items):
             return ParsedAnswer(text, [])
-        return ParsedAnswer(None, calls)
+        return ParsedAnswer(None, [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items])
     if choice.mode == "auto":
-        return parse_hermes(text)
+        return parse_hermes(text, choice)
     return ParsedAnswer(text, [])
 
 
-def parse_hermes(text: str) -> ParsedAnswer:
+def parse_hermes(text: str, choice: ToolChoice) -> ParsedAnswer:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of them (the first only when
+    parallel_tool_calls is false), each JSON read whole (so a "</tool_call>" inside an argument's string is text);
+    the last may be left unclosed by a stop."""
     start = text.find(HERMES_OPEN)
     if start < 0:
         return ParsedAnswer(text, [])
-    calls, at = [], start
+    decoder, calls, at = json.JSONDecoder(), [], start
     while at >= 0:
-        end = text.find(HERMES_CLOSE, at)
-        body = text[at + len(HERMES_OPEN):end if end >= 0 else len(text)]
+        body = at + len(HERMES_OPEN)
         try:
-            obj = json.loads(body)
-            calls.append(call(obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False)))
-        except (ValueError, TypeError, KeyError):
+            obj, end = decoder.raw_decode(text, body + len(text[body:]) - len(text[body:].lstrip()))
+        except (ValueError, RecursionError):
             return ParsedAnswer(text, [])
-        at = text.find(HERMES_OPEN, end) if end >= 0 else -1
-    return ParsedAnswer(text[:start] or None, calls)
+        rest = text[end:].lstrip()
+        if not isinstance(obj, dict) or obj.get("name") not in choice.names or \
+                not isinstance(obj.get("arguments", {}), dict) or not (rest.startswith(HERMES_CLOSE) or not rest):
+            return ParsedAnswer(text, [])
+        arguments = obj.get("arguments", {})
+        calls.append(call(obj["name"], json.dumps(arguments, ensure_ascii=False)))
+        at = text.find(HERMES_OPEN, len(text) - len(rest)) if rest else -1
+    return ParsedAnswer(text[:start] or None, calls if choice.parallel else calls[:1])
 
 
 def streamable_content(choice: ToolChoice, text: str) -> int:
@@ -231,8 +286,8 @@ class CallStream:
         else:
             upto = len(parsed.content or "") if parsed.calls else len(text)
         new = text[self.sent:max(upto, self.sent)]
-        if not self.started:
-            out.append({"role": "assistant", "content": new})
+        if not self.started:   # a required answer is content only if it turns out not to be calls
+            out.append({"role": "assistant", "content": None if self.choice.mode == "required" and not new else new})
         elif new:
             out.append({"content": new})
         self.sent, self.started = max(upto, self.sent), True

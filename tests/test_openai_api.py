@@ -449,6 +449,40 @@ def test_tool_choice_becomes_a_guide_and_bad_tools_are_named():
         assert e.value.param == param and words in e.value.message, (body, e.value.message)
 
 
+def test_required_calls_keep_each_tools_definitions_and_are_checked_whole():
+    """Pydantic-made parameters (the SDK's pydantic_function_tool) reference their own $defs: moved under the list
+    `required` sends, they still compile, even where two tools name a definition alike. What the list adds (depth,
+    size) is checked before the request goes out, named as the tools'."""
+    import xgrammar
+    from trellm_openai.tools import parse_tool_choice
+
+    def tool(name, field):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
+            "$defs": {"Place": {"type": "object", "properties": {field: {"type": "string"}}, "required": [field]}}}}}
+    choice = parse_tool_choice({"tools": [tool("a", "city"), tool("b", "street")], "tool_choice": "required"}, None)
+    schema = choice.guide()["guided_json"]
+    assert sorted(schema["$defs"]) == ["a.Place", "b.Place"]
+    xgrammar.Grammar.from_json_schema(json.dumps(schema))          # compiles: every $ref resolves
+    deep = {"type": "object"}
+    for _ in range(30):
+        deep = {"type": "object", "properties": {"x": deep}}
+    for tools, words in (([{"type": "function", "function": {"name": "d", "parameters": deep}}], "deeper than 32"),
+                         ([tool("r", "c") | {"function": {"name": "r", "parameters": {"$ref": "#"}}}], "$ref '#'")):
+        with pytest.raises(protocol.APIError) as e:
+            protocol.parse({"model": "m", "messages": ASK, "tools": tools, "tool_choice": "required"}, True)
+        assert e.value.param == "tools" and words in e.value.message, e.value.message
+    nested = [ASK[0], {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}]}]
+    with pytest.raises(protocol.APIError) as e:
+        protocol.parse({"model": "m", "messages": nested, "tools": WEATHER, "tool_choice": "none"}, True)
+    assert e.value.param == "messages[1].tool_calls[0].function.arguments"
+    assert protocol.parse({"model": "m", "messages": ASK, "tools": WEATHER, "tool_choice": "required",
+                           "parallel_tool_calls": None}, True).tools.parallel
+    from trellm_openai.tools import ToolChoice, parse_answer
+    assert len(parse_answer(ToolChoice("auto", tuple(WEATHER), parallel=False), CALL + CALL).calls) == 1
+
+
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
 
 
@@ -457,6 +491,10 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_
     ("auto", CALL, "stop"),
     ("auto", "a < b, and <tool_ca", "length"),                      # held back while it could start a call
     ("auto", "<tool_call>{not json}</tool_call>", "stop"),          # malformed: stays content
+    ("auto", CALL.replace("get_weather", "launch"), "stop"),        # none of the tools: stays content
+    ("auto", CALL.replace("Rome", "</tool_call> Rome"), "stop"),    # the closing tag inside an argument
+    ("auto", CALL[:-len("</tool_call>")], "stop"),                  # left unclosed by a stop
+    ("required", "[]", "stop"),
     ("required", '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]',
      "stop"),
     ("required", '[{"name": "get_ti', "length"),
@@ -486,3 +524,5 @@ def test_streamed_tool_calls_join_to_the_whole_answer(mode, text, reason):
             [(c["function"]["name"], c["function"]["arguments"]) for c in whole.get("tool_calls", [])]
         assert streamed_reason == whole_reason and deltas[0]["role"] == "assistant"
     assert whole_reason == ("tool_calls" if mode != "named" and whole.get("tool_calls") else reason)
+    assert bool(whole.get("tool_calls")) == (mode == "named" or (reason == "stop" and "launch" not in text and
+                                                                 "not json" not in text and text != "[]"))

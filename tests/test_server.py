@@ -120,6 +120,11 @@ def _text(prompt):
     (lambda: [_text("hello"), _words("stop_words", ["w"] * 65)], "stop_words / stop has 65 entries; at most 64"),
     (lambda: [_input("messages", b"[{\"role\": \"user\"}]", np.object_)], "messages[0]"),
     (lambda: [_input("messages", b"not json", np.object_)], "messages is not valid JSON"),
+    (lambda: [_input("messages", b"[" * 20_000, np.object_)], "messages is not valid JSON"),
+    (lambda: [_input("messages", b'[{"role": "assistant", "content": null, "tool_calls": ["abc"]}]', np.object_)],
+     "messages[0].tool_calls[0] must be"),
+    (lambda: [_text("hello"), _input("tools", b"[]", np.object_)], "tools go with messages"),
+    (lambda: [_text("hello"), _input("logit_bias", b'{"5": 300}', np.object_)], "logit_bias values must be"),
     (lambda: [_text("hello"), _input("messages", b"[]", np.object_)], "not both"),
 ])
 def test_malformed_requests_get_named_errors_while_others_stream(triton_server, expected, inputs, message):

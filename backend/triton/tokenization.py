@@ -62,28 +62,46 @@ def decode_utf8(value, field: str) -> str:
     return str(value)
 
 
-def parse_messages(text: str) -> list[dict]:
-    """A chat as JSON: a list of {"role": ..., "content": ...} (content may be null in an assistant message that
-    carries tool_calls); raises ValueError naming what is wrong."""
+def _json(text: str, name: str):
     try:
-        messages = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"messages is not valid JSON: {e}") from None
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:   # json's parser recurses once per nesting level
+        raise ValueError(f"{name} is not valid JSON: {e!r}") from None
+
+
+def parse_messages(text: str) -> list[dict]:
+    """A chat as JSON: a list of {"role": ..., "content": ...}; an assistant message may carry OpenAI's
+    `tool_calls` (content null), whose `arguments` (a JSON string there) become objects, as templates print them
+    (vLLM hands them over the same way). Raises ValueError naming what is wrong."""
+    messages = _json(text, "messages")
     if not isinstance(messages, list) or not messages:
         raise ValueError('messages must be a non-empty JSON list of {"role": ..., "content": ...} objects')
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
                 isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))):
             raise ValueError(f'messages[{i}] must be an object with string "role" and "content", got {json.dumps(m)}')
+        if m.get("tool_calls") is not None:
+            m["tool_calls"] = [tool_call(c, f"messages[{i}].tool_calls[{k}]")
+                               for k, c in enumerate(m["tool_calls"] if isinstance(m["tool_calls"], list) else [0])]
     return messages
+
+
+def tool_call(c, where: str) -> dict:
+    """One of a message's tool_calls, its arguments as an object; raises ValueError naming `where`."""
+    fn = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+            not isinstance(fn.get("arguments"), (str, dict)):
+        raise ValueError(f'{where} must be {{"type": "function", "function": {{"name", "arguments"}}}} (tool_calls '
+                         "a list of them)")
+    arguments = fn["arguments"]
+    if isinstance(arguments, str):
+        arguments = _json(arguments, f"{where}.function.arguments")
+    return {**c, "function": {**fn, "arguments": arguments}}
 
 
 def parse_tools(text: str) -> list[dict]:
     """Tools as JSON: a list of objects (OpenAI's function tools), as chat templates take them."""
-    try:
-        tools = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"tools is not valid JSON: {e}") from None
+    tools = _json(text, "tools")
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise ValueError('tools must be a JSON list of objects ({"type": "function", "function": {...}})')
     return tools
@@ -101,14 +119,18 @@ def encode_prompt(tokenizer, text: str | None = None, messages: str | None = Non
         raise ValueError("tools go with messages (chat): a plain text_input has no template to show them")
     given = text if text is not None else messages + (tools or "")
     if max_chars is not None and len(given) > max_chars:
-        raise ValueError(f"{'text_input' if text is not None else 'messages'} has {len(given)} characters; at most "
-                         f"{max_chars} are allowed ({CHARS_PER_TOKEN_BOUND} per token of the model's context)")
+        shown = "text_input has" if text is not None else "messages and tools have" if tools else "messages has"
+        raise ValueError(f"{shown} {len(given)} characters; at most {max_chars} are allowed "
+                         f"({CHARS_PER_TOKEN_BOUND} per token of the model's context)")
     if messages is not None:
         chat = parse_messages(messages)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("messages needs a chat template, and this model's tokenizer has none")
-        rendered = tokenizer.apply_chat_template(chat, tools=None if tools is None else parse_tools(tools),
-                                                 tokenize=False, add_generation_prompt=True)
+        tool_list = None if tools is None else parse_tools(tools)
+        try:
+            rendered = tokenizer.apply_chat_template(chat, tools=tool_list, tokenize=False, add_generation_prompt=True)
+        except Exception as e:   # noqa: BLE001 -- jinja's errors on messages the template cannot print: this request's
+            raise ValueError(f"the model's chat template cannot render these messages: {e!r}") from None
         # The template writes any BOS itself.
         return tokenizer(rendered, add_special_tokens=False).input_ids
     if not text:

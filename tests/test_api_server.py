@@ -215,6 +215,8 @@ def perf_analyzer(server, model: str, input_data: str, export, concurrency: int,
         assert run.returncode == 0, run.stdout + run.stderr
         if os.path.exists(export) and os.path.getsize(export) > 0:
             return
+        if os.path.exists(export):
+            os.unlink(export)        # perf_analyzer refuses to write over an existing export
     raise AssertionError(f"perf_analyzer exited 0 twice with an empty {export}:\n{run.stdout}{run.stderr}")
 
 

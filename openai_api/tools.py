@@ -10,7 +10,9 @@ the message's `tool_calls`. How the text is made and read depends on `tool_choic
   door reads with the parser it was started with (`--tool-call-parser`). Models differ in that format, so without
   a parser `auto` is refused by name, as vLLM refuses it. `hermes` (Hermes', Qwen2.5's and Qwen3's format, and this
   project's default model's template): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of
-  them; text before the first call is the message's content;
+  them; text before the first call is the message's content. `llama3_json` (Llama 3.1-3.3's format for JSON
+  tool calls): an answer that is `{"name": ..., "parameters": {...}}`, several joined by `;`, after an optional
+  `<|python_tag|>`; an answer that starts otherwise is content;
 - `none`: the tools are still shown to the model (vLLM does the same) and the answer is plain content.
 
 A streamed named call streams its arguments as they come. `required` and `auto` hold the call text back and send
@@ -26,8 +28,9 @@ from dataclasses import dataclass
 
 from trellm_backend.engine.structured_output import Guide, GuideError, check_schema
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")     # OpenAI's rule for function names
 MAX_TOOLS = 128                                        # OpenAI's own limit
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}   # a function without parameters
@@ -48,6 +51,7 @@ class ToolChoice:
     tools: tuple               # the request's tools (validated), as the chat template gets them
     name: str | None = None    # the function, when mode is "named"
     parallel: bool = True      # parallel_tool_calls
+    parser: str = "hermes"     # how an `auto` answer's calls are written (TOOL_CALL_PARSERS)
 
     @property
     def parses_calls(self) -> bool:
@@ -156,7 +160,7 @@ def parse_tool_choice(body: dict, parser: str | None) -> ToolChoice | None:
                         f"--tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}), the format this model writes calls "
                         'in; "required" or a named function work without one', "tool_choice")
     else:
-        tool_choice = ToolChoice(choice, tuple(tools), None, parallel)
+        tool_choice = ToolChoice(choice, tuple(tools), None, parallel, parser or "hermes")
     guide = tool_choice.guide()
     if guide:   # the wrapped schemas, checked as a guide the engine would be sent (depth and size included)
         try:
@@ -195,8 +199,39 @@ def parse_answer(choice: ToolChoice, text: str) -> ParsedAnswer:
             return ParsedAnswer(text, [])
         return ParsedAnswer(None, [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items])
     if choice.mode == "auto":
-        return parse_hermes(text, choice)
+        return parse_llama3_json(text, choice) if choice.parser == "llama3_json" else parse_hermes(text, choice)
     return ParsedAnswer(text, [])
+
+
+def _named_call(obj, choice: ToolChoice, arguments_key: str) -> dict | None:
+    """A decoded call object as a tool_calls entry, or None unless it names one of the tools with object arguments."""
+    if not isinstance(obj, dict) or obj.get("name") not in choice.names:
+        return None
+    arguments = obj.get(arguments_key, obj.get("arguments", {}))
+    return call(obj["name"], json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
+
+
+def parse_llama3_json(text: str, choice: ToolChoice) -> ParsedAnswer:
+    """The whole answer as `{"name", "parameters"}` calls joined by `;` (an optional `<|python_tag|>` first)."""
+    body = text.lstrip().removeprefix(PYTHON_TAG).lstrip()
+    if not body.startswith("{"):
+        return ParsedAnswer(text, [])
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            obj, at = decoder.raw_decode(body, at)
+        except (ValueError, RecursionError):
+            return ParsedAnswer(text, [])
+        entry = _named_call(obj, choice, "parameters")
+        if entry is None:
+            return ParsedAnswer(text, [])
+        calls.append(entry)
+        rest = body[at:].lstrip()
+        if not rest:
+            return ParsedAnswer(None, calls if choice.parallel else calls[:1])
+        if not rest.startswith(";") or not rest[1:].lstrip().startswith("{"):
+            return ParsedAnswer(text, [])
+        at = len(body) - len(rest[1:].lstrip())
 
 
 def parse_hermes(text: str, choice: ToolChoice) -> ParsedAnswer:
@@ -214,11 +249,10 @@ def parse_hermes(text: str, choice: ToolChoice) -> ParsedAnswer:
         except (ValueError, RecursionError):
             return ParsedAnswer(text, [])
         rest = text[end:].lstrip()
-        if not isinstance(obj, dict) or obj.get("name") not in choice.names or \
-                not isinstance(obj.get("arguments", {}), dict) or not (rest.startswith(HERMES_CLOSE) or not rest):
+        entry = _named_call(obj, choice, "arguments")
+        if entry is None or not (rest.startswith(HERMES_CLOSE) or not rest):
             return ParsedAnswer(text, [])
-        arguments = obj.get("arguments", {})
-        calls.append(call(obj["name"], json.dumps(arguments, ensure_ascii=False)))
+        calls.append(entry)
         at = text.find(HERMES_OPEN, len(text) - len(rest)) if rest else -1
     return ParsedAnswer(text[:start] or None, calls if choice.parallel else calls[:1])
 
@@ -231,6 +265,10 @@ def streamable_content(choice: ToolChoice, text: str) -> int:
         return len(text)
     if choice.mode != "auto":
         return 0
+    if choice.parser == "llama3_json":   # a call is the whole answer: content only if it starts otherwise
+        head = text.lstrip()
+        could_call = head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)
+        return 0 if could_call else len(text)
     start = text.find(HERMES_OPEN)
     if start >= 0:
         return start

@@ -495,6 +495,11 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_
     ("auto", CALL.replace("Rome", "</tool_call> Rome"), "stop"),    # the closing tag inside an argument
     ("auto", CALL[:-len("</tool_call>")], "stop"),                  # left unclosed by a stop
     ("required", "[]", "stop"),
+    ("auto:llama3_json", ' {"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", '
+                         '"parameters": {}}', "stop"),
+    ("auto:llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {}}', "stop"),
+    ("auto:llama3_json", 'Rome is {"name": "get_time"}', "stop"),              # not a call: content
+    ("auto:llama3_json", '{"name": "get_time", "parameters": {}} and more', "stop"),
     ("required", '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]',
      "stop"),
     ("required", '[{"name": "get_ti', "length"),
@@ -504,7 +509,8 @@ def test_streamed_tool_calls_join_to_the_whole_answer(mode, text, reason):
     carries text that later turns out to be a call."""
     import random
     from trellm_openai.tools import CallStream, ToolChoice, final_message
-    choice = ToolChoice(mode, tuple(WEATHER), "get_weather" if mode == "named" else None)
+    mode, _, parser = mode.partition(":")
+    choice = ToolChoice(mode, tuple(WEATHER), "get_weather" if mode == "named" else None, parser=parser or "hermes")
     whole, whole_reason = final_message(choice, text, reason)
     rng = random.Random(0)
     for _ in range(20):
@@ -525,4 +531,5 @@ def test_streamed_tool_calls_join_to_the_whole_answer(mode, text, reason):
         assert streamed_reason == whole_reason and deltas[0]["role"] == "assistant"
     assert whole_reason == ("tool_calls" if mode != "named" and whole.get("tool_calls") else reason)
     assert bool(whole.get("tool_calls")) == (mode == "named" or (reason == "stop" and "launch" not in text and
-                                                                 "not json" not in text and text != "[]"))
+                                                                 "not json" not in text and text != "[]" and
+                                                                 "Rome is" not in text and "more" not in text))

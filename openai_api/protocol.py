@@ -24,6 +24,7 @@ IGNORED = {"user", "service_tier", "store", "metadata", "modalities", "reasoning
 AT_DEFAULT = {"skip_special_tokens": True, "no_stop_trim": False, "return_hidden_states": False,
               "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True}
 MAX_TOP_LOGPROBS = 20          # OpenAI's own limit
+MAX_ANSWERS = 128              # prompts x n of one completions request: each is an engine request of its own
 OPENAI_ONLY = {"model", "prompt", "messages", "stream", "stream_options", "max_completion_tokens", "echo",
                "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 # Keys that would change the answer in ways this server cannot do yet: refused by name rather than ignored.
@@ -55,7 +56,7 @@ class Generation:
     """One OpenAI request as the ensemble will be asked it."""
     chat: bool
     model: str
-    prompt: str | None                  # completions
+    prompts: list[str] | None           # completions: one or more prompts, each answered n times
     messages: list[dict] | None         # chat
     params: dict                        # ensemble inputs (client.build_inputs names)
     n: int = 1
@@ -169,12 +170,16 @@ def parse(body, chat: bool, tool_call_parser: str | None = None) -> Generation:
     if chat:
         return Generation(True, model, None, _chat_messages(body.get("messages")), params, n, stream, include_usage,
                           top_logprobs=top, tools=tools)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise invalid("prompt must be a non-empty string (one prompt per request)", "prompt")
-    return Generation(False, model, prompt, None, params, n, stream, include_usage, _flag(body, "echo"),
+    prompts = body.get("prompt")
+    prompts = [prompts] if isinstance(prompts, str) else prompts
+    if isinstance(prompts, list) and prompts and all(isinstance(p, int) or isinstance(p, list) for p in prompts):
+        raise invalid("prompt as token ids is not supported: send the text", "prompt")
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise invalid("prompt must be a non-empty string or a list of them", "prompt")
+    if len(prompts) * n > MAX_ANSWERS:
+        raise invalid(f"prompt has {len(prompts)} prompts of n={n} answers each; at most {MAX_ANSWERS} answers are "
+                      "allowed per request", "prompt")
+    return Generation(False, model, prompts, None, params, n, stream, include_usage, _flag(body, "echo"),
                       top_logprobs=top)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -225,8 +226,7 @@ class FrontDoor:
         answer = Answer(g, tokenizer)
         try:
             params = {**g.params, "lora_name": lora_name} if lora_name else g.params
-            chunks = self.client(ensemble).stream_chunks(g.prompt, g.messages, tools=g.tools and list(g.tools.tools),
-                                                         **params)
+            chunks = answer_chunks(self.client(ensemble), g, params)
             async with contextlib.aclosing(chunks) as chunks:
                 first = await self._first(chunks)
                 if g.stream:
@@ -279,6 +279,52 @@ class FrontDoor:
         return response
 
 
+async def answer_chunks(client: AsyncLLMClient, g: Generation, params: dict):
+    """The ensemble's responses to `g`: one stream per prompt, each response's sequence_index made its choice's
+    index (prompt p's sample j is choice p * n + j, OpenAI's order). With several prompts every stream's first
+    response is awaited before any is yielded, so a prompt the server refuses fails the whole request before a byte
+    of the answer is sent; then responses come as they arrive."""
+    tools = g.tools and list(g.tools.tools)
+    streams = [client.stream_chunks(p, g.messages, tools=tools, **params) for p in (g.prompts or [None])]
+    if len(streams) == 1:       # the common case, without the merging below
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for chunk in stream:
+                yield chunk
+        return
+
+    async def next_of(p):
+        try:
+            chunk = await streams[p].__anext__()
+        except StopAsyncIteration:
+            return p, None
+        return p, dataclasses.replace(chunk, sequence_index=p * g.n + chunk.sequence_index)
+
+    async with contextlib.AsyncExitStack() as stack:
+        for stream in streams:
+            await stack.enter_async_context(contextlib.aclosing(stream))
+        firsts = await asyncio.gather(*(next_of(p) for p in range(len(streams))), return_exceptions=True)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:
+            raise failed
+        pending = set()
+        try:
+            for p, chunk in firsts:
+                if chunk is not None:
+                    yield chunk
+                    pending.add(asyncio.ensure_future(next_of(p)))
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    p, chunk = task.result()          # a stream's failure fails the request
+                    if chunk is not None:
+                        pending.add(asyncio.ensure_future(next_of(p)))
+                        yield chunk
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+
 def server_error(e: Exception, first: bool) -> APIError:
     """The server's failure of a request as an APIError: before its first response a refusal (400 naming what the
     server named, 503 when it is unreachable, full or stopping), after it a 500 (the model's process failed)."""
@@ -297,14 +343,19 @@ class Answer:
 
     def __init__(self, g: Generation, tokenizer=None):
         self.g, self.tokenizer = g, tokenizer
-        self.texts = [g.prompt if g.echo else "" for _ in range(g.n)]
-        self.reasons: list[str | None] = [None] * g.n
+        count = g.n * len(g.prompts or [None])        # choices: n per prompt
+        self.texts = [g.prompts[i // g.n] if g.echo else "" for i in range(count)]
+        self.reasons: list[str | None] = [None] * count
         self.logprobs = [None if g.top_logprobs is None else protocol.logprobs_block(g, [], [], [], 0)
-                         for _ in range(g.n)]
-        self.started = [False] * g.n
-        self.prompt_tokens = 0
-        self.output_tokens = [0] * g.n
-        self.calls = [CallStream(g.tools) for _ in range(g.n)] if g.tools and g.tools.parses_calls else None
+                         for _ in range(count)]
+        self.started = [False] * count
+        self.prompt_tokens_of = [0] * (count // g.n)   # per prompt
+        self.output_tokens = [0] * count
+        self.calls = [CallStream(g.tools) for _ in range(count)] if g.tools and g.tools.parses_calls else None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompt_tokens_of)
 
     @property
     def completion_tokens(self) -> int:
@@ -330,7 +381,7 @@ class Answer:
     def add(self, chunk) -> list[dict]:
         """Take one ensemble response; return the stream chunks it makes (none for an empty non-final one)."""
         i = chunk.sequence_index
-        self.prompt_tokens = max(self.prompt_tokens, chunk.num_input_tokens)
+        self.prompt_tokens_of[i // self.g.n] = max(self.prompt_tokens_of[i // self.g.n], chunk.num_input_tokens)
         self.output_tokens[i] = max(self.output_tokens[i], chunk.num_output_tokens)
         self.texts[i] += chunk.text
         reason = protocol.FINISH_REASONS.get(chunk.finish_reason, chunk.finish_reason)
@@ -347,7 +398,7 @@ class Answer:
             return []
         text = chunk.text
         if not self.started[i] and self.g.echo:
-            text = self.g.prompt + text
+            text = self.g.prompts[i // self.g.n] + text
         out = [protocol.chunk_object(self.g, [protocol.stream_choice(self.g, i, text, reason, block,
                                                                      not self.started[i])])]
         self.started[i] = True

@@ -115,6 +115,15 @@ def test_parallel_samples_usage_and_stop(door):
                                      extra_body={"ignore_eos": True, "min_tokens": 5, "top_k": 5,
                                                  "repetition_penalty": 1.1})
     assert more.usage.completion_tokens == 5
+    second = "A list is"
+    alone = [client.completions.create(model="ensemble", prompt=p, max_tokens=6, temperature=0) for p in
+             (PROMPT, second)]
+    batch = client.completions.create(model="ensemble", prompt=[PROMPT, second], max_tokens=6, temperature=0, n=2)
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == \
+        [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert batch.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[1].usage.prompt_tokens
+    r = post(door, {"model": "ensemble", "prompt": ["a", "word " * 5000], "max_tokens": 1})
+    assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]
 
 
 @pytest.mark.server
@@ -385,7 +394,7 @@ def test_keys_a_router_adds_are_taken_at_the_value_this_server_behaves_as():
     pass; another value would, and is refused by name."""
     routed = {"model": "m", "prompt": "p", "skip_special_tokens": True, "no_stop_trim": False,
               "return_hidden_states": False}
-    assert protocol.parse(routed, chat=False).prompt == "p"
+    assert protocol.parse(routed, chat=False).prompts == ["p"]
     with pytest.raises(protocol.APIError) as e:
         protocol.parse({**routed, "no_stop_trim": True}, chat=False)
     assert e.value.param == "no_stop_trim" and "no_stop_trim=true is not supported; only false" in e.value.message
@@ -533,3 +542,52 @@ def test_streamed_tool_calls_join_to_the_whole_answer(mode, text, reason):
     assert bool(whole.get("tool_calls")) == (mode == "named" or (reason == "stop" and "launch" not in text and
                                                                  "not json" not in text and text != "[]" and
                                                                  "Rome is" not in text and "more" not in text))
+
+
+def test_several_prompts_are_choices_in_order_and_a_refused_one_fails_before_any_answer():
+    """prompt p's sample j is choice p * n + j, whatever order the streams answer in; usage counts each prompt
+    once; a prompt the server refuses makes the request a 400 with nothing answered (its mates' streams closed)."""
+    from aiohttp.test_utils import TestClient, TestServer
+    from trellm_client.client import Chunk
+    from trellm_openai.server import FrontDoor, make_app
+    closed = []
+
+    class Streams:
+        async def stream_chunks(self, prompt, messages, **params):
+            try:
+                if prompt == "bad":
+                    await asyncio.sleep(0.05)              # refused after its mates' first responses came
+                    raise RuntimeError("the prompt is too long")
+                for k in range(3):
+                    for j in range(2):
+                        await asyncio.sleep(0.01 * (len(prompt) % 3))
+                        yield Chunk(text=f"{prompt}.{j}.{k} ", sequence_index=j, num_input_tokens=len(prompt),
+                                    num_output_tokens=k + 1, finish_reason="length" if k == 2 else "",
+                                    final=k == 2 and j == 1)
+            finally:
+                closed.append(prompt)
+
+    async def run():
+        door = FrontDoor("localhost:1")
+        door.clients["m"] = Streams()
+
+        async def models():
+            return {"m": ("m", None)}
+        door.models = models
+        async with TestClient(TestServer(make_app(door))) as c:
+            body = {"model": "m", "prompt": ["a", "bb", "ccc"], "n": 2}
+            whole = await (await c.post("/v1/completions", json=body)).json()
+            streamed = await (await c.post("/v1/completions", json={**body, "stream": True})).text()
+            refused = await c.post("/v1/completions", json={**body, "prompt": ["a", "bad"]})
+            return whole, streamed, refused.status, await refused.json()
+    whole, streamed, status, refused = asyncio.run(run())
+    want = [" ".join(f"{p}.{j}.{k}" for k in range(3)) + " " for p in ("a", "bb", "ccc") for j in range(2)]
+    assert [c["text"] for c in sorted(whole["choices"], key=lambda c: c["index"])] == want
+    assert whole["usage"]["prompt_tokens"] == 6 and whole["usage"]["completion_tokens"] == 18
+    events = [json.loads(line[6:]) for line in streamed.split("\n\n") if line.startswith("data: {")]
+    joined = {}
+    for e in events:
+        for c in e["choices"]:
+            joined[c["index"]] = joined.get(c["index"], "") + c["text"]
+    assert [joined[i] for i in range(6)] == want
+    assert status == 400 and "too long" in refused["error"]["message"] and closed.count("a") == 3

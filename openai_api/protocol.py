@@ -24,7 +24,7 @@ IGNORED = {"user", "service_tier", "store", "metadata", "modalities", "reasoning
 AT_DEFAULT = {"skip_special_tokens": True, "no_stop_trim": False, "return_hidden_states": False,
               "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True}
 MAX_TOP_LOGPROBS = 20          # OpenAI's own limit
-MAX_ANSWERS = 128              # prompts x n of one completions request: each is an engine request of its own
+MAX_ANSWERS = 64               # prompts x n of one completions request: each is an engine request of its own
 OPENAI_ONLY = {"model", "prompt", "messages", "stream", "stream_options", "max_completion_tokens", "echo",
                "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 # Keys that would change the answer in ways this server cannot do yet: refused by name rather than ignored.

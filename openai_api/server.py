@@ -302,20 +302,18 @@ async def answer_chunks(client: AsyncLLMClient, g: Generation, params: dict):
     async with contextlib.AsyncExitStack() as stack:
         for stream in streams:
             await stack.enter_async_context(contextlib.aclosing(stream))
-        firsts = await asyncio.gather(*(next_of(p) for p in range(len(streams))), return_exceptions=True)
-        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
-        if failed is not None:
-            raise failed
-        pending = set()
+        pending = {asyncio.ensure_future(next_of(p)) for p in range(len(streams))}
         try:
-            for p, chunk in firsts:
+            # Every first response, or the first refusal (its mates are then cancelled at once).
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            results = _results(done)
+            for p, chunk in sorted(results, key=lambda r: r[0]):
                 if chunk is not None:
                     yield chunk
                     pending.add(asyncio.ensure_future(next_of(p)))
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    p, chunk = task.result()          # a stream's failure fails the request
+                for p, chunk in _results(done):
                     if chunk is not None:
                         pending.add(asyncio.ensure_future(next_of(p)))
                         yield chunk
@@ -323,6 +321,14 @@ async def answer_chunks(client: AsyncLLMClient, g: Generation, params: dict):
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _results(done: set) -> list:
+    """The finished tasks' results; the first failure raised once every failure has been read."""
+    errors = [t.exception() for t in done if t.exception() is not None]
+    if errors:
+        raise errors[0]
+    return [t.result() for t in done]
 
 
 def server_error(e: Exception, first: bool) -> APIError:

@@ -207,7 +207,7 @@ def _named_call(obj, choice: ToolChoice, arguments_key: str) -> dict | None:
     """A decoded call object as a tool_calls entry, or None unless it names one of the tools with object arguments."""
     if not isinstance(obj, dict) or obj.get("name") not in choice.names:
         return None
-    arguments = obj.get(arguments_key, obj.get("arguments", {}))
+    arguments = obj.get("arguments", obj.get(arguments_key, {}))   # "arguments" first where both are, as vLLM
     return call(obj["name"], json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
 
 
@@ -227,7 +227,7 @@ def parse_llama3_json(text: str, choice: ToolChoice) -> ParsedAnswer:
             return ParsedAnswer(text, [])
         calls.append(entry)
         rest = body[at:].lstrip()
-        if not rest:
+        if not rest or rest.rstrip() == ";":
             return ParsedAnswer(None, calls if choice.parallel else calls[:1])
         if not rest.startswith(";") or not rest[1:].lstrip().startswith("{"):
             return ParsedAnswer(text, [])

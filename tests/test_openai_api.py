@@ -506,7 +506,7 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_
     ("required", "[]", "stop"),
     ("auto:llama3_json", ' {"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", '
                          '"parameters": {}}', "stop"),
-    ("auto:llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {}}', "stop"),
+    ("auto:llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {}};', "stop"),
     ("auto:llama3_json", 'Rome is {"name": "get_time"}', "stop"),              # not a call: content
     ("auto:llama3_json", '{"name": "get_time", "parameters": {}} and more', "stop"),
     ("required", '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]',
@@ -558,6 +558,8 @@ def test_several_prompts_are_choices_in_order_and_a_refused_one_fails_before_any
                 if prompt == "bad":
                     await asyncio.sleep(0.05)              # refused after its mates' first responses came
                     raise RuntimeError("the prompt is too long")
+                if prompt == "slow":
+                    await asyncio.sleep(5)                 # a long prefill: the refusal must not wait for it
                 for k in range(3):
                     for j in range(2):
                         await asyncio.sleep(0.01 * (len(prompt) % 3))
@@ -579,8 +581,10 @@ def test_several_prompts_are_choices_in_order_and_a_refused_one_fails_before_any
             whole = await (await c.post("/v1/completions", json=body)).json()
             streamed = await (await c.post("/v1/completions", json={**body, "stream": True})).text()
             refused = await c.post("/v1/completions", json={**body, "prompt": ["a", "bad"]})
-            return whole, streamed, refused.status, await refused.json()
-    whole, streamed, status, refused = asyncio.run(run())
+            start = time.monotonic()
+            assert (await c.post("/v1/completions", json={**body, "prompt": ["slow", "bad"]})).status == 400
+            return whole, streamed, refused.status, await refused.json(), time.monotonic() - start
+    whole, streamed, status, refused, refusal_s = asyncio.run(run())
     want = [" ".join(f"{p}.{j}.{k}" for k in range(3)) + " " for p in ("a", "bb", "ccc") for j in range(2)]
     assert [c["text"] for c in sorted(whole["choices"], key=lambda c: c["index"])] == want
     assert whole["usage"]["prompt_tokens"] == 6 and whole["usage"]["completion_tokens"] == 18
@@ -591,3 +595,4 @@ def test_several_prompts_are_choices_in_order_and_a_refused_one_fails_before_any
             joined[c["index"]] = joined.get(c["index"], "") + c["text"]
     assert [joined[i] for i in range(6)] == want
     assert status == 400 and "too long" in refused["error"]["message"] and closed.count("a") == 3
+    assert refusal_s < 2 and "slow" in closed

@@ -11,7 +11,7 @@ import torch
 from hf_models import random_prompts
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
-from trellm_backend.engine.request import Request, SamplingParams
+from trellm_backend.engine.request import Request, SamplingParams, parse_logit_bias
 from trellm_backend.engine.sampler import SamplingRow, apply_bans, apply_logit_bias, apply_penalties, sample
 from trellm_backend.engine.scheduler import sampling_row
 
@@ -116,6 +116,10 @@ def test_logit_bias_is_added_to_its_own_row_and_steers_the_draw():
                           (dict.fromkeys(range(1025), 1), "1025 entries; at most 1024")):
         with pytest.raises(ValueError, match=message):
             SamplingParams(logit_bias=bias).validate()
+    assert parse_logit_bias('{"0": 1, "4095": -2.5}') == {0: 1, 4095: -2.5}
+    for key in ("05", "+5", " 5", "5.0", "1_0", "-0", "\u0665"):     # two spellings must never name one token
+        with pytest.raises(ValueError, match="written as integers"):
+            parse_logit_bias({key: 1})
 
 
 def test_logprobs_are_of_the_processed_distribution():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 import time
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ LIST_LIMITS = {"stop": ("stop_words / stop", 64, 256), "bad_words": ("bad_words"
                "stop_token_ids": ("stop_token_ids", 256, None)}
 LOGIT_BIAS_MOST = 1024             # entries of logit_bias (added to each row's logits on every step)
 LOGIT_BIAS_BOUNDS = (-100, 100)    # OpenAI's range: -100 bans a token in effect, 100 all but forces it
+TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
 
 
 @dataclass(frozen=True)
@@ -85,13 +87,14 @@ def parse_logit_bias(value) -> dict[int, float]:
             raise ValueError(f"logit_bias is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise ValueError('logit_bias must be an object of token ids and biases: {"50256": -100}')
+    if len(value) > LOGIT_BIAS_MOST:     # first: a body of 4 MiB holds hundreds of thousands of entries
+        raise ValueError(f"logit_bias has {len(value)} entries; at most {LOGIT_BIAS_MOST} are allowed")
     out = {}
     for key, bias in value.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}") from None
-        out[token] = bias
+        # token ids as written: digits, no sign, no leading zero, so that two keys never name one token
+        if not isinstance(key, str) or not TOKEN_ID_KEY.fullmatch(key):
+            raise ValueError(f"logit_bias keys must be token ids written as integers (\"50256\"), got {key!r}")
+        out[int(key)] = bias
     return check_logit_bias(out)
 
 
@@ -151,12 +154,15 @@ class SamplingParams:
             self.guide.validate()
         check_logit_bias(self.logit_bias)
 
-    def logit_bias_columns(self) -> tuple[list[int], list[float]]:
-        """logit_bias as (token ids, biases), built once per request rather than on every step."""
+    def logit_bias_columns(self) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """logit_bias as (token ids, biases) tensors, built once per request: a step then joins tensors instead of
+        turning up to 1024 Python numbers a row into tensors."""
         cached = self.__dict__.get("_logit_bias_columns")
         if cached is None or cached[0] is not self.logit_bias:
+            import torch
             cached = self.__dict__["_logit_bias_columns"] = (
-                self.logit_bias, list(self.logit_bias), [float(b) for b in self.logit_bias.values()])
+                self.logit_bias, torch.tensor(list(self.logit_bias), dtype=torch.long),
+                torch.tensor([float(b) for b in self.logit_bias.values()], dtype=torch.float32))
         return cached[1], cached[2]
 
     def bad_word_table(self) -> tuple[list[int], dict[int, dict[tuple[int, ...], list[int]]]]:

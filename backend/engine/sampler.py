@@ -76,20 +76,18 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids=()) -> l
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Each row's logit_bias added to its logits (one indexed add for the batch)."""
-    row_ids, token_ids, biases = [], [], []
-    for i, r in enumerate(rows):
-        if r.params.logit_bias:
-            ids, values = r.params.logit_bias_columns()
-            row_ids += [i] * len(ids)
-            token_ids += ids
-            biases += values
-    if not row_ids:
+    """Each row's logit_bias added to its logits (one indexed add for the batch, from tensors each request built
+    once)."""
+    picked = [(i, *r.params.logit_bias_columns()) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not picked:
         return logits
     dev = logits.device
+    row_ids = torch.repeat_interleave(torch.tensor([i for i, _, _ in picked]),
+                                      torch.tensor([len(ids) for _, ids, _ in picked]))
+    token_ids = torch.cat([ids for _, ids, _ in picked])
+    biases = torch.cat([b for _, _, b in picked]).to(dev, logits.dtype)
     logits = logits.clone()
-    logits.index_put_((torch.tensor(row_ids, device=dev), torch.tensor(token_ids, device=dev)),
-                      torch.tensor(biases, dtype=logits.dtype, device=dev), accumulate=True)
+    logits.index_put_((row_ids.to(dev), token_ids.to(dev)), biases, accumulate=True)
     return logits
 
 

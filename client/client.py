@@ -41,6 +41,7 @@ INPUT_TYPES = {
 }
 LIST_INPUTS = {"stop_words", "bad_words"}
 INT_LIST_INPUTS = {"stop_token_ids"}
+JSON_INPUTS = {"tools", "logit_bias"}      # a JSON value (sent as its text), as `messages` is
 
 
 class ServerUnavailable(ConnectionError):
@@ -78,7 +79,7 @@ def build_inputs(grpc_module, prompt: str | bytes | None, params: dict, messages
     for name, value in params.items():
         if value is None:
             continue
-        if name in ("tools", "logit_bias") and not isinstance(value, str):     # JSON, as messages
+        if name in JSON_INPUTS and not isinstance(value, str):
             add(name, np.array([[json.dumps(value).encode("utf-8")]], dtype=np.object_))
             continue
         if name not in INPUT_TYPES:

@@ -194,7 +194,7 @@ def _tools(body: dict, chat: bool, parser: str | None, sampling: dict) -> ToolCh
         tools = parse_tool_choice(body, parser)
     except ToolError as e:
         raise invalid(str(e), e.param) from None
-    guide = tools.guide() if tools else None
+    guide = tools.guide if tools else None
     if guide:
         taken = [k for k in sampling if k in fields.VLLM_GUIDES or k == "structured_outputs"]
         if taken:

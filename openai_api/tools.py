@@ -21,6 +21,7 @@ call cannot be parsed, and a client reads calls only once they are whole anyway.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -61,8 +62,10 @@ class ToolChoice:
     def names(self) -> list[str]:
         return [t["function"]["name"] for t in self.tools]
 
+    @functools.cached_property
     def guide(self) -> dict | None:
-        """The structured-output key (the field table's `guided_json`) that makes the answer a call, or None."""
+        """The structured-output key (the field table's `guided_json`) that makes the answer a call, or None.
+        Built once: parse_tool_choice checks it, and the request sends the same one."""
         schemas = {t["function"]["name"]: t["function"].get("parameters", NO_PARAMETERS) for t in self.tools}
         if self.mode == "named":
             return {"guided_json": schemas[self.name]}
@@ -161,7 +164,7 @@ def parse_tool_choice(body: dict, parser: str | None) -> ToolChoice | None:
                         'in; "required" or a named function work without one', "tool_choice")
     else:
         tool_choice = ToolChoice(choice, tuple(tools), None, parallel, parser or "hermes")
-    guide = tool_choice.guide()
+    guide = tool_choice.guide
     if guide:   # the wrapped schemas, checked as a guide the engine would be sent (depth and size included)
         try:
             Guide("json_schema", json.dumps(guide["guided_json"])).validate()

@@ -11,7 +11,7 @@ from trellm_backend.tools.repository import read_config
 from trellm_backend.triton import fields
 from trellm_backend.triton.llm import LLM_OUTPUTS
 from trellm_backend.triton.vllm import VLLM_OUTPUTS, parse_vllm_request
-from trellm_client.client import INPUT_TYPES, LIST_INPUTS
+from trellm_client.client import INPUT_TYPES, JSON_INPUTS, LIST_INPUTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.join(ROOT, "model_repository")
@@ -116,6 +116,7 @@ def test_client_types_match_the_ensemble():
                 "str_list": np.object_, "int_list": np.int32, "json": np.object_}
     assert all(INPUT_TYPES[t] is numpy_of[f.kind] for t, f in ens.items())
     assert LIST_INPUTS == {t for t, f in ens.items() if f.kind == "str_list"}
+    assert JSON_INPUTS - {"tools"} == {t for t, f in ens.items() if f.kind == "json"}   # tools: a prompt input
 
 
 def test_readme_documents_every_field():

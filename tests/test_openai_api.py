@@ -470,7 +470,7 @@ def test_required_calls_keep_each_tools_definitions_and_are_checked_whole():
             "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
             "$defs": {"Place": {"type": "object", "properties": {field: {"type": "string"}}, "required": [field]}}}}}
     choice = parse_tool_choice({"tools": [tool("a", "city"), tool("b", "street")], "tool_choice": "required"}, None)
-    schema = choice.guide()["guided_json"]
+    schema = choice.guide["guided_json"]
     assert sorted(schema["$defs"]) == ["a.Place", "b.Place"]
     xgrammar.Grammar.from_json_schema(json.dumps(schema))          # compiles: every $ref resolves
     deep = {"type": "object"}

@@ -87,6 +87,11 @@ def _chunks_alone(out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables
             out[s:e] = chunk_attention(q[s:e], k_cache, v_cache, block_tables[b], kv_lens[b], scale)
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The reference's arithmetic type: float32, or float64 where the tests run it as their exact oracle."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seqlen_k: int):
     """One query row per sequence (q: [B, H, D]). Keys and values are gathered once, block by block, straight into
     [B, blocks, KVH, block_size, D], the layout both products read as it is; softmax runs over (blocks, slots)."""
@@ -94,9 +99,10 @@ def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, max_se
     block_size, KVH = k_cache.shape[1], k_cache.shape[2]
     n_blocks = (max_seqlen_k + block_size - 1) // block_size
     bt = block_tables[:, :n_blocks].clamp(min=0).long()
-    k = k_cache.permute(0, 2, 1, 3)[bt].float()                              # [B, nb, KVH, bs, D]
-    v = v_cache.permute(0, 2, 1, 3)[bt].float()
-    qg = q.float().view(B, 1, KVH, H // KVH, D)
+    wide = _wide(q.dtype)
+    k = k_cache.permute(0, 2, 1, 3)[bt].to(wide)                             # [B, nb, KVH, bs, D]
+    v = v_cache.permute(0, 2, 1, 3)[bt].to(wide)
+    qg = q.to(wide).view(B, 1, KVH, H // KVH, D)
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale                   # [B, nb, KVH, G, bs]
     pos = torch.arange(n_blocks * block_size, device=q.device).view(1, n_blocks, 1, 1, block_size)
     scores.masked_fill_(pos >= seq_lens.long().view(B, 1, 1, 1, 1), float("-inf"))
@@ -127,9 +133,10 @@ def _padded_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     k_pos = torch.arange(max_seqlen_k, device=q.device)
     allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens.long()[:, None, None])
 
-    qg = qp.view(B, max_seqlen_q, KVH, G, D).permute(0, 2, 3, 1, 4).float()   # [B, KVH, G, Lq, D]
-    kg = k.permute(0, 2, 1, 3)[:, :, None].float()                             # [B, KVH, 1, Lk, D]
-    vg = v.permute(0, 2, 1, 3)[:, :, None].float()
+    wide = _wide(q.dtype)
+    qg = qp.view(B, max_seqlen_q, KVH, G, D).permute(0, 2, 3, 1, 4).to(wide)  # [B, KVH, G, Lq, D]
+    kg = k.permute(0, 2, 1, 3)[:, :, None].to(wide)                            # [B, KVH, 1, Lk, D]
+    vg = v.permute(0, 2, 1, 3)[:, :, None].to(wide)
     scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale                    # [B, KVH, G, Lq, Lk]
     scores.masked_fill_(~allowed[:, None, None], float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), vg)                      # [B, KVH, G, Lq, D]

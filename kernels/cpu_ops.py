@@ -39,8 +39,15 @@ HEADERS = [os.path.join(_CPU_DIR, name) for name in ("vec_math.h", "blocked_line
 # -ffp-contract=fast lets the polynomials use FMA.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+# The instruction-set builds. Each takes one branch of the sources' #if's (vec_math.h: AVX-512, AVX2 + FMA + F16C,
+# else portable GCC vector code) by turning features off from -march=native, so every build this host can choose
+# also runs on it. The engine loads the host's own widest build (`load`); the tests also build each narrower one
+# (`load_isa`), so an AVX-512 host checks the AVX2 tiles and every x86 host the portable code.
+ISA_FLAGS = {"portable": ["-mno-avx"], "avx2": ["-mno-avx512f"], "avx512": []}
+ISA_CPU_FLAGS = {"portable": (), "avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f",)}
 _module = None
 _error: str | None = None
+_isa_modules: dict = {}
 
 
 def _cpu_flags() -> str:
@@ -54,13 +61,40 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build_dir() -> str:
+def host_isa() -> str:
+    """The widest ISA_FLAGS build this CPU runs: the one -march=native compiles."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "portable"
+    have = set(_cpu_flags().split())
+    return next((isa for isa in ("avx512", "avx2") if set(ISA_CPU_FLAGS[isa]) <= have), "portable")
+
+
+def runnable_isas() -> list[str]:
+    """Every build of ISA_FLAGS this host executes, narrowest first (on a CPU other than x86, its native build)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["portable"]
+    names = list(ISA_FLAGS)
+    return names[:names.index(host_isa()) + 1]
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_dir(cflags: list[str] | None = None) -> str:
     import torch
     h = hashlib.sha256()
     for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             h.update(f.read())
-    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    h.update(" ".join((cflags or CFLAGS) + LDFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
     # The build files name the sources by path: two checkouts sharing one folder would rebuild each other's build.
@@ -121,20 +155,40 @@ def load(verbose: bool = False):
         _error = "turned off by TRELLM_CPU_OPS=0"
         return None
     try:
-        from torch.utils.cpp_extension import load as load_extension
-        path = build_dir()
-        os.makedirs(path, exist_ok=True)
-        remove_stale_lock(path)
-        with pinned_ninja():
-            # Copies: torch appends its own libraries to extra_ldflags, which changed build_dir()'s hash after.
-            _module = load_extension(name="trellm_cpu_ops", sources=SOURCES, extra_cflags=list(CFLAGS),
-                                     extra_ldflags=list(LDFLAGS), build_directory=path, verbose=verbose)
+        _module = _build("trellm_cpu_ops", CFLAGS, verbose)
     except Exception as e:  # no compiler, no ninja, a read-only cache: all mean "use the PyTorch path"
         _error = (f"the C++ CPU operators could not be built ({type(e).__name__}: {str(e).strip()[:300]}); "
                   "the slower PyTorch attention runs instead. They need g++ and the `ninja` package "
                   "(`make setup` installs ninja; Debian: apt-get install g++)")
         log.warning(_error)
     return _module
+
+
+def _build(name: str, cflags: list[str], verbose: bool = False):
+    from torch.utils.cpp_extension import load as load_extension
+    path = build_dir(cflags)
+    os.makedirs(path, exist_ok=True)
+    remove_stale_lock(path)
+    with pinned_ninja():
+        # Copies: torch appends its own libraries to extra_ldflags, which changed build_dir()'s hash after.
+        return load_extension(name=name, sources=SOURCES, extra_cflags=list(cflags), extra_ldflags=list(LDFLAGS),
+                              build_directory=path, verbose=verbose)
+
+
+def load_isa(isa: str):
+    """The operators built for one of ISA_FLAGS' instruction sets, which this host must execute (runnable_isas):
+    the engine's own module for the host's widest, else a build of its own (cached like the engine's, and loaded
+    under its own module name beside it). Raises where it cannot be built."""
+    if isa not in runnable_isas():
+        raise ValueError(f"this CPU cannot run the {isa} build of the operators (it runs {runnable_isas()})")
+    if isa == host_isa():
+        module = load()
+        if module is None:
+            raise RuntimeError(error())
+        return module
+    if isa not in _isa_modules:
+        _isa_modules[isa] = _build(f"trellm_cpu_ops_{isa}", CFLAGS + ISA_FLAGS[isa])
+    return _isa_modules[isa]
 
 
 def for_tensor(t):
@@ -149,9 +203,15 @@ def error() -> str | None:
 
 
 if __name__ == "__main__":
+    # `python -m trellm_kernels.cpu_ops [-v] [--isas]`: the engine's build; with --isas also each narrower build
+    # this host executes (what the tests check; setup builds them beside the default model's training).
     logging.basicConfig(level=logging.INFO)
     mod = load(verbose="-v" in sys.argv)
     if mod is None:
         print(error(), file=sys.stderr)
         sys.exit(1)
     print(f"CPU operators ready in {build_dir()}")
+    if "--isas" in sys.argv:
+        for isa in runnable_isas():
+            load_isa(isa)
+        print(f"CPU operator builds ready: {', '.join(runnable_isas())}")

@@ -64,16 +64,19 @@ class Int4Weight:
             rows.append(torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, unit))
         return (torch.cat(rows).float() + 8).round().to(torch.uint8).t().contiguous()
 
-    def stored_tensor(self) -> torch.Tensor:
-        """The dequantized weight [N, K] in stored input order, in the scales' dtype (computed in fp32, rounded once)."""
+    def stored_tensor(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dequantized weight [N, K] in stored input order, in `dtype` (default the scales'), computed in fp32
+        and rounded once (in float64, exactly, for the tests' oracle)."""
+        dtype = dtype or self.scales.dtype
+        wide = torch.promote_types(dtype, torch.float32)
         K, (G, N) = self.in_features, self.scales.shape
-        q = torch.nn.functional.pad(self.q(), (0, G * self.group - K)).view(N, G, self.group).float()
-        w = (q - self.zeros.t().float()[:, :, None]) * self.scales.t().float()[:, :, None]
-        return w.view(N, G * self.group)[:, :K].to(self.scales.dtype)
+        q = torch.nn.functional.pad(self.q(), (0, G * self.group - K)).view(N, G, self.group).to(wide)
+        w = (q - self.zeros.t().to(wide)[:, :, None]) * self.scales.t().to(wide)[:, :, None]
+        return w.view(N, G * self.group)[:, :K].to(dtype)
 
-    def tensor(self) -> torch.Tensor:
+    def tensor(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dequantized weight [N, K] in the layer's input order: y = x W^T."""
-        w = self.stored_tensor()
+        w = self.stored_tensor(dtype)
         if self.perm is None:
             return w
         out = torch.empty_like(w)

@@ -271,15 +271,22 @@ def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
 INT16_ACTIVATION_CHUNK = 256   # k per exact int32 partial sum in cpu/int8_linear.cpp's AVX2 tile (KC there)
 
 
-def int8_linear_int16_reference(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    """What the C++ INT8 operator built for AVX2 alone computes, bit for bit, without a bias: each token's
-    activations rounded to int16 with scale max |x| / 32767, exact integer sums over chunks of k added in float32 in
-    order, then times the weight's and the token's scales."""
+def int16_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The AVX2 INT8 tile's rounding of activations: each token's to int16 (int64 here) with the fp32 scale
+    max |x| / 32767; x is about xq * scale."""
     x = x.reshape(-1, x.shape[-1]).float()
     amax = x.abs().amax(dim=1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.ones_like(amax))
     x_scale = torch.where(amax > 0, amax / 32767.0, torch.ones_like(amax))
-    xq, q = torch.round(x * inv).to(torch.int64), w.int8_rows().to(torch.int64)
+    return torch.round(x * inv).to(torch.int64), x_scale
+
+
+def int8_linear_int16_reference(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """What the C++ INT8 operator built for AVX2 alone computes, bit for bit, without a bias: each token's
+    activations rounded to int16 with scale max |x| / 32767, exact integer sums over chunks of k added in float32 in
+    order, then times the weight's and the token's scales."""
+    xq, x_scale = int16_activations(x)
+    q = w.int8_rows().to(torch.int64)
     sums = torch.zeros(x.shape[0], q.shape[0])
     for k0 in range(0, x.shape[1], INT16_ACTIVATION_CHUNK):
         k1 = k0 + INT16_ACTIVATION_CHUNK

@@ -4,6 +4,7 @@ marked `unit` here, so `pytest -m unit` takes seconds."""
 from __future__ import annotations
 
 import os
+import platform
 
 import pytest
 import torch
@@ -16,6 +17,27 @@ from trellm_backend.tools.testbed import free_ports  # noqa: F401 - the tests im
 # is (test_kernels.py then runs its interpreter tests in a process of their own).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_sessionstart(session):
+    """The host and the builds of the C++ operators the suite tests on it (tests/test_cpu_ops.py), first in the
+    output at any verbosity (`-q`, as CI runs, hides pytest's own header), so a CI log says which CPU it ran on."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        for line in host_lines():
+            reporter.write_line(line)
+
+
+def host_lines() -> list[str]:
+    from trellm_kernels import cpu_ops
+    flags = set(cpu_ops._cpu_flags().split())
+    shown = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+             if f in flags]
+    runnable = cpu_ops.runnable_isas()
+    others = [isa for isa in cpu_ops.ISA_FLAGS if isa not in runnable]
+    return [f"host: {cpu_ops.cpu_model()} ({platform.machine()}; {' '.join(shown) or 'no AVX2'})",
+            f"C++ operator builds tested: {', '.join(runnable)} (engine: {cpu_ops.host_isa()})"
+            + (f"; not executable here, skipped by name: {', '.join(others)}" if others else "")]
 
 
 def pytest_collection_modifyitems(config, items):

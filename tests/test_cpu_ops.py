@@ -1,6 +1,7 @@
 """The C++ CPU operators (kernels/cpu/, built by kernels/cpu_ops.py) against the PyTorch references, and the CPU
 dispatch that chooses them. Unlike the Triton kernels' tests (test_kernels.py), these need no interpreter: they run
 in any session on a host with g++ and ninja (CI has both: a missing build is a failure, not a skip)."""
+import math
 import os
 import re
 import subprocess
@@ -11,9 +12,35 @@ import torch
 
 from trellm_kernels import activation, attention, cpu_ops, dispatch, kv_cache, linear, lora, rmsnorm, rotary
 from kernel_cases import paged_case, quantized, randn
-from test_kernels import BF16, F16, F32, KV_QUANT, QUANTIZED_WRITE_CASES, check_quantized_write, close
+from rounding import (EPS32, assert_within_rounding, exact_linear, exact_lora_add, exact_rms_norm, exact_rotary,
+                      exact_silu_and_mul)
+from test_kernels import BF16, F16, F32, KV_QUANT, QUANTIZED_WRITE_CASES, attention_close, check_quantized_write
 
 pytestmark = pytest.mark.kernels
+
+
+def isa_params(*isas):
+    """The builds of cpu_ops.ISA_FLAGS as test parameters: each this host executes, and a skip that names the
+    instruction set for each it does not, so every host runs the same test ids."""
+    runnable = cpu_ops.runnable_isas()
+    return [pytest.param(isa, id=isa, marks=() if isa in runnable else pytest.mark.skip(
+        reason=f"this CPU ({cpu_ops.cpu_model()}) cannot execute the {isa} build: it lacks "
+               f"{' '.join(cpu_ops.ISA_CPU_FLAGS[isa]) or 'x86-64'}")) for isa in isas]
+
+
+@pytest.fixture(params=isa_params(*cpu_ops.ISA_FLAGS))
+def ops(request, monkeypatch):
+    """The operators built for one instruction set (each the host executes: conftest.py's header lists them),
+    installed as the process's operators, so the dispatch functions (linear, attention, ...) run that build too.
+    A build that fails is the test's failure, not a skip: CI has g++ and ninja."""
+    module = cpu_ops.load_isa(request.param)
+    monkeypatch.setattr(cpu_ops, "_module", module)
+    return module
+
+
+def half(dtype) -> int:
+    """Roundings to a 16-bit dtype (tests/rounding.py) of a path that rounds an intermediate and its output."""
+    return 1 if dtype == F32 else 2
 
 CPU_OP_CASES = [  # q_lens, ctx_lens: decodes, chunks over a cached prefix, a fresh prompt, mixed in one batch
     ([1, 1, 1, 1, 1], [0, 14, 15, 200, 33]),
@@ -28,16 +55,14 @@ CPU_OP_CASES = [  # q_lens, ctx_lens: decodes, chunks over a cached prefix, a fr
 @pytest.mark.parametrize("d", [8, 64, 128])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("case", range(len(CPU_OP_CASES)))
-def test_cpu_attention_operator_matches_reference(case, group, d, bs, dtype):
+def test_cpu_attention_operator_matches_reference(ops, case, group, d, bs, dtype):
     """The C++ operator (every row, whatever the chunk length) against the reference on random paged layouts."""
-    ops = cpu_ops.load()
-    assert ops is not None, cpu_ops.error()   # CI has g++ and ninja: a missing build is a failure, not a skip
     q_lens, ctx_lens = CPU_OP_CASES[case]
     kvh = 2
     args = paged_case(q_lens, ctx_lens, kvh * group, kvh, d, bs, dtype, seed=case)
     out = torch.empty_like(args[0])
     ops.paged_attention(out, *args[:7], 1 << 30)
-    close(out, attention.paged_attention_reference(*args))
+    attention_close(out, args)
 
 
 @pytest.mark.parametrize("cache_dtype", KV_QUANT)
@@ -46,40 +71,37 @@ def test_cpu_attention_operator_matches_reference(case, group, d, bs, dtype):
 @pytest.mark.parametrize("d", [8, 64, 128])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("case", range(len(CPU_OP_CASES)))
-def test_cpu_quantized_attention_operator_matches_reference(case, group, d, bs, dtype, cache_dtype):
+def test_cpu_quantized_attention_operator_matches_reference(ops, case, group, d, bs, dtype, cache_dtype):
     """The operator over an INT8 / FP8 cache (values read as bytes, scales folded into scores and weights)."""
-    ops = cpu_ops.load()
-    assert ops is not None, cpu_ops.error()
     kvh = 2
     args, scales = quantized(paged_case(*CPU_OP_CASES[case], kvh * group, kvh, d, bs, dtype, seed=case), cache_dtype)
     out = torch.empty_like(args[0])
     ops.paged_attention_quantized(out, args[0], args[1].view(torch.int8), args[2].view(torch.int8),
                                   scales["k_scale"], scales["v_scale"], *args[3:7], 1 << 30, cache_dtype == torch.int8)
-    close(out, attention.paged_attention_reference(*args, **scales))
+    attention_close(out, args, **scales)
 
 
 @pytest.mark.parametrize("cache_dtype", KV_QUANT)
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("d", [8, 64])
-def test_cpu_gather_dequantize_operator_matches_the_reference(cache_dtype, dtype, d):
+def test_cpu_gather_dequantize_operator_matches_the_reference(ops, cache_dtype, dtype, d):
     """The long-chunk path's gather: the blocks in the order given, each value times its scale, as torch does it."""
     g = torch.Generator().manual_seed(14)
     cache, scales = kv_cache.quantize_kv(randn(g, 9, 16, 3, d) * 3, cache_dtype)
     blocks = torch.tensor([7, 2, 2, 0, 8])
     out = torch.empty(5, 16, 3, d, dtype=dtype)
-    _cpu_ops().gather_dequantize(out, cache.view(torch.int8), scales, blocks, cache_dtype == torch.int8)
+    ops.gather_dequantize(out, cache.view(torch.int8), scales, blocks, cache_dtype == torch.int8)
     assert torch.equal(out, kv_cache.dequantize_kv(cache[blocks], scales[blocks], dtype))
 
 
 @pytest.mark.parametrize("cache_dtype", KV_QUANT)
-def test_cpu_dispatch_over_a_quantized_cache(monkeypatch, cache_dtype, kernel_settings):
+def test_cpu_dispatch_over_a_quantized_cache(ops, monkeypatch, cache_dtype, kernel_settings):
     """A quantized cache on a CPU: decodes and short chunks in the operator, long chunks through torch's fused
     attention over their dequantized blocks; together the reference's answer, and the operator saw the short rows
     only. Without the operators the reference runs."""
     args, scales = quantized(paged_case([1, 40, 1, 5], [30, 7, 90, 0], 8, 4, 64, 16, F32), cache_dtype)
-    want = attention.paged_attention_reference(*args, **scales)
     seen = []
-    real = cpu_ops.load()
+    real = ops
 
     class Spy:
         def paged_attention_quantized(self, *a):
@@ -92,20 +114,20 @@ def test_cpu_dispatch_over_a_quantized_cache(monkeypatch, cache_dtype, kernel_se
 
     monkeypatch.setattr(cpu_ops, "_module", Spy())
     kernel_settings(force_triton=False)
-    close(attention.paged_attention(*args, **scales), want)
+    attention_close(attention.paged_attention(*args, **scales), args, **scales)
     # the long chunk's keys and values dequantized by the operator as they are gathered
     assert seen == [attention.CPU_OP_MAX_Q_LEN, "gather_dequantize", "gather_dequantize"]
     monkeypatch.setattr(cpu_ops, "_module", None)
     monkeypatch.setattr(cpu_ops, "_error", "off")
-    close(attention.paged_attention(*args, **scales), want)
+    attention_close(attention.paged_attention(*args, **scales), args, **scales)
 
 
-def test_cpu_dispatch_splits_long_chunks(monkeypatch, kernel_settings):
+def test_cpu_dispatch_splits_long_chunks(ops, monkeypatch, kernel_settings):
     """On a CPU the dispatch sends decodes and short chunks to the operator and long chunks to the reference's
     GEMMs; together they equal the reference, and the operator saw only the short rows."""
     args = paged_case([1, 40, 1, 5], [30, 7, 90, 0], 8, 4, 64, 16, F32)
     seen = []
-    real = cpu_ops.load()
+    real = ops
 
     class Spy:
         def paged_attention(self, out, q, k, v, cu, lens, tables, scale, max_q_len):
@@ -114,15 +136,13 @@ def test_cpu_dispatch_splits_long_chunks(monkeypatch, kernel_settings):
 
     monkeypatch.setattr(cpu_ops, "_module", Spy())
     kernel_settings(force_triton=False)
-    close(attention.paged_attention(*args), attention.paged_attention_reference(*args))
+    attention_close(attention.paged_attention(*args), args)
     assert seen == [attention.CPU_OP_MAX_Q_LEN]
 
 
-def test_cpu_operators_split_their_work_over_torchs_openmp_threads():
+def test_cpu_operators_split_their_work_over_torchs_openmp_threads(ops):
     """ATen's at::parallel_for splits work only where the calling file is compiled with OpenMP: built without it,
     every C++ operator ran on one core of the machine's two. And the process keeps one OpenMP runtime, torch's."""
-    ops = cpu_ops.load()
-    assert ops is not None, cpu_ops.error()
     with open(ops.__file__, "rb") as f:
         assert b"GOMP_parallel" in f.read(), "built without OpenMP: at::parallel_for runs on one thread"
     with open("/proc/self/maps") as f:
@@ -153,43 +173,36 @@ def test_cpu_ops_can_be_turned_off(monkeypatch, kernel_settings):
     kernel_settings(force_triton=False)
     assert cpu_ops.load() is None and "TRELLM_CPU_OPS=0" in cpu_ops.error()
     args = paged_case([1, 3], [10, 20], 4, 2, 8, 16, F32)
-    close(attention.paged_attention(*args), attention.paged_attention_reference(*args))
-
-
-def _cpu_ops():
-    ops = cpu_ops.load()
-    assert ops is not None, cpu_ops.error()   # CI has g++ and ninja: a missing build is a failure, not a skip
-    return ops
+    attention_close(attention.paged_attention(*args), args)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
 @pytest.mark.parametrize("rows,cols", [(1, 64), (7, 100), (300, 512)])
-def test_cpu_rms_norm_operators_match_reference(rows, cols, dtype):
+def test_cpu_rms_norm_operators_match_reference(ops, rows, cols, dtype):
     """RMSNorm and the fused residual add (whose residual is x + residual rounded in the dtype, exactly), into new
     tensors and in place."""
-    ops = _cpu_ops()
     g = torch.Generator().manual_seed(rows)
     x, res = randn(g, rows, cols, dtype=dtype) * 3, randn(g, rows, cols, dtype=dtype)
     w = (1 + 0.1 * randn(g, cols)).to(dtype)
     out = torch.empty_like(x)
     ops.rms_norm(out, x, w, 1e-6)
-    close(out, rmsnorm.rms_norm_reference(x, w, 1e-6))
-    ref_normed, ref_res = rmsnorm.fused_add_rms_norm_reference(x, res, w, 1e-6)
+    assert_within_rounding(out, exact_rms_norm(x, w, 1e-6), roundings=half(dtype))
+    ref_res = rmsnorm.fused_add_rms_norm_reference(x, res, w, 1e-6)[1]
     normed, new_res = torch.empty_like(x), torch.empty_like(res)
     ops.fused_add_rms_norm(normed, new_res, x, res, w, 1e-6)
     assert torch.equal(new_res, ref_res)
-    close(normed, ref_normed)
+    exact = exact_rms_norm(ref_res, w, 1e-6)
+    assert_within_rounding(normed, exact, roundings=half(dtype))
     ops.fused_add_rms_norm(x, res, x, res, w, 1e-6)      # out and res_out may be the inputs
     assert torch.equal(res, ref_res)
-    close(x, ref_normed)
+    assert_within_rounding(x, exact, roundings=half(dtype))
 
 
-def test_the_operators_round_to_bf16_as_torch_does_at_ties_overflow_and_nan():
+def test_the_operators_round_to_bf16_as_torch_does_at_ties_overflow_and_nan(ops):
     """The residual add rounds each float sum to bf16 with the operators' own branch-free rounding: ties to even
     (1 + 2^-8 down to 1, 1 + 3 * 2^-8 up), a sum past bf16's largest value to inf, a subnormal kept, NaN (inf - inf)
     to a NaN. Compared bit for bit with torch's sum in bf16, but for NaN's bits (torch's own scalar and vector
     conversions differ there)."""
-    ops = _cpu_ops()
     x = torch.tensor([[1.0, 1.0, 3e38, float("inf"), float("nan"), -1.0, 0.5, 1e-40]], dtype=torch.bfloat16)
     res = torch.tensor([[2 ** -8, 3 * 2 ** -8, 3e38, -float("inf"), 0.0, -2 ** -8, 2 ** -10, 0.0]],
                        dtype=torch.bfloat16)
@@ -203,8 +216,7 @@ def test_the_operators_round_to_bf16_as_torch_does_at_ties_overflow_and_nan():
 
 @pytest.mark.parametrize("h,kvh,d,rot,dtype", [(8, 4, 64, 64, F32), (7, 1, 8, 8, F32), (4, 4, 64, 32, F32),
                                                (8, 2, 16, 16, F16), (2, 1, 128, 128, BF16)])
-def test_cpu_rotary_operator_matches_reference(h, kvh, d, rot, dtype):
-    ops = _cpu_ops()
+def test_cpu_rotary_operator_matches_reference(ops, h, kvh, d, rot, dtype):
     g = torch.Generator().manual_seed(9)
     T, max_pos = 70, 4096
     inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
@@ -212,29 +224,33 @@ def test_cpu_rotary_operator_matches_reference(h, kvh, d, rot, dtype):
     cos_sin = torch.cat((ang.cos(), ang.sin()), dim=-1)
     positions = torch.randint(0, max_pos, (T,), generator=g, dtype=torch.int32)
     q, k = randn(g, T, h, d, dtype=dtype), randn(g, T, kvh, d, dtype=dtype)
-    ref_q, ref_k = rotary.rotary_reference(q, k, positions, cos_sin)
     q_in, k_in = q.clone(), k.clone()
     ops.rotary(q_in, k_in, positions, cos_sin)
-    close(q_in, ref_q)
-    close(k_in, ref_k)
+    assert_within_rounding(q_in, exact_rotary(q, positions, cos_sin), roundings=half(dtype))
+    assert_within_rounding(k_in, exact_rotary(k, positions, cos_sin), roundings=half(dtype))
     assert torch.equal(q_in[..., rot:], q[..., rot:])      # columns past the rotated width pass through
 
 
 @pytest.mark.parametrize("shape,dtype", [((7, 96), F32), ((3, 2200), F16), ((300, 2816), BF16), ((2, 34), F32)])
-def test_cpu_silu_and_mul_operator_matches_reference(shape, dtype):
-    ops = _cpu_ops()
+def test_cpu_silu_and_mul_operator_matches_reference(ops, shape, dtype):
     g = torch.Generator().manual_seed(10)
     x = randn(g, *shape, dtype=dtype) * 6
     x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0]).to(dtype)   # exp's clamps: no inf or nan at the ends
     out = x.new_empty(shape[0], shape[1] // 2)
     ops.silu_and_mul(out, x)
-    close(out, activation.silu_and_mul_reference(x))
+    exact = exact_silu_and_mul(x)
+    # exp's argument is clamped to [-87, 88] (vec_math.h), so silu(g) for g below -87 reads as g * e^-87 at most:
+    # within that of the exact value, finite; every other output within the rule
+    ends, up = out[0, [0, 3]].double(), x[0, shape[1] // 2:][[0, 3]].double()
+    clamp = (x[0, [0, 3]].double() * up).abs() * math.exp(-87)
+    assert ((ends - exact.value[0, [0, 3]]).abs() <= clamp).all() and ends.isfinite().all()
+    out[0, [0, 3]] = exact.value[0, [0, 3]].to(dtype)
+    assert_within_rounding(out, exact, roundings=half(dtype))
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_cpu_write_kv_operator_from_a_qkv_view(dtype):
+def test_cpu_write_kv_operator_from_a_qkv_view(ops, dtype):
     """k and v as strided views into a merged qkv (as the model passes them); -1 slots are skipped."""
-    ops = _cpu_ops()
     g = torch.Generator().manual_seed(11)
     T, kvh, d, bs, blocks = 40, 2, 16, 16, 6
     qkv = randn(g, T, (4 + 2 * kvh) * d, dtype=dtype)
@@ -249,11 +265,11 @@ def test_cpu_write_kv_operator_from_a_qkv_view(dtype):
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
 
 
-def test_cpu_dispatch_uses_the_layer_operators(monkeypatch, kernel_settings):
+def test_cpu_dispatch_uses_the_layer_operators(ops, monkeypatch, kernel_settings):
     """On a CPU with the operators built, each dispatch function takes its operator (and gives the reference's
     answer); with TRELLM_CPU_OPS=0 the same calls run the references."""
     kernel_settings(force_triton=False)
-    real, called = _cpu_ops(), []
+    real, called = ops, []
 
     class Spy:
         def __getattr__(self, name):
@@ -263,18 +279,17 @@ def test_cpu_dispatch_uses_the_layer_operators(monkeypatch, kernel_settings):
     monkeypatch.setattr(cpu_ops, "_module", Spy())
     g = torch.Generator().manual_seed(12)
     x, res, w = randn(g, 5, 64), randn(g, 5, 64), randn(g, 64)
-    close(rmsnorm.rms_norm(x, w, 1e-5), rmsnorm.rms_norm_reference(x, w, 1e-5))
-    ref = rmsnorm.fused_add_rms_norm_reference(x, res, w, 1e-5)
-    for got, want in zip(rmsnorm.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5), ref):
-        close(got, want)
+    assert_within_rounding(rmsnorm.rms_norm(x, w, 1e-5), exact_rms_norm(x, w, 1e-5))
+    normed, new_res = rmsnorm.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    assert torch.equal(new_res, x + res)
+    assert_within_rounding(normed, exact_rms_norm(x + res, w, 1e-5))
     gu = randn(g, 5, 128)
-    close(activation.silu_and_mul(gu), activation.silu_and_mul_reference(gu))
+    assert_within_rounding(activation.silu_and_mul(gu), exact_silu_and_mul(gu))
     cos_sin = torch.randn(32, 16, generator=g)
     q, k, pos = randn(g, 5, 4, 16), randn(g, 5, 2, 16), torch.arange(5, dtype=torch.int32)
-    want_q, want_k = rotary.rotary_reference(q, k, pos, cos_sin)
     got_q, got_k = rotary.apply_rotary(q.clone(), k.clone(), pos, cos_sin)
-    close(got_q, want_q)
-    close(got_k, want_k)
+    assert_within_rounding(got_q, exact_rotary(q, pos, cos_sin))
+    assert_within_rounding(got_k, exact_rotary(k, pos, cos_sin))
     cache = [torch.zeros(2, 16, 2, 16) for _ in range(2)]
     kv_cache.write_kv(k, k, cache[0], cache[1], torch.arange(5, dtype=torch.int32))
     assert torch.equal(cache[0].view(-1, 2, 16)[:5], k)
@@ -299,8 +314,7 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path):
 
 @pytest.mark.parametrize("cache_dtype", KV_QUANT)
 @pytest.mark.parametrize("kvh,d,bs,dtype", [c for c in QUANTIZED_WRITE_CASES if c[3] in (F32, BF16)])
-def test_cpu_quantized_write_kv_operator_matches_the_reference_bit_for_bit(cache_dtype, kvh, d, bs, dtype):
-    ops = _cpu_ops()
+def test_cpu_quantized_write_kv_operator_matches_the_reference_bit_for_bit(ops, cache_dtype, kvh, d, bs, dtype):
     check_quantized_write(lambda k, v, kc, vc, slots, ks, vs: ops.write_kv_quantized(
         k, v, kc.view(torch.int8), vc.view(torch.int8), ks, vs, slots.to(torch.int32), cache_dtype == torch.int8),
         cache_dtype, kvh, d, bs, dtype)
@@ -309,46 +323,49 @@ def test_cpu_quantized_write_kv_operator_matches_the_reference_bit_for_bit(cache
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("tokens, out_f, in_f", [(1, 96, 80), (7, 96, 80), (33, 256, 1408), (33, 64, 8),
                                                  (113, 64, 200)])   # tiles of 48 and a chunk of 96; k in 64s + 8
-def test_cpu_int8_linear_packs_for_the_driver_and_rows_do_not_depend_on_their_batch(tokens, out_f, in_f, dtype):
+def test_cpu_int8_linear_packs_for_the_driver_and_rows_do_not_depend_on_their_batch(ops, tokens, out_f, in_f, dtype):
     """INT8 weights on a CPU are packed in the C++ driver's blocks (bf16 models too: the operator widens their
     activations), and a token's result does not depend on what shares the call. (The values against the
     dequantizing reference: test_kernels.py.)"""
     g = torch.Generator().manual_seed(1)
     q = linear.prepare_weight(randn(g, out_f, in_f, dtype=dtype), "int8")
     assert q.qweight.dim() == 3, "CPU weights are packed for the C++ operator"
-    assert q.qweight.shape[2] == linear.CPU_BLOCK == _cpu_ops().linear_block, "the packing is the driver's"
+    assert q.qweight.shape[2] == linear.CPU_BLOCK == ops.linear_block, "the packing is the driver's"
     x = randn(g, tokens, in_f, dtype=dtype)
     together = linear.linear(x, q)
     for i in range(tokens):
         assert torch.equal(linear.linear(x[i:i + 1], q), together[i:i + 1])
 
 
+@pytest.mark.parametrize("ops", isa_params("avx2"), indirect=True)
 @pytest.mark.parametrize("tokens, out_f, in_f", [(1, 64, 80), (2, 96, 81), (3, 64, 8), (7, 96, 81), (48, 64, 700),
                                                  (113, 32, 513), (600, 64, 200)])
-def test_cpu_int8_linear_with_avx2_alone_is_its_int16_reference_bit_for_bit(tokens, out_f, in_f):
+def test_cpu_int8_linear_with_avx2_alone_is_its_int16_reference_bit_for_bit(ops, tokens, out_f, in_f):
     """With AVX2 alone the INT8 operator rounds each token's activations to int16 and sums exactly in integers: the
     PyTorch reference of that arithmetic gives the same bits (odd K, several k chunks, tiles of 1-48 tokens, a
     chunk of 96, a row of zeros, at every token count), and its error against fp32 is within the activations'
-    rounding: half a step per value times the weights' magnitudes."""
-    if not _cpu_ops().avx2:
-        pytest.skip("the int16 arithmetic is the AVX2-only tile's: AVX-512 and portable builds multiply in fp32 "
-                    "(test_kernels.py compares them with the dequantizing reference)")
+    rounding: each value within half a step of its int16 grid point, and the sums of those within the rounding
+    rule. (The AVX-512 and portable builds multiply in fp32: test_kernels.py compares them with the exact product.)"""
+    assert ops.avx2 and linear.linear_path(linear.prepare_weight(torch.zeros(64, 8), "int8")).startswith(
+        "INT8 C++ (AVX2")
     g = torch.Generator().manual_seed(5)
     q = linear.prepare_weight(randn(g, out_f, in_f, dtype=F32), "int8")
     x = randn(g, tokens, in_f, dtype=F32) * torch.rand(tokens, 1, generator=g) * 4
     x[tokens // 2] = 0
     got = linear.linear(x, q)
     assert torch.equal(got, linear.int8_linear_int16_reference(x, q))
-    w32 = q.int8_fp32().double()
-    exact = x.double() @ w32.T
-    half_step = x.abs().amax(dim=1, keepdim=True).double() / 32767 / 2
-    assert ((got.double() - exact).abs() <= half_step * w32.abs().sum(dim=1) + 1e-5 * exact.abs() + 1e-6).all()
+    xq, x_scale = linear.int16_activations(x)
+    grid = xq.double() * x_scale.double()
+    # half a step, and the rounding of x * (32767 / max|x|) in float32 before it is rounded to an integer
+    amax = x.abs().amax(dim=1, keepdim=True).double()
+    assert ((grid - x.double()).abs() <= x_scale.double() / 2 + 2 * EPS32 * amax).all()
+    assert_within_rounding(got, exact_linear(grid, q.int8_rows().double() * q.scales.double()[:, None]))
 
 
 @pytest.mark.parametrize("mode", ["cpp", "onednn", "torch"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("out_f", [300, 320])
-def test_linear_prepared_weight(monkeypatch, mode, dtype, out_f, kernel_settings):
+def test_linear_prepared_weight(ops, monkeypatch, mode, dtype, out_f, kernel_settings):
     """A weight prepared once (for fp32 on a CPU: the C++ operator's blocks on an AVX-512 build when the outputs
     fill them, else oneDNN's layout; for bf16 on an AVX2 build, where torch's half GEMM goes row by row, the half
     operator's blocks when the outputs fill them) serves every token count, with and without a bias, and agrees with
@@ -357,8 +374,7 @@ def test_linear_prepared_weight(monkeypatch, mode, dtype, out_f, kernel_settings
     g = torch.Generator().manual_seed(0)
     w, b = randn(g, out_f, 96, dtype=dtype), randn(g, out_f, dtype=dtype)
     prepared = linear.prepare_weight(w)
-    ops = cpu_ops.load()
-    packed = mode == "cpp" and out_f % linear.CPU_BLOCK == 0 and ops is not None and (
+    packed = mode == "cpp" and out_f % linear.CPU_BLOCK == 0 and (
         ops.avx512 if dtype == F32 else ops.avx2 and linear.half_gemm_is_row_by_row(dtype))
     assert (prepared.packed is not None) == packed
     assert (prepared.prepared is not None) == (mode != "torch" and dtype == F32 and not packed)
@@ -367,8 +383,8 @@ def test_linear_prepared_weight(monkeypatch, mode, dtype, out_f, kernel_settings
     assert torch.equal(prepared.tensor(), w)
     for tokens in (1, 7, 13, 26, 64, 513):
         x = randn(g, tokens, 96, dtype=dtype)
-        close(linear.linear(x, prepared, b), torch.nn.functional.linear(x, w, b))
-        close(linear.linear(x, prepared), linear.linear_reference(x, prepared))
+        assert_within_rounding(linear.linear(x, prepared, b), exact_linear(x, w, b), roundings=half(dtype))
+        assert_within_rounding(linear.linear(x, prepared), exact_linear(x, w), roundings=half(dtype))
     if packed:   # a token's result does not depend on what shares the call (each sum runs over k in order)
         x = randn(g, 40, 96, dtype=dtype)
         together = linear.linear(x, prepared, b)
@@ -379,11 +395,11 @@ def test_linear_prepared_weight(monkeypatch, mode, dtype, out_f, kernel_settings
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("out_f", [64, 40])     # whole 32-output blocks of the C++ operators, and not
-def test_the_logged_linear_path_is_the_one_linear_runs(monkeypatch, quantization, dtype, out_f):
+def test_the_logged_linear_path_is_the_one_linear_runs(ops, monkeypatch, quantization, dtype, out_f):
     """The load log's line per linear layer (linear_path) names the implementation `linear` calls for a decode
     step's token, on whatever this host supports: each candidate is spied on and exactly the named one runs; where
     the line names a token count from which the call changes path, that many tokens run torch's linear in fp32."""
-    real, called = _cpu_ops(), []
+    real, called = ops, []
 
     class Spy:
         def __getattr__(self, name):
@@ -416,19 +432,18 @@ def test_the_logged_linear_path_is_the_one_linear_runs(monkeypatch, quantization
         assert runs(int(switch.group(1))) == [f"torch linear on {F32}"], (path, called)
 
 
+@pytest.mark.parametrize("ops", isa_params("avx2"), indirect=True)
 @pytest.mark.parametrize("dtype", [BF16, F16])
 @pytest.mark.parametrize("tokens, out_f, in_f", [(1, 64, 80), (3, 96, 81), (7, 96, 81), (48, 64, 130), (113, 32, 200),
                                                  (300, 64, 40)])    # the last unpacked for torch's GEMM
-def test_cpu_half_linear_with_avx2_alone_multiplies_in_fp32_and_rows_do_not_depend_on_their_batch(dtype, tokens,
+def test_cpu_half_linear_with_avx2_alone_multiplies_in_fp32_and_rows_do_not_depend_on_their_batch(ops, dtype, tokens,
                                                                                                   out_f, in_f):
     """With AVX2 alone (no bf16/fp16 dot products, torch's half GEMM row by row) a bf16/fp16 weight whose outputs
     fill the 32-output blocks is packed for the half operator, which multiplies in fp32 and rounds once: the answer
     is torch's fp32 linear on the widened weight, rounded to the dtype (within one step of it, as the sums' order
     differs), for tiles of 1 to 48 tokens, odd K and a bias, and a token's result does not depend on its batch
     (below the token count from which calls take torch's GEMM on the unpacked weight instead)."""
-    if not _cpu_ops().avx2:
-        pytest.skip("the half operator is the AVX2-only tile's: AVX-512 builds keep torch's bf16/fp16 GEMM, where "
-                    "oneDNN has the types")
+    assert ops.avx2, "the half operator is the AVX2 build's (AVX-512 builds keep torch's bf16/fp16 GEMM)"
     g = torch.Generator().manual_seed(7)
     w, b = randn(g, out_f, in_f, dtype=dtype), randn(g, out_f, dtype=dtype)
     prepared = linear.prepare_weight(w)
@@ -436,10 +451,8 @@ def test_cpu_half_linear_with_avx2_alone_multiplies_in_fp32_and_rows_do_not_depe
     assert linear.linear_path(prepared).startswith(f"{linear.dtype_name(dtype)} C++ (AVX2)")
     x = randn(g, tokens, in_f, dtype=dtype)
     together = linear.linear(x, prepared, b)
-    expected = torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert together.dtype == dtype
-    step = 2 ** -8 if dtype == BF16 else 2 ** -11
-    assert ((together.float() - expected).abs() <= expected.abs() * step + 1e-5).all()
+    assert_within_rounding(together, exact_linear(x, w, b))     # rounded once, to the dtype
     for i in range(tokens if tokens < linear.HALF_UNPACKED_FROM_TOKENS else 0):   # one operator for all of them
         assert torch.equal(linear.linear(x[i:i + 1], prepared, b), together[i:i + 1])
 
@@ -470,7 +483,7 @@ def test_half_linear_runs_in_fp32_from_four_tokens_where_torchs_half_gemm_is_slo
         else:
             assert seen == [(dtype, 48)]
         assert got.dtype == dtype
-        close(got, original(x, w, b))
+        assert_within_rounding(got, exact_linear(x, w, b), roundings=2)
 
 
 def test_kernel_settings_are_checked_where_they_are_read():
@@ -485,10 +498,9 @@ def test_kernel_settings_are_checked_where_they_are_read():
 @pytest.mark.parametrize("tokens", [1, 3, 6, 16, 41])
 @pytest.mark.parametrize("k, ranks, widths", [(512, [16, 16, 16], [512, 256, 256]), (37, [4, 4], [33, 70]),
                                               (1408, [8], [512])])
-def test_cpu_lora_add_operator_matches_reference(tokens, k, ranks, widths):
+def test_cpu_lora_add_operator_matches_reference(ops, tokens, k, ranks, widths):
     """One adapter's term at a fused site, B block-diagonal over the site's modules (models/lora.py's layout): the
     operator on row views (an adapter's rows are a slice of the step's batch) against the two matmuls."""
-    ops = _cpu_ops()
     g = torch.Generator().manual_seed(tokens + k)
     R, N = sum(ranks), sum(widths)
     at = randn(g, k, R, dtype=F32)
@@ -501,14 +513,13 @@ def test_cpu_lora_add_operator_matches_reference(tokens, k, ranks, widths):
     spans = torch.tensor(spans, dtype=torch.int64)
     x = randn(g, tokens + 2, k, dtype=F32)[1:-1]          # a slice of a larger batch
     out = randn(g, tokens + 2, N, dtype=F32)
-    want = out.clone()
-    lora.lora_add_reference(want[1:-1], x, at, bt, 0.75)
+    exact = exact_lora_add(out[1:-1], x, at, bt, 0.75)
     got = out.clone()
     ops.lora_add(got[1:-1], x, at, bt, spans, 0.75)
-    close(got, want)
+    assert_within_rounding(got[1:-1], exact)
     assert torch.equal(got[0], out[0]) and torch.equal(got[-1], out[-1]), "rows outside the view are left alone"
     via_dispatch = out.clone()
     lora.lora_add(via_dispatch[1:-1], x, at, bt, spans, 0.75)
-    close(via_dispatch, want)
+    assert_within_rounding(via_dispatch[1:-1], exact)
     with pytest.raises(RuntimeError, match="leaves the"):
         ops.lora_add(got, randn(g, tokens + 2, k, dtype=F32), at, bt, spans + N, 0.75)

@@ -11,6 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from hf_models import LORAS, hf_lora_greedy, make_lora, random_prompts
+from rounding import Exact, assert_within_rounding, exact_lora_add
 from test_engine import run
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
@@ -291,14 +292,30 @@ def test_the_kernels_stacked_layout_adds_what_the_grouped_matmuls_add(default_mo
         want, got = base.clone(), base.clone()
         grouped.add(want, x, 1, site)
         stacked.add(got, x, 1, site)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        exact = exact_step(base, x, site, [(loaded[i], r) for i, r in ranges.items()])
+        assert_within_rounding(got, exact)
+        assert_within_rounding(want, exact)
         want_whole, got_whole = base.clone(), base.clone()
         whole.add(want_whole, x, 1, site)
         whole_stacked.add(got_whole, x, 1, site)
-        torch.testing.assert_close(got_whole, want_whole, rtol=1e-5, atol=1e-5)
+        exact = exact_step(base, x, site, [(loaded[2], [(0, 11)])])
+        assert_within_rounding(got_whole, exact)
+        assert_within_rounding(want_whole, exact)
         assert not torch.equal(want_whole, base), f"adapter {loaded[2].name} targets {site}"
         assert torch.equal(got[3:5], base[3:5]), "rows of no adapter are left alone"
         assert not torch.equal(want, base), f"the adapters target {site}"
+
+
+def exact_step(base, x, site, adapters_rows):
+    """A step's LoRA terms at `site` of layer 1 in float64 (tests/rounding.py): base plus each adapter's term on its
+    [start, end) row ranges."""
+    value, magnitude, length = base.double(), base.double().abs(), 0
+    for adapter, ranges in adapters_rows:
+        sw = adapter.sites.get((1, site))
+        for s, e in ranges if sw is not None else ():
+            exact = exact_lora_add(base[s:e], x[s:e], sw.at, sw.bt, adapter.scale)
+            value[s:e], magnitude[s:e], length = exact.value, exact.magnitude, max(length, exact.length)
+    return Exact(value, magnitude, length)
 
 
 def test_thirty_two_adapters_with_max_loras_4_serve_a_mixed_workload(default_model_path, adapters):

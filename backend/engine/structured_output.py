@@ -17,6 +17,7 @@ into a per-step token mask, with xgrammar (what vLLM and TensorRT-LLM default to
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -77,6 +78,15 @@ class Guide:
                 check_schema(value)
         elif not self.text and self.type != "json":
             raise GuideError(f"the {self.type} guide is empty (guided_decoding_guide)")
+        elif self.type == "regex":
+            check_regex(self.text, "the regex guide")
+
+    def compiled_text(self) -> str:
+        """The text xgrammar compiles: a JSON schema's pattern + length pairs folded into the pattern (fold_lengths),
+        since xgrammar would drop the lengths; every other guide as sent."""
+        if self.type == "json_schema" and '"pattern"' in self.text and "Length" in self.text:
+            return json.dumps(fold_lengths(json.loads(self.text)))
+        return self.text
 
     def ebnf_of_choices(self) -> str:
         return "root ::= " + " | ".join(json.dumps(c) for c in json.loads(self.text))
@@ -89,6 +99,91 @@ def _check_choices(value) -> None:
         raise GuideError(f"a choice guide has {len(value)} entries; at most {MAX_CHOICES} are allowed")
 
 
+# One character (a class, an escape, a dot or a literal), optionally anchored and repeated: the patterns a length
+# folds into.
+_REPEATED_ATOM = re.compile(
+    r"(\^?)(\[(?:\\.|[^\\\]])+\]|\\[dDwWsS]|\\[^A-Za-z0-9]|[^\\\[\]().*+?{}|^$]|\.)(\*|\+|\?|\{(\d+)(,(\d*))?\})?(\$?)")
+_LOOKAROUNDS = ("?=", "?!", "?<=", "?<!")
+
+
+def check_regex(regex: str, what: str) -> None:
+    """Raise GuideError for a regex construct xgrammar's converter drops with a warning instead of enforcing:
+    lookahead and lookbehind assertions. (What it cannot parse at all fails the compile, with its own message.)"""
+    i, in_class = 0, False
+    while i < len(regex):
+        ch = regex[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(" and regex.startswith(_LOOKAROUNDS, i + 1):
+            raise GuideError(f"{what} uses a lookaround assertion ({regex[i:i + 4]}... at position {i}), which is "
+                             "not supported")
+        i += 1
+
+
+def fold_length(pattern: str, min_length: int, max_length: int | None) -> str | None:
+    """`pattern` with a string length in [min_length, max_length] folded in, where the pattern is one repeated
+    character class (such as ^[a-z]+$: each repetition is one character); None for any other pattern."""
+    m = _REPEATED_ATOM.fullmatch(pattern)
+    if m is None:
+        return None
+    quantifier = m.group(3) or ""
+    lo, hi = {"": (1, 1), "*": (0, None), "+": (1, None), "?": (0, 1)}.get(quantifier, (None, None))
+    if lo is None:   # {m}, {m,}, {m,n}
+        lo = int(m.group(4))
+        hi = lo if m.group(5) is None else (int(m.group(6)) if m.group(6) else None)
+    lo = max(lo, min_length)
+    hi = max_length if hi is None else hi if max_length is None else min(hi, max_length)
+    if hi is not None and lo > hi:
+        return None
+    return f"{m.group(1)}{m.group(2)}{{{lo},{'' if hi is None else hi}}}{m.group(7)}"
+
+
+def fold_lengths(schema):
+    """The schema with each pattern + minLength/maxLength pair replaced by the folded pattern (check_schema has
+    refused the pairs that do not fold)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("pattern"), str) and ("minLength" in out or "maxLength" in out):
+        out["pattern"] = fold_length(out["pattern"], out.pop("minLength", 0), out.pop("maxLength", None))
+    for key, value in out.items():
+        if key in _SUB_SCHEMA:
+            out[key] = fold_lengths(value)
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [fold_lengths(v) for v in value]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: fold_lengths(v) for name, v in value.items()}
+    return out
+
+
+def _check_string_keywords(schema: dict, path: str) -> None:
+    """xgrammar enforces a pattern, a format and lengths each alone; lengths beside a format it drops, and beside a
+    pattern they are folded into it where they can be."""
+    lengths = [k for k in ("minLength", "maxLength") if k in schema]
+    pattern = schema.get("pattern")
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            raise GuideError(f"JSON schema keyword 'pattern' (at {path}/pattern) must be a string")
+        check_regex(pattern, f"the JSON schema pattern at {path}/pattern")
+    if not lengths:
+        return
+    for k in lengths:
+        if not isinstance(schema[k], int) or isinstance(schema[k], bool) or schema[k] < 0:
+            raise GuideError(f"JSON schema keyword {k!r} (at {path}/{k}) must be a non-negative integer")
+    if "format" in schema:
+        raise GuideError(f"JSON schema 'format' with {' and '.join(map(repr, lengths))} (at {path}) is not supported: "
+                         "the lengths would not be enforced")
+    if pattern is not None and fold_length(pattern, schema.get("minLength", 0), schema.get("maxLength")) is None:
+        raise GuideError(f"JSON schema 'pattern' with {' and '.join(map(repr, lengths))} (at {path}) is supported only "
+                         "where the pattern is one repeated character class such as ^[a-z]+$ that admits those "
+                         "lengths; write the lengths into the pattern instead")
+
+
 def check_schema(schema, path: str = "#", depth: int = 0) -> None:
     """Raise GuideError naming the first keyword (and its path) that xgrammar would not enforce."""
     if isinstance(schema, bool):
@@ -97,6 +192,9 @@ def check_schema(schema, path: str = "#", depth: int = 0) -> None:
         raise GuideError(f"the JSON schema at {path} must be an object or a boolean")
     if depth > MAX_SCHEMA_DEPTH:
         raise GuideError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels at {path}")
+    _check_string_keywords(schema, path)
+    for name in schema.get("patternProperties", {}) if isinstance(schema.get("patternProperties"), dict) else ():
+        check_regex(name, f"the JSON schema patternProperties name at {path}/patternProperties")
     for key, value in schema.items():
         where = f"{path}/{key}"
         if key in ANNOTATIONS:
@@ -171,7 +269,7 @@ class GrammarCompiler:
         try:
             if guide.type in ("json", "json_schema"):   # json: any JSON object (OpenAI's json_object)
                 # Compact separators: with any whitespace allowed, a sampled answer can pad itself without end.
-                return c.compile_json_schema(guide.text or '{"type": "object"}', any_whitespace=False)
+                return c.compile_json_schema(guide.compiled_text() or '{"type": "object"}', any_whitespace=False)
             if guide.type == "regex":
                 return c.compile_regex(guide.text)
             if guide.type == "choice":

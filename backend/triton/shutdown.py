@@ -7,8 +7,10 @@ stop itself, two ways:
 - SIGTERM to the server's process group (the launcher stops the server that way) reaches the stub, whose own C
   handler ignores it; a Python handler with a wakeup fd turns it into a byte on a socket that a thread waits on.
 - `pb_utils.is_model_ready` raises once the server is exiting ("Server not ready"), whichever process got the
-  signal; a thread asks every `poll_s` seconds (an IPC round trip each time). It raises the same way while the
-  server is still loading other models, so only a failure after a first answer or a first request counts.
+  signal; a thread asks every `poll_s` seconds (an IPC round trip each time), but only once a request has reached
+  the model. Asked earlier, while the server was still loading other models, the call crashed the stub
+  ("Fatal Python error: Segmentation fault" in poll_server: 2 of 3 starts of a 15-entry repository under load,
+  perf/many_models_start.py), and a model that has had no request has no stream to end anyway.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ log = logging.getLogger("trellm")
 def watch_server_shutdown(pb_utils, model_name: str, on_shutdown: Callable[[str], None], serving: threading.Event,
                           poll_s: float = 0.5) -> Callable[[], None]:
     """Call `on_shutdown(how)` once, on a background thread, when the server starts stopping. `serving` is set by the
-    model once a request has reached it (the server was up then). Returns a function that ends the watch."""
+    model once a request has reached it (the server was up then); polling starts only after it. Returns a function
+    that ends the watch."""
     fired = threading.Event()
     ended = threading.Event()
 
@@ -55,19 +58,19 @@ def watch_server_shutdown(pb_utils, model_name: str, on_shutdown: Callable[[str]
             pass
 
     def poll_server() -> None:
-        # While other models are still loading the server is not ready either, and says so the same way: only a
-        # failure after the server has once answered, or after a request came in, means it is stopping.
+        # No IPC before the first request (see the module's docstring): the server has loaded its models then.
         # Once the stop is noticed (by the signal, usually first), polling ends: on 2.51 an is_model_ready during
         # the stop can block in the IPC with the GIL held, which froze every thread of the stub, the engine's too,
         # so the streams never got their final abort responses (1 run in 4 of the SIGTERM test).
+        while not serving.wait(poll_s):
+            if ended.is_set() or fired.is_set():
+                return
         while not ended.wait(poll_s) and not fired.is_set():
             try:
                 pb_utils.is_model_ready(model_name)
-                serving.set()
             except Exception as e:     # the server is exiting (or gone)
-                if serving.is_set():
-                    fire(f"the server is stopping ({e})")
-                    return
+                fire(f"the server is stopping ({e})")
+                return
 
     if reader is not None:
         threading.Thread(target=wait_for_signal, name="trellm-sigterm", daemon=True).start()

@@ -30,6 +30,11 @@ from trellm_client.client import AsyncLLMClient, ServerUnavailable, ensemble_ste
 log = logging.getLogger("trellm.openai")
 MAX_BODY_BYTES = 4 << 20           # a prompt of about a million tokens of English is still far below this
 MAX_JSON_DEPTH = 64                # OpenAI bodies nest a handful of levels (messages -> content parts)
+# The model list (repository index, configs, each engine step's adapters) is read again after MODELS_MAX_AGE_S for
+# requests that find their model in it; a listing, and a request for an id it lacks, take one younger than
+# FRESH_MODELS_S, so an adapter loaded or unloaded by a control request shows at once.
+MODELS_MAX_AGE_S = 1.0
+FRESH_MODELS_S = 0.1
 
 
 def _nests_within(obj, limit: int) -> bool:
@@ -102,19 +107,28 @@ class FrontDoor:
             await self._http.close()
 
     # -- models ------------------------------------------------------------------------------------------------
-    async def models(self) -> dict[str, tuple[str, str | None]]:
+    async def models(self, max_age_s: float = MODELS_MAX_AGE_S) -> dict[str, tuple[str, str | None]]:
         """{model id: (ensemble, LoRA adapter or None)}: the READY ensembles of the repository, and each LoRA
         adapter their engine step serves (those it declares in `lora_adapters`, as control requests have changed
         them since), by its own name as vLLM lists them (`ENSEMBLE:NAME` where two ensembles serve one name).
-        Refreshed at most once a second."""
+        Read again when older than `max_age_s`."""
         at, models = self._models
-        if time.monotonic() - at < 1.0:
+        if time.monotonic() - at < max_age_s:
             return models
         async with self._models_lock:
             at, models = self._models
-            if time.monotonic() - at < 1.0:     # refreshed while this one waited
+            if time.monotonic() - at < max_age_s:     # refreshed while this one waited
                 return models
             return await self._refresh_models()
+
+    async def lookup(self, model: str) -> tuple[str, str | None] | None:
+        """The (ensemble, adapter) a request's model id names, or None. An id the list lacks reads the list again
+        (if older than FRESH_MODELS_S), so an adapter a control request has just loaded is served at once instead
+        of a 404 until the next refresh; unknown ids cost at most one read per FRESH_MODELS_S."""
+        models = await self.models()
+        if model not in models:
+            models = await self.models(FRESH_MODELS_S)
+        return models.get(model)
 
     async def _refresh_models(self) -> dict[str, tuple[str, str | None]]:
         index = await self.triton.get_model_repository_index(as_json=True)
@@ -210,13 +224,13 @@ class FrontDoor:
         request["key"] = key.name
         g = protocol.parse(await self.read_body(request), chat, self.tool_call_parser)
         try:
-            models = await self.models()
+            named = await self.lookup(g.model)
         except Exception as e:   # noqa: BLE001 -- tritonserver unreachable or stopping
             raise APIError(503, f"the inference server is not available: {e}", type_="server_error") from None
-        if g.model not in models:
+        if named is None:
             raise APIError(404, f"the model {g.model!r} does not exist or is not ready; GET /v1/models lists them",
                            param="model", code="model_not_found")
-        ensemble, lora_name = models[g.model]
+        ensemble, lora_name = named
         tokenizer = await self.tokenizer(ensemble) if g.top_logprobs is not None else None
         decision = self.limiter.admit(key)
         if not decision.allowed:
@@ -454,7 +468,7 @@ def make_app(door: FrontDoor) -> web.Application:
             raise APIError(401, "missing or unknown API key: send Authorization: Bearer <key>",
                            type_="authentication_error", code="invalid_api_key")
         try:
-            models = await door.models()
+            models = await door.models(FRESH_MODELS_S)     # a listing shows loads and unloads at once
         except Exception as e:   # noqa: BLE001
             raise APIError(503, f"the inference server is not available: {e}", type_="server_error") from None
         return web.json_response({"object": "list", "data": [

@@ -60,11 +60,20 @@ def test_entries_follow_the_template(default_model_path, tmp_path):
     r = run_add_model("chat", "--remove", "--repository", str(repo))
     assert r.returncode == 0, r.stderr
     assert os.listdir(repo) == []
-    r = run_add_model("tuned", default_model_path, "--repository", str(repo), "--lora", "sql=adapters/sql",
-                      "--lora", f"chat={tmp_path}/chat-adapter")
+    from hf_models import make_lora
+    sql = make_lora(default_model_path, "attn-r8", str(tmp_path / "sql"))
+    chat = make_lora(default_model_path, "mlp-r4-rslora", str(tmp_path / "chat-adapter"))
+    # each adapter is read and checked as the model's load will: a missing folder fails the command, by file
+    missing = run_add_model("tuned", default_model_path, "--repository", str(repo), "--lora", f"sql={sql}",
+                            "--lora", f"x={tmp_path}/nowhere")
+    assert missing.returncode == 1 and f"{tmp_path}/nowhere/adapter_config.json is missing" in missing.stderr, \
+        missing.stderr
+    assert os.listdir(repo) == []
+    r = run_add_model("tuned", default_model_path, "--repository", str(repo), "--lora", f"sql={os.path.relpath(sql)}",
+                      "--lora", f"chat={chat}")
     assert r.returncode == 0, r.stderr
     adapters = json.loads(read_config(repo / "tuned_llm" / "config.pbtxt").parameters["lora_adapters"].string_value)
-    assert adapters == {"sql": os.path.abspath("adapters/sql"), "chat": f"{tmp_path}/chat-adapter"}
+    assert adapters == {"sql": sql, "chat": chat}
 
 
 def test_model_path_is_relative_beside_the_repository_and_entry_names_are_rewritten(default_model_path, tmp_path):

@@ -116,6 +116,30 @@ def test_a_broken_adapter_is_refused_by_name_while_the_others_serve(default_mode
 
 
 @pytest.mark.unit
+def test_a_control_request_applies_all_of_its_adapters_or_none(default_model_path, adapters, tmp_path):
+    """lora_control loads and unloads as one: with one bad folder among its loads nothing changes (before, the good
+    ones were loaded and the answer was the bad one's error); then the same request without it applies whole."""
+    from trellm_backend.triton.llm import apply_lora_control
+    eng = engine_with(default_model_path, {"good": adapters["mlp-r4-rslora"]})
+    model_dir = str(tmp_path / "repo" / "llm")
+    command = {"load": {"new": adapters["attn-r8"], "bad": str(tmp_path)}, "unload": ["good"]}
+    with pytest.raises(ValueError, match=f"'bad': {tmp_path}/adapter_config.json is missing"):
+        apply_lora_control(eng.loras, json.dumps(command), model_dir)
+    assert eng.loras.names == ["good"]
+    with pytest.raises(ValueError, match="'new' is not an adapter of this model; known: good"):
+        eng.add_request("x", [1, 2, 3], SamplingParams(lora_name="new"))
+    with pytest.raises(ValueError, match="'gone' is not declared"):
+        apply_lora_control(eng.loras, json.dumps({"load": {"new": adapters["attn-r8"]}, "unload": ["gone"]}),
+                           model_dir)
+    assert eng.loras.names == ["good"]
+    del command["load"]["bad"]
+    assert apply_lora_control(eng.loras, json.dumps(command), model_dir) == {"adapters": ["new"]}
+    assert greedy(eng, random_prompts(1, 4096, [6]), ["new"], 4)[0]
+    with pytest.raises(ValueError, match="'good' is not an adapter of this model; known: new"):
+        eng.add_request("y", [1, 2, 3], SamplingParams(lora_name="good"))
+
+
+@pytest.mark.unit
 def test_adapter_configs_the_engine_cannot_apply_are_named(default_model_path, adapters, tmp_path):
     from trellm_backend.models.config import load_model_config
     import torch
@@ -195,8 +219,9 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
         assert ensemble("again") == want["attn-r8"]
         with pytest.raises(Exception, match="'all-r16' is not an adapter"):
             ensemble("all-r16")
-        with pytest.raises(Exception, match="adapter_config.json is missing"):
-            control({"load": {"broken": str(tmp_path)}})
+        with pytest.raises(Exception, match="adapter_config.json is missing"):   # all or nothing
+            control({"load": {"broken": str(tmp_path), "fine": adapters["attn-r8"]}})
+        assert "fine" not in control({})["adapters"]
         assert control({"load": {"all-r16": adapters["all-r16"]}, "unload": ["again"]})["adapters"] == sorted(LORAS)
         # The served benchmark's adapter pass: the same requests again, on the adapters in turn, and the ratio.
         import subprocess
@@ -235,13 +260,25 @@ def test_every_entry_point_serves_each_adapter_as_transformers_and_peft(default_
             # An adapter a control request adds is listed and served there too (the door asks llm, `{}` lists).
             assert control({"load": {"again": adapters["attn-r8"]}}) == control({}) == \
                 {"adapters": sorted([*LORAS, "again"])}
-            import time
-            time.sleep(1.1)     # the door rereads its models at most once a second
             listed = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"]
             assert {m["id"]: m["parent"] for m in listed}["again"] == "ensemble"
             out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
                 "model": "again", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).json()
             assert out["choices"][0]["text"] == want["attn-r8"]
+            # served and listed once a control request has loaded it, without waiting for the door's refresh (a
+            # request for an id it lacks, and a listing, read the list again if it is older than FRESH_MODELS_S)
+            import time
+
+            from trellm_openai.server import FRESH_MODELS_S
+            assert control({"load": {"fresh": adapters["all-r16"]}}) == {"adapters": sorted([*LORAS, "again", "fresh"])}
+            time.sleep(FRESH_MODELS_S)
+            out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+                "model": "fresh", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).json()
+            assert out["choices"][0]["text"] == want["all-r16"], out
+            assert control({"unload": ["fresh"]}) == {"adapters": sorted([*LORAS, "again"])}
+            time.sleep(FRESH_MODELS_S)
+            listed = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"]
+            assert "fresh" not in {m["id"] for m in listed}
         finally:
             launch.stop_front_door(door)
 

@@ -175,7 +175,8 @@ class AdapterRegistry:
     def __init__(self, table: dict[str, str], cfg: ModelConfig, max_rank: int, max_cpu_loras: int,
                  dtype: torch.dtype, device: torch.device):
         self._table = dict(table)
-        self._load = lambda name: load_adapter(name, self._table[name], cfg, max_rank, dtype, device)
+        self._read = lambda name, path: load_adapter(name, path, cfg, max_rank, dtype, device)
+        self._load = lambda name: self._read(name, self._table[name])
         self.max_cpu_loras = max_cpu_loras
         self.broken: dict[str, str] = {}
         self._cache: OrderedDict[str, LoraAdapter] = OrderedDict()
@@ -206,36 +207,27 @@ class AdapterRegistry:
             self._put(adapter)
         return adapter
 
-    def add(self, name: str, path: str) -> None:
-        """Declare (or replace) adapter `name` while serving: checked now, AdapterError if it does not fit; requests
-        already running keep the adapter they started with."""
+    def apply(self, load: dict[str, str], unload: list[str]) -> None:
+        """Undeclare the adapters `unload`, then declare (or replace) `load` {name: folder}, while serving, all or
+        nothing: every folder is read and checked first, and a failure (AdapterError, or ValueError for an
+        undeclared name to unload) changes nothing. New requests naming an unloaded adapter are refused; running
+        requests finish with the adapter they started with."""
         with self._lock:
-            previous = self._table.get(name)
-            self._table[name] = path
-        try:
-            adapter = self._load(name)
-        except AdapterError:
-            with self._lock:
-                if previous is None:
-                    del self._table[name]
-                else:
-                    self._table[name] = previous
-            raise
+            unknown = [n for n in unload if n not in self._table]
+        if unknown:
+            raise ValueError(f"lora adapter {unknown[0]!r} is not declared; declared: {', '.join(self.names) or 'none'}")
+        adapters = {name: self._read(name, path) for name, path in load.items()}
         with self._lock:
-            self.broken.pop(name, None)
-            self._cache.pop(name, None)
-            self._put(adapter)
-            self.names = sorted(set(self.names) | {name})
-
-    def remove(self, name: str) -> None:
-        """Undeclare adapter `name`: new requests naming it are refused; running ones finish with it."""
-        with self._lock:
-            if name not in self._table:
-                raise ValueError(f"lora adapter {name!r} is not declared; declared: {', '.join(self.names) or 'none'}")
-            del self._table[name]
-            self._cache.pop(name, None)
-            self.broken.pop(name, None)
-            self.names = [n for n in self.names if n != name]
+            for name in unload:
+                self._table.pop(name, None)
+                self._cache.pop(name, None)
+                self.broken.pop(name, None)
+            for name, adapter in adapters.items():
+                self._table[name] = load[name]
+                self.broken.pop(name, None)
+                self._cache.pop(name, None)
+                self._put(adapter)
+            self.names = sorted((set(self.names) - set(unload)) | set(load))
 
     def _put(self, adapter: LoraAdapter) -> None:
         self._cache[adapter.name] = adapter

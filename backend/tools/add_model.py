@@ -73,6 +73,25 @@ def render_entry(template: model_config_pb2.ModelConfig, names: dict[str, str], 
     return cfg
 
 
+def check_adapters(config: EngineConfig, repository: str) -> None:
+    """Read each adapter of `lora_adapters` and check it against the model as the llm's load will (load_adapter),
+    so a missing or mismatched folder fails the command, naming the file, instead of the model's start (where it is
+    refused while the model serves without it). Folders resolve like the llm's: relative to the repository."""
+    from trellm_backend.models.lora import adapter_table
+    table = adapter_table(config.lora_adapters)
+    if not table:
+        return
+    import torch
+
+    from trellm_backend.models.config import load_model_config
+    from trellm_backend.models.lora import load_adapter
+    from trellm_backend.triton.parameters import resolve_model_path
+    cfg = load_model_config(config.model_path)
+    for name, folder in table.items():
+        load_adapter(name, resolve_model_path(folder, os.path.join(repository, name)), cfg, config.max_lora_rank,
+                     torch.float32, torch.device("cpu"))
+
+
 def add_model(name: str, hf_folder: str, repository: str = DEFAULT_REPOSITORY, engine: dict[str, str] | None = None,
               template_dir: str = DEFAULT_REPOSITORY, force: bool = False) -> list[str]:
     """Write NAME's entries into `repository`; return their names. Engine settings are checked against
@@ -80,10 +99,11 @@ def add_model(name: str, hf_folder: str, repository: str = DEFAULT_REPOSITORY, e
     if not NAME_PATTERN.match(name):
         raise ValueError(f"model name {name!r}: use letters, digits, '_', '.', '-' (starting with a letter or digit)")
     engine = {k: str(v) for k, v in (engine or {}).items()}
-    EngineConfig.from_strings({"model_path": hf_folder, **engine})   # raises on unknown names and bad values
+    config = EngineConfig.from_strings({"model_path": hf_folder, **engine})   # raises on unknown names and bad values
     if not os.path.isfile(os.path.join(hf_folder, "config.json")):
         raise ValueError(f"{os.path.join(hf_folder, 'config.json')}: missing; HF_FOLDER must be a Hugging Face "
                          "model folder")
+    check_adapters(config, repository)
     names = entry_names(name, template_dir)
     if set(names.values()) & set(TEMPLATE_ENTRIES) and os.path.samefile(repository, template_dir):
         raise ValueError(f"model name {name!r} would overwrite a template entry")

@@ -209,8 +209,7 @@ def response_tensors(p: ResponsePayload, sequence_index: int, block_size: int,
 def apply_lora_control(registry, text: str, model_dir: str) -> dict:
     """A LoRA control request's JSON, {"load": {name: folder}, "unload": [name]} (either may be left out: `{}` only
     lists), applied to the engine's adapter registry (models/lora.AdapterRegistry); folders resolve like model_path.
-    Returns {"adapters": [names]} after it; raises ValueError naming what is wrong (nothing is applied past the first
-    failure)."""
+    Returns {"adapters": [names]} after it; raises ValueError naming what is wrong, and then applies nothing."""
     from trellm_backend.models.lora import checked_table
     from trellm_backend.triton.parameters import resolve_model_path
     try:
@@ -223,8 +222,5 @@ def apply_lora_control(registry, text: str, model_dir: str) -> dict:
     load, unload = checked_table(command.get("load", {}), "lora_control.load"), command.get("unload", [])
     if not isinstance(unload, list) or not all(isinstance(n, str) for n in unload):
         raise ValueError("lora_control.unload must be a list of adapter names")
-    for name in unload:
-        registry.remove(name)
-    for name, folder in load.items():
-        registry.add(name, resolve_model_path(folder, model_dir))
+    registry.apply({name: resolve_model_path(folder, model_dir) for name, folder in load.items()}, unload)
     return {"adapters": list(registry.names)}

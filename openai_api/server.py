@@ -24,6 +24,7 @@ from aiohttp import web
 from trellm_openai import protocol
 from trellm_openai.keys import KeyStore, Limiter
 from trellm_openai.protocol import APIError, Generation
+from trellm_openai.relay import MAX_V2_BODY_BYTES, OneLineBadRequests, Relay, body_nests_deeper_than
 from trellm_openai.tools import TOOL_CALL_PARSERS, CallStream, final_message
 from trellm_client.client import AsyncLLMClient, ServerUnavailable, ensemble_steps, infer_input
 
@@ -35,15 +36,6 @@ MAX_JSON_DEPTH = 64                # OpenAI bodies nest a handful of levels (mes
 # FRESH_MODELS_S, so an adapter loaded or unloaded by a control request shows at once.
 MODELS_MAX_AGE_S = 1.0
 FRESH_MODELS_S = 0.1
-
-
-def _nests_within(obj, limit: int) -> bool:
-    """Whether parsed JSON nests at most `limit` objects and arrays deep: one level at a time, no recursion, each
-    value visited once (so the check costs nothing next to the parse, even for a body of one 4 MiB string)."""
-    level = [obj]
-    for _ in range(limit):
-        level = [v for o in level if isinstance(o, (dict, list)) for v in (o.values() if isinstance(o, dict) else o)]
-    return not any(isinstance(o, (dict, list)) for o in level)
 
 
 class Metrics:
@@ -71,7 +63,8 @@ class Metrics:
 
 class FrontDoor:
     def __init__(self, triton_url: str, keys_file: str | None = None, model_repository: str | None = None,
-                 triton_metrics_url: str | None = None, tool_call_parser: str | None = None):
+                 triton_metrics_url: str | None = None, tool_call_parser: str | None = None,
+                 triton_http_url: str | None = None):
         import tritonclient.grpc.aio as aio
         self.triton_url = triton_url
         self.triton_metrics_url = triton_metrics_url
@@ -86,6 +79,8 @@ class FrontDoor:
         self._models: tuple[float, dict[str, tuple[str, str | None]]] = (0.0, {})
         self._models_lock = asyncio.Lock()     # one refresh at a time: requests arriving meanwhile wait for it
         self._tokenizers: dict[str, object] = {}
+        # The KServe v2 HTTP routes, relayed to tritonserver's (loopback) HTTP port; None: not served here.
+        self.relay = Relay(triton_http_url, self.keys, MAX_JSON_DEPTH) if triton_http_url else None
 
     async def triton_metrics(self) -> str:
         """tritonserver's metrics text (the engine's vllm:* gauges among them), so that /metrics on this port holds
@@ -105,6 +100,8 @@ class FrontDoor:
     async def close(self) -> None:
         if self._http is not None:
             await self._http.close()
+        if self.relay is not None:
+            await self.relay.close()
 
     # -- models ------------------------------------------------------------------------------------------------
     async def models(self, max_age_s: float = MODELS_MAX_AGE_S) -> dict[str, tuple[str, str | None]]:
@@ -196,25 +193,23 @@ class FrontDoor:
 
     # -- requests ------------------------------------------------------------------------------------------------
     async def read_body(self, request: web.Request):
+        too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
-                           code="request_too_large") from None
+            raise too_large from None
+        if len(raw) > MAX_BODY_BYTES:      # the application admits the v2 routes' larger bodies
+            raise too_large
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise protocol.invalid("the request body is not UTF-8") from None
-        too_deep = protocol.invalid(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        if await body_nests_deeper_than(raw, MAX_JSON_DEPTH):    # before the parse, which recurses once per level
+            raise protocol.invalid(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
         try:
-            body = json.loads(text)
+            return json.loads(text)
         except json.JSONDecodeError as e:
             raise protocol.invalid(f"the request body is not valid JSON: {e}") from None
-        except RecursionError:   # json's parser recurses once per level and stops at the interpreter's limit
-            raise too_deep from None
-        if not _nests_within(body, MAX_JSON_DEPTH):
-            raise too_deep
-        return body
 
     async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         key = self.keys.authenticate(request.headers.get("Authorization"))
@@ -485,12 +480,14 @@ def make_app(door: FrontDoor) -> web.Application:
     async def metrics(request):
         return web.Response(text=door.metrics.text() + await door.triton_metrics(), content_type="text/plain")
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors])
+    app = web.Application(client_max_size=max(MAX_BODY_BYTES, MAX_V2_BODY_BYTES), middlewares=[errors])
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    if door.relay is not None:
+        app.router.add_route("*", "/v2{tail:.*}", door.relay.handle)
     app.on_cleanup.append(lambda _: door.close())
     return app
 
@@ -507,6 +504,8 @@ def main(argv=None) -> int:
     from trellm_backend.tools.repository import default_repository
     ap = argparse.ArgumentParser(prog="python -m trellm_openai", description="The OpenAI-compatible front door.")
     ap.add_argument("--triton-url", default="localhost:8001", help="tritonserver's gRPC address")
+    ap.add_argument("--triton-http-url", default="localhost:8000",
+                    help="tritonserver's HTTP address, whose KServe v2 routes this port relays ('' for none)")
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--keys-file", default=os.environ.get("TRELLM_API_KEYS_FILE"),
@@ -520,12 +519,13 @@ def main(argv=None) -> int:
                          "(openai_api/tools.py); without one, auto is refused and required or named calls work")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[openai] %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(OneLineBadRequests())
     if args.keys_file:
         KeyStore(args.keys_file)   # a malformed file stops the start, naming the line
 
     async def run():
         door = FrontDoor(args.triton_url, args.keys_file, args.model_repository, args.triton_metrics_url,
-                         args.tool_call_parser)
+                         args.tool_call_parser, args.triton_http_url)
         runner = await serve(door, args.host, args.port)
         print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 "
               f"({'keys from ' + args.keys_file if args.keys_file else 'open: no keys file'})", flush=True)

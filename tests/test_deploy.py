@@ -66,7 +66,8 @@ def start_nginx(workdir: str, http_port: int, grpc_port: int, openai_port: int, 
     whose logs, pid and temp folders live in `workdir`."""
     with open(NGINX_TEMPLATE) as f:
         balancer = string.Template(f.read()).safe_substitute(   # nginx's own $variables stay
-            TRITON_HTTP_SERVERS=" ".join(f"server 127.0.0.1:{r.http_port};" for r in replicas),
+            # HTTP goes to each replica's front door, which relays Triton's v2 routes (as the compose file has it)
+            TRITON_HTTP_SERVERS=" ".join(f"server 127.0.0.1:{port};" for port, _ in front_doors),
             TRITON_GRPC_SERVERS=" ".join(f"server 127.0.0.1:{r.grpc_port};" for r in replicas),
             TRITON_OPENAI_SERVERS=" ".join(f"server 127.0.0.1:{port};" for port, _ in front_doors),
             LB_HTTP_PORT=f"127.0.0.1:{http_port}", LB_GRPC_PORT=f"127.0.0.1:{grpc_port}",

@@ -163,13 +163,14 @@ def test_ports_probes_and_metrics_are_what_a_live_server_has(triton_server):
     c = container()
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     defaults = launch.parser().parse_args([])      # what the container's command leaves to the launcher
-    assert (ports["http"], ports["grpc"], ports["metrics"]) == (defaults.http_port, defaults.grpc_port,
-                                                                defaults.metrics_port)
+    assert (ports["grpc"], ports["metrics"]) == (defaults.grpc_port, defaults.metrics_port)
+    assert "http" not in ports and not defaults.http_public, "Triton's own HTTP port is the pod's loopback only"
     assert f"--openai-port={ports['openai']}" in c["command"]
-    # Startup: the probe's own command, pointed at the live server, passes; at a port with no server, fails.
+    # Startup (inside the container): the probe's own command, pointed at the live server, passes; at a port with
+    # no server, fails.
     for probe in ("startupProbe",):
         cmd = c[probe]["exec"]["command"]
-        assert cmd[cmd.index("--url") + 1] == f"localhost:{ports['http']}"
+        assert cmd[cmd.index("--url") + 1] == f"localhost:{defaults.http_port}"
         live = [sys.executable if a == "python3" else a for a in cmd]
         live[cmd.index("--url") + 1] = triton_server.http_url
         assert subprocess.run(live, capture_output=True, timeout=60).returncode == 0
@@ -177,24 +178,25 @@ def test_ports_probes_and_metrics_are_what_a_live_server_has(triton_server):
         dead[cmd.index("--url") + 1] = f"localhost:{free_ports(1)[0]}"
         assert subprocess.run(dead, capture_output=True, timeout=60).returncode == 1
         assert c[probe]["timeoutSeconds"] > float(cmd[cmd.index("--timeout") + 1])
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"]["port"] == "http"
-        with urllib.request.urlopen(f"http://{triton_server.http_url}{c[probe]['httpGet']['path']}", timeout=10) as r:
-            assert r.status == 200
+    port = free_ports(1)[0]
+    front_door = launch.start_front_door(triton_server, port, None)
+    try:
+        # Ready and live from outside the pod: the front door's port, which relays Triton's health routes.
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"]["port"] == "openai"
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{c[probe]['httpGet']['path']}", timeout=10) as r:
+                assert r.status == 200
+        # What the endpoint picker reads, on the port it scrapes: the front door's /metrics, which relays Triton's.
+        # The prefix scorer hashes prompts in the block size it reads there.
+        path = {p["type"]: p for p in epp_config()["plugins"]}["metrics-data-source"]["parameters"]["path"]
+        relayed = metric_samples(f"http://127.0.0.1:{port}{path}")
+    finally:
+        launch.stop_front_door(front_door)
     # The series the adapter's rule selects is exported, per model, by the server's metrics endpoint.
     (rule,) = yaml.safe_load(render("prometheus-adapter")[0]["data"]["config.yaml"])["rules"]
     series = rule["seriesQuery"].split("{")[0].strip("'")
     samples = metric_samples(triton_server.metrics_port)
     assert any(s.name == series for s in samples)
-    # And what the endpoint picker reads, on the port it scrapes: the front door's /metrics, which relays Triton's.
-    # The prefix scorer hashes prompts in the block size it reads there.
-    port = free_ports(1)[0]
-    front_door = launch.start_front_door(triton_server, port, None)
-    try:
-        path = {p["type"]: p for p in epp_config()["plugins"]}["metrics-data-source"]["parameters"]["path"]
-        relayed = metric_samples(f"http://127.0.0.1:{port}{path}")
-    finally:
-        launch.stop_front_door(front_door)
     names = {s.name for s in relayed}
     assert set(EPP_GAUGES) <= names, set(EPP_GAUGES) - names
     (info,) = [s for s in relayed if s.name == "vllm:cache_config_info" and s.labels["model"] == "llm"]

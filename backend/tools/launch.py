@@ -264,15 +264,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--openai-tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                     help="the format the models write tool calls in, for the front door's tool_choice \"auto\" "
                          "(the default model writes hermes; without one, auto is refused)")
-    ap.add_argument("--http-loopback", action="store_true",
-                    help="tritonserver's HTTP port on 127.0.0.1 only (clients outside use the front door or gRPC)")
+    ap.add_argument("--http-public", action="store_true",
+                    help="tritonserver's own HTTP port on every interface; by default it listens on 127.0.0.1 only, "
+                         "and the front door's port (--openai-port) serves its KServe v2 routes, relayed after a "
+                         "check of each body (Triton 2.51's HTTP parser crashes on a deeply nested one)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args, extra = ap.parse_known_args(argv)
-    if args.http_loopback:
+    if not args.http_public:
         extra = [*extra, "--http-address=127.0.0.1"]
 
     log_path = None if args.verbose else (
@@ -303,14 +305,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}" + "".join(f"\n  {line}" for line in errors), file=sys.stderr, flush=True)
             return 1
         log_line = f"\n  log     {log_path}" if log_path else ""
-        openai_line = ""
+        where = "every interface" if args.http_public else "127.0.0.1 only"
+        http_line = (f"\n  HTTP    http://localhost:{args.http_port}  (Triton's own, on {where}: POST "
+                     "/v2/models/ensemble/generate_stream)")
         if args.openai_port:
             front_door = start_front_door(server, args.openai_port, args.openai_keys_file,
                                           args.openai_tool_call_parser)
-            openai_line = f"\n  OpenAI  http://localhost:{args.openai_port}/v1  (POST /v1/chat/completions)"
-        print(f"\ntritonserver is ready\n  HTTP    http://localhost:{args.http_port}  (POST /v2/models/ensemble/generate"
-              f"_stream)\n  gRPC    localhost:{args.grpc_port}\n  metrics http://localhost:{args.metrics_port}/metrics"
-              f"{openai_line}{log_line}\nStop with Ctrl-C.\n", flush=True)
+            http_line = (f"\n  HTTP    http://localhost:{args.openai_port}  (the front door: OpenAI /v1/chat/completions,"
+                         f" and Triton's KServe v2 routes, relayed to 127.0.0.1:{args.http_port})") + (
+                             http_line if args.http_public else "")
+        print(f"\ntritonserver is ready{http_line}\n  gRPC    localhost:{args.grpc_port}\n  metrics http://localhost:"
+              f"{args.metrics_port}/metrics{log_line}\nStop with Ctrl-C.\n", flush=True)
         if args.demo_prompt:
             from trellm_client.client import LLMClient
             print(f"> {args.demo_prompt}", flush=True)
@@ -341,8 +346,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def start_front_door(server: "TritonServer", port: int, keys_file: str | None,
                      tool_call_parser: str | None = None) -> subprocess.Popen:
-    """The OpenAI front door as a child process, talking to `server` over gRPC; returns once it listens."""
+    """The front door as a child process: OpenAI's routes, talking to `server` over gRPC, and the KServe v2 HTTP
+    routes relayed to its HTTP port; returns once it listens."""
     cmd = [sys.executable, "-m", "trellm_openai", "--triton-url", server.grpc_url, "--port", str(port),
+           "--triton-http-url", f"127.0.0.1:{server.http_port}",
            "--triton-metrics-url", f"http://localhost:{server.metrics_port}/metrics",
            "--model-repository", server.model_repository]
     if keys_file:

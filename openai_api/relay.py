@@ -1,0 +1,145 @@
+"""The KServe v2 HTTP routes on the front door's port, relayed to tritonserver's HTTP port on loopback.
+
+tritonserver 2.51 parses a JSON body recursively: one of 50,000 nested arrays to /v2/models/ensemble/generate
+crashed the whole server, and every stream with it. So Triton's HTTP port listens on loopback, and this relay is
+the public one: it checks a body's size and nesting (a byte scan, no parse) and only then passes the call on, as
+it is, streams included. The routes are those clients of Triton's HTTP use (tritonclient's HTTP client,
+perf_analyzer, genai-perf, curl): health, server and model metadata, config, ready, stats, infer, generate and
+generate_stream. Repository control, shared memory, tracing and logging stay on loopback. An error of the relay's
+own has Triton's shape, {"error": "..."}.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+
+import numpy as np
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp.http_exceptions import HttpProcessingError
+
+# Triton's own default bound of an HTTP request (--http-max-input-size).
+MAX_V2_BODY_BYTES = 64 << 20
+OFF_LOOP_BYTES = 1 << 20
+# Brackets that open and close a nesting level.
+_OPEN, _CLOSE = np.zeros(256, np.int8), np.zeros(256, np.int8)
+_OPEN[[ord("["), ord("{")]] = 1
+_CLOSE[[ord("]"), ord("}")]] = 1
+# Paths relayed, after /v2: the server's metadata and health, and a model's metadata and its calls.
+_ROUTES = re.compile(r"(/health/(live|ready))?|/models/[^/]+(/versions/[^/]+)?"
+                     r"(/(config|ready|stats|infer|generate|generate_stream))?")
+_HEALTH = re.compile(r"/health/(live|ready)")
+# Hop-by-hop headers (RFC 9110) and what the relay sets itself.
+_NOT_FORWARDED = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                  "transfer-encoding", "upgrade", "host", "content-length"}
+
+
+def nests_deeper_than(raw: bytes, limit: int) -> bool:
+    """Whether a JSON text nests objects and arrays more than `limit` deep, read from its bytes without parsing it
+    (no recursion; a 4 MiB body in tens of milliseconds, one with few brackets at once): a quote not escaped by an
+    odd run of backslashes opens or closes a string, and brackets outside strings are counted."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    b = np.frombuffer(raw, np.uint8)
+    quote = b == ord('"')
+    if b"\\" in raw:
+        n = b.size
+        index = np.arange(n, dtype=np.int32)
+        last_other = np.maximum.accumulate(np.where(b == ord("\\"), np.int32(-1), index))   # last non-backslash <= i
+        run_before = np.zeros(n, np.int32)                                                 # backslashes just before i
+        run_before[1:] = index[:-1] - last_other[:-1]
+        quote &= run_before % 2 == 0
+    outside = (np.cumsum(quote, dtype=np.int32) & 1) == 0                                 # after an even number of quotes
+    step = (_OPEN[b] - _CLOSE[b]) * outside
+    return bool(np.cumsum(step, dtype=np.int32).max() > limit)
+
+
+async def body_nests_deeper_than(raw: bytes, limit: int) -> bool:
+    """nests_deeper_than off the event loop for a large body (numpy releases the GIL), so one client's megabytes of
+    brackets do not stall every other request of the door."""
+    if len(raw) < OFF_LOOP_BYTES:
+        return nests_deeper_than(raw, limit)
+    return await asyncio.to_thread(nests_deeper_than, raw, limit)
+
+
+class OneLineBadRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse (an HTTP/2 prior-knowledge preface from a router probing the port, a
+    scanner's bytes) with a traceback; it is answered 400 and says so in one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg = f"{record.getMessage()}: {type(exc).__name__}: {exc.message}"
+            record.args, record.exc_info, record.exc_text = (), None, None
+        return True
+
+
+def triton_error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+class Relay:
+    """The v2 routes of the front door's aiohttp application; `keys`: the door's API keys (openai_api/keys.py), asked
+    for every route but health when a keys file is set."""
+
+    def __init__(self, triton_http_url: str, keys, max_depth: int, max_body_bytes: int = MAX_V2_BODY_BYTES):
+        self.upstream = "http://" + triton_http_url.removeprefix("http://")
+        self.keys, self.max_depth, self.max_body_bytes = keys, max_depth, max_body_bytes
+        self._session: ClientSession | None = None
+
+    def session(self) -> ClientSession:
+        if self._session is None:
+            # No decompression and no total timeout: bytes pass as they are, and a stream lasts as long as it lasts.
+            self._session = ClientSession(auto_decompress=False, timeout=ClientTimeout(total=None, sock_connect=10))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def refusal(self, request: web.Request, raw: bytes) -> web.Response | None:
+        """The answer to a call that must not reach Triton, or None."""
+        tail = request.path[len("/v2"):]
+        if not _ROUTES.fullmatch(tail):
+            return triton_error(404, f"{request.path} is not served on this port")
+        if request.method not in ("GET", "POST", "HEAD"):
+            return triton_error(405, f"{request.method} is not allowed on {request.path}")
+        if not _HEALTH.fullmatch(tail) and self.keys.authenticate(request.headers.get("Authorization")) is None:
+            return triton_error(401, "missing or unknown API key: send Authorization: Bearer <key>")
+        if request.headers.get("Content-Encoding", "identity").lower() != "identity":
+            return triton_error(415, "compressed request bodies are not relayed; send the body uncompressed")
+        if len(raw) > self.max_body_bytes:
+            return triton_error(413, f"the request body is larger than {self.max_body_bytes} bytes")
+        header_length = request.headers.get("Inference-Header-Content-Length")
+        try:
+            json_part = raw[:int(header_length)] if header_length else raw
+        except ValueError:
+            return triton_error(400, f"Inference-Header-Content-Length {header_length!r} is not a number")
+        if await body_nests_deeper_than(json_part, self.max_depth):
+            return triton_error(400, f"the request body nests deeper than {self.max_depth} levels")
+        return None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return triton_error(413, f"the request body is larger than {self.max_body_bytes} bytes")
+        refused = await self.refusal(request, raw)
+        if refused is not None:
+            return refused
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        try:
+            upstream = await self.session().request(request.method, self.upstream + request.path_qs, data=raw,
+                                                    headers=headers)
+        except (ClientError, OSError) as e:
+            return triton_error(503, f"the inference server is not available: {e}")
+        async with upstream:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers={
+                k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FORWARDED})
+            if upstream.headers.get("Content-Length") is not None:
+                response.content_length = int(upstream.headers["Content-Length"])
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():    # each server-sent event as soon as Triton sends it
+                await response.write(chunk)
+            await response.write_eof()
+        return response

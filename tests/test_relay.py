@@ -1,0 +1,170 @@
+"""The KServe v2 HTTP routes on the front door's port (openai_api/relay.py), relayed to a real tritonserver: what
+tritonclient's HTTP client and curl use works through it, a body Triton 2.51 would crash on is refused with Triton's
+error shape while a stream in flight goes on, admin routes stay on loopback, and bad connections cost one log line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import tritonclient.http as httpclient
+
+from conftest import free_ports
+from trellm_backend.tools import launch
+from trellm_client.client import http_generate
+from trellm_openai.relay import nests_deeper_than
+
+pytestmark = pytest.mark.server
+PROMPT = "The Python language"
+
+
+@pytest.fixture(scope="module")
+def door(triton_server):
+    port = free_ports(1)[0]
+    proc = launch.start_front_door(triton_server, port, None)
+    yield f"127.0.0.1:{port}"
+    launch.stop_front_door(proc)
+
+
+def post(url: str, path: str, body: bytes, headers: dict | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(f"http://{url}{path}", data=body, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_tritonclient_http_and_generate_work_through_the_door_as_on_triton(triton_server, door):
+    client = httpclient.InferenceServerClient(door)
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("ensemble")
+    assert client.get_server_metadata()["name"] == "triton"
+    assert client.get_model_metadata("ensemble") == httpclient.InferenceServerClient(
+        triton_server.http_url).get_model_metadata("ensemble")
+    assert client.get_model_config("llm")["model_transaction_policy"]["decoupled"] is True
+    assert client.get_inference_statistics("ensemble")["model_stats"][0]["name"] == "ensemble"
+    params = dict(max_tokens=12, ignore_eos=True, exclude_input_in_output=True)
+    direct = http_generate(triton_server.http_url, PROMPT, **params)[0]["text_output"]
+    assert http_generate(door, PROMPT, **params)[0]["text_output"] == direct
+    events = http_generate(door, PROMPT, stream=True, **params)
+    assert len(events) > 1 and "".join(e.get("text_output", "") for e in events) == direct
+    # a non-decoupled model's infer, with the binary tensor extension (the JSON header, then raw bytes)
+    text = httpclient.InferInput("text_input", [1, 1], "BYTES")
+    import numpy as np
+    text.set_data_from_numpy(np.array([[PROMPT.encode()]], dtype=np.object_), binary_data=True)
+    ids = client.infer("preprocess", [text], outputs=[httpclient.InferRequestedOutput("input_ids", binary_data=True)])
+    assert ids.as_numpy("input_ids").shape[-1] > 1
+
+
+def test_a_deep_body_is_refused_by_the_door_and_a_stream_in_flight_goes_on(triton_server, door):
+    """50,000 nested arrays crashed tritonserver 2.51's HTTP front end (every stream lost); the door answers 400 in
+    Triton's shape and the server never sees it."""
+    got = {}
+    stream = threading.Thread(target=lambda: got.update(events=http_generate(
+        door, PROMPT, stream=True, max_tokens=48, ignore_eos=True)))
+    stream.start()
+    time.sleep(0.3)
+    for path in ("/v2/models/ensemble/generate", "/v2/models/ensemble/generate_stream", "/v2/models/llm/infer"):
+        body = b'{"text_input": ' + b"[" * 50000 + b"]" * 50000 + b"}"
+        status, answer = post(door, path, body)
+        assert status == 400 and json.loads(answer) == {"error": "the request body nests deeper than 64 levels"}
+    # binary infer: only the JSON header is read for its depth
+    header = b'{"inputs": [' + b"[" * 100 + b"]" * 100 + b"]}"
+    status, answer = post(door, "/v2/models/preprocess/infer", header + b"[[[[" * 100,
+                          {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 400 and b"nests deeper than 64" in answer
+    stream.join(timeout=120)
+    assert len(got["events"]) > 40 and got["events"][-1]["finish_reason"] == "length"
+    assert triton_server.proc.poll() is None
+    status, answer = post(door, "/v2/models/ensemble/generate", b'{"text_input": "' + b"[" * 500 + b'", "max_tokens": 1}')
+    assert status == 200, answer    # brackets inside a string are text, not nesting
+
+
+def test_only_the_client_routes_are_relayed(door):
+    for path in ("/v2/repository/index", "/v2/repository/models/ensemble/unload", "/v2/systemsharedmemory/status",
+                 "/v2/trace/setting", "/v2/logging", "/v2/models/ensemble/load"):
+        status, answer = post(door, path, b"{}")
+        assert status == 404 and json.loads(answer)["error"].endswith("is not served on this port"), path
+    request = urllib.request.Request(f"http://{door}/v2/models/ensemble", method="DELETE")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=10)
+    assert e.value.code == 405
+    status, answer = post(door, "/v2/models/ensemble/generate", b"x", {"Content-Encoding": "gzip"})
+    assert status == 415 and b"uncompressed" in answer
+
+
+def test_with_a_keys_file_the_v2_routes_want_a_key_but_health(triton_server, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("sk-relay name=relay\n")
+    port = free_ports(1)[0]
+    proc = launch.start_front_door(triton_server, port, str(keys))
+    try:
+        url = f"127.0.0.1:{port}"
+        with urllib.request.urlopen(f"http://{url}/v2/health/ready", timeout=10) as r:
+            assert r.status == 200
+        body = json.dumps({"text_input": PROMPT, "max_tokens": 2}).encode()
+        status, answer = post(url, "/v2/models/ensemble/generate", body)
+        assert status == 401 and b"API key" in answer
+        status, _ = post(url, "/v2/models/ensemble/generate", body, {"Authorization": "Bearer sk-relay"})
+        assert status == 200
+    finally:
+        launch.stop_front_door(proc)
+
+
+def test_a_bad_connection_costs_the_door_one_log_line(triton_server, tmp_path):
+    """sglang-router opens each worker with an HTTP/2 prior-knowledge preface: answered 400, logged in one line
+    (aiohttp's default put a traceback in the log for each)."""
+    port = free_ports(1)[0]
+    log = tmp_path / "door.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "trellm_openai", "--triton-url", triton_server.grpc_url,
+                                 "--triton-http-url", triton_server.http_url, "--port", str(port)],
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        assert "OpenAI-compatible API" in proc.stdout.readline()
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                assert b" 400 Bad Request" in s.recv(100)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    assert "Traceback" not in log.read_text()
+    assert len([line for line in lines if "BadHttpMessage" in line or "BadStatusLine" in line
+                or "HttpProcessingError" in line]) == 3, lines
+
+
+@pytest.mark.unit
+def test_the_depth_scan_agrees_with_a_parse():
+    """nests_deeper_than reads depth from bytes: strings (with escaped quotes and backslashes) are skipped."""
+    import random
+    rng = random.Random(3)
+
+    def value(levels):
+        if levels == 0 or rng.random() < 0.3:
+            return rng.choice(['a\\"[{', "\\\\", "[", 1, None, "x]", "plain"])
+        if rng.random() < 0.5:
+            return [value(levels - 1) for _ in range(rng.randint(0, 3))]
+        return {f'k{i}"{{': value(levels - 1) for i in range(rng.randint(0, 3))}
+
+    def depth(v):
+        if not isinstance(v, (dict, list)):
+            return 0
+        return 1 + max((depth(x) for x in (v.values() if isinstance(v, dict) else v)), default=0)
+    for _ in range(2000):
+        v = value(rng.randint(0, 9))
+        text = json.dumps(v).encode()
+        for limit in (0, 1, 2, 4):
+            assert nests_deeper_than(text, limit) == (depth(v) > limit), text
+    assert not nests_deeper_than(os.urandom(0), 0)

@@ -131,7 +131,8 @@ class Soak(Traffic):
                                          ("malformed", self.malformed(), 1), ("cancel", self.cancels(), 1),
                                          ("disconnect", self.disconnects(), 1)):
             for name, fn in kinds.items():
-                deck += [(category, name, fn)] * copies
+                if not self.args.kinds or name in self.args.kinds:
+                    deck += [(category, name, fn)] * copies
         self.deck_rng.shuffle(deck)
         return deck
 
@@ -348,9 +349,15 @@ def parse_args(argv=None):
                     help="traffic goes on at least this many s after the recovery, past --duration if needed")
     ap.add_argument("--recovery-timeout", type=float, default=300.0)
     ap.add_argument("--idle-timeout", type=float, default=60.0, help="how long the server may take to become idle")
-    ap.add_argument("--base-port", type=int, default=0, help="HTTP port (gRPC +1, metrics +2); default: free ports")
+    ap.add_argument("--base-port", type=int, default=0,
+                    help="Triton's HTTP port (gRPC +1, metrics +2, the front door +3); default: free ports")
+    ap.add_argument("--direct-http", action="store_true",
+                    help="no front door: the HTTP traffic goes straight to Triton's (loopback) HTTP port")
     ap.add_argument("--rss-every", type=float, default=15.0, help="seconds between RSS samples (the timeline)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", type=lambda v: [k for k in v.split(",") if k], default=[],
+                    help="only these kinds of traffic, comma-separated (bisecting which kind grows memory); bursts "
+                         "still run unless --burst-size 0")
     ap.add_argument("--work-dir", default=None, help="where the repository copy and logs go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (kept anyway when the soak fails)")
     ap.add_argument("--out", default=None, help="write the summary as JSON here")
@@ -392,8 +399,9 @@ def main(argv=None) -> int:
     with open(os.path.join(model_path, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
 
-    launcher = Launcher(repo, root, args.base_port)
-    print(f"soak: serving {repo} (log {launcher.log}) on HTTP {launcher.http_port}, gRPC {launcher.grpc_port}, "
+    launcher = Launcher(repo, root, args.base_port, args.direct_http)
+    print(f"soak: serving {repo} (log {launcher.log}) on HTTP {launcher.traffic_http_port}"
+          f"{' (the front door)' if launcher.door_port else ''}, gRPC {launcher.grpc_port}, "
           f"metrics {launcher.metrics_port}", flush=True)
     left: list[int] = []
     summary = None

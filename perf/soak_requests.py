@@ -186,7 +186,7 @@ class Requests:
         start = time.monotonic()
         end = start + self.deadline
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        conn = http.client.HTTPConnection("localhost", self.server.http_port, timeout=self.deadline)
+        conn = http.client.HTTPConnection("localhost", self.server.traffic_http_port, timeout=self.deadline)
         ttft, n = None, 0
         try:
             conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
@@ -242,7 +242,7 @@ def child(how: str, port: int, target: str, model: str, vocab_size: int) -> None
     def streaming(_):
         print("streaming", flush=True)
         time.sleep(600)
-    requests = Requests(SimpleNamespace(http_port=port, grpc_port=port), deadline=60)
+    requests = Requests(SimpleNamespace(traffic_http_port=port, grpc_port=port), deadline=60)
     if how == "http":
         body = {"text_input": "Once upon a time", "stream": True}
         if target == "vllm":

@@ -302,7 +302,7 @@ class Traffic(Requests):
 
     def _half_sent_body(self, rng):
         try:
-            with socket.create_connection(("localhost", self.server.http_port), timeout=10) as s:
+            with socket.create_connection(("localhost", self.server.traffic_http_port), timeout=10) as s:
                 s.sendall(b"POST /v2/models/%s/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
                           b"\r\nContent-Length: 4000\r\n\r\n{\"text_input\": \"Lists\", \"max_tok" % self.ensemble.encode())
                 time.sleep(0.05)
@@ -315,7 +315,7 @@ class Traffic(Requests):
         target = rng.choice(["llm", "vllm"] if self.vllm else ["llm"]) if how == "grpc" else \
             rng.choice(["ensemble", "vllm"] if self.vllm else ["ensemble"])
         model = {"llm": self.llm, "vllm": self.vllm, "ensemble": self.ensemble}[target]
-        port = self.server.grpc_port if how == "grpc" else self.server.http_port
+        port = self.server.grpc_port if how == "grpc" else self.server.traffic_http_port
         proc = subprocess.Popen([sys.executable, SOAK, "--child", how, str(port), target, model,
                                  str(self.vocab_size)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         try:

@@ -38,6 +38,13 @@ CRASH = re.compile(r"Signal \((?!15\))\d+\) received|terminate called|Fatal Pyth
 # with the abort that may follow it, when only models were left to unload: 2.51 never unloads a model that a gRPC
 # stream request with a wrong input datatype addressed (the soak sends such requests; perf/RESULTS.md).
 STOP_TIMEOUT = "Exit timeout expired"
+# The kinds that leave a model 2.51 will not unload (a gRPC stream request with a wrong input datatype): the final
+# stop's exit timeout is excused only in a run that sent one of them.
+STUCK_MODEL_KINDS = ("grpc_max_tokens_fp32", "grpc_llm_input_ids_fp32")
+# Memory: tritonserver's resident set may grow at most this much from the end of the warm-up (or the recovery after
+# the stub kill, when the supervisor started a new server) to the last sample.
+RSS_WARMUP_S = 300.0
+RSS_GROWTH_LIMIT_MIB = 20.0
 INFLIGHT = re.compile(rb"has [1-9]\d* in-flight inferences")
 SIGTERM_LINE = b"Signal (15) received."
 
@@ -51,17 +58,19 @@ def at_capacity(outcome: str) -> bool:
     return "capacity" in outcome or "queue full" in outcome
 
 
-def crash_lines(log: bytes, kill_span: tuple[int, int] | None = None) -> tuple[list[str], list[str]]:
+def crash_lines(log: bytes, kill_span: tuple[int, int] | None = None,
+                stuck_models_sent: bool = True) -> tuple[list[str], list[str]]:
     """(crashes, excused): the crash lines of tritonserver's log (a signal other than the SIGTERM that stops it, an
     uncaught C++ exception; a stub's fatal error, which Python's fault handler, enabled by the models, names; a stop
     that hit the exit timeout). Excused are those of 2.51's own abort on a shared-memory lock written between the
     soak's stub kill and the recovery (`kill_span`, offsets in the log): the kill may cause that abort, and the
     supervisor restarts the server for it; and the final stop's exit timeout (and abort) when no inference was
-    counted in flight, only models left to unload (STOP_TIMEOUT's comment)."""
+    counted in flight, only models left to unload, in a run that sent a request that leaves one (`stuck_models_sent`:
+    STOP_TIMEOUT's comment)."""
     crashes, excused = [], []
     abort_in_span = kill_span is not None and UPSTREAM_ABORT in log[kill_span[0]:kill_span[1]]
     last_stop = log.rfind(SIGTERM_LINE)
-    models_stuck_at_stop = last_stop >= 0 and STOP_TIMEOUT.encode() in log[last_stop:] \
+    models_stuck_at_stop = stuck_models_sent and last_stop >= 0 and STOP_TIMEOUT.encode() in log[last_stop:] \
         and not INFLIGHT.search(log[last_stop:])
     at = 0
     for raw in log.splitlines(keepends=True):
@@ -79,12 +88,27 @@ def crash_lines(log: bytes, kill_span: tuple[int, int] | None = None) -> tuple[l
     return crashes, excused
 
 
+def rss_growth(timeline: list[dict], kill: dict, warmup_s: float = RSS_WARMUP_S) -> tuple[float, float, float] | None:
+    """(MiB grown, from s, to s) of tritonserver's resident set between the first sample after the warm-up (and after
+    the recovery from the stub kill, whose restart starts a new server) and the last; None with fewer than two."""
+    after = max(warmup_s, kill.get("recovered_at_s") or 0.0)
+    samples = [s for s in timeline if s["t"] >= after and "tritonserver" in s]
+    if len(samples) < 2:
+        return None
+    return samples[-1]["tritonserver"] - samples[0]["tritonserver"], samples[0]["t"], samples[-1]["t"]
+
+
 def verdict(records: list[Record] = (), hung: list = (), kill: dict | None = None, idle: dict | None = None,
             vllm_slots: dict | None = None, shm_left: dict | None = None, crashes: list[str] = (),
-            processes_left: list[int] = (), kill_planned: bool = False) -> tuple[list[str], list[str]]:
+            processes_left: list[int] = (), kill_planned: bool = False,
+            rss_timeline: list[dict] = (), rss_warmup_s: float = RSS_WARMUP_S) -> tuple[list[str], list[str]]:
     """(failures, unexpected) of what a run found (the module's docstring says which is which)."""
     kill, idle, shm_left = kill or {}, idle or {}, shm_left or {}
     failures, unexpected = [], []
+    growth = rss_growth(list(rss_timeline), kill, rss_warmup_s)
+    if growth is not None and growth[0] > RSS_GROWTH_LIMIT_MIB:
+        failures.append(f"tritonserver's RSS grew {growth[0]:.1f} MiB from {growth[1]:.0f} s to {growth[2]:.0f} s "
+                        f"(at most {RSS_GROWTH_LIMIT_MIB:.0f} MiB after the warm-up)")
     if hung:
         failures.append(f"{len(hung)} hung request(s)")
     for name, state in idle.items():
@@ -153,12 +177,14 @@ def summarize(soak, args, startup: dict, launcher, left_processes: list[int]) ->
             log = f.read()
     except OSError:
         log = b""
-    crashes, excused = crash_lines(log, soak.kill_log_span)
+    crashes, excused = crash_lines(log, soak.kill_log_span,
+                                   stuck_models_sent=any(r.kind in STUCK_MODEL_KINDS for r in records))
     errors = log_errors(launcher.log)
     error_classes = Counter(error_class(re.sub(r"^E\d{4} [\d:.]+ +\d+ \S+\] ", "", line)) for line in errors)
     vllm_slots = getattr(soak, "vllm_slots", None)
     failures, unexpected = verdict(records, hung, k, soak.idle, vllm_slots, soak.shm_left, crashes, left_processes,
-                                   kill_planned=not args.no_kill)
+                                   kill_planned=not args.no_kill, rss_timeline=soak.rss_timeline,
+                                   rss_warmup_s=min(RSS_WARMUP_S, args.duration / 6))
     return {
         "command": startup["command"],
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -242,6 +268,8 @@ def print_summary(s: dict) -> None:
     if timeline:
         step = max(1, len(timeline) // 12)
         print("  timeline (s: total MiB) " + ", ".join(f"{x['t']:.0f}: {x['total']:.0f}" for x in timeline[::step]))
+        print("  tritonserver (s: MiB)   " + ", ".join(f"{x['t']:.0f}: {x.get('tritonserver', 0):.1f}"
+                                                      for x in timeline[::step]))
     t = s["ttft_ms"]
     print(f"TTFT well-formed streams: p50 {t['p50']} ms, p90 {t['p90']} ms, p99 {t['p99']} ms, max {t['max']} ms "
           f"(n={t['n']})")

@@ -38,6 +38,32 @@ def test_the_verdict_fails_on_a_shared_memory_region_left_and_on_a_crash_in_the_
     assert failures == [] and unexpected == ["idle end only after 12 s"]
 
 
+def test_the_verdict_fails_on_memory_that_keeps_growing_and_on_an_unexplained_stop_timeout():
+    """tritonserver's RSS grew 11.7 MiB a minute in an 18-minute soak that printed PASS: growth past the limit after
+    the warm-up (and after the restart of a stub kill) fails the run now. And the final stop's exit timeout is
+    excused only in a run that sent a request known to leave a model 2.51 does not unload."""
+    from soak_verdict import RSS_GROWTH_LIMIT_MIB, STUCK_MODEL_KINDS, crash_lines, verdict
+    growing = [{"t": t, "tritonserver": 43.0 + 0.2 * t / 60 * 58.5, "total": 900.0} for t in range(0, 1081, 60)]
+    failures, _ = verdict(rss_timeline=growing)
+    assert len(failures) == 1 and failures[0].startswith("tritonserver's RSS grew"), failures
+    flat = [{"t": t, "tritonserver": 43.0 + (30.0 if t < 300 else 0.01 * t), "total": 900.0} for t in range(0, 1081, 60)]
+    assert verdict(rss_timeline=flat) == ([], []), "growth during the warm-up is not counted"
+    restarted = [{"t": t, "tritonserver": 80.0 if t < 600 else 40.0 + t / 1000, "total": 900.0}
+                 for t in range(0, 1081, 60)]
+    assert verdict(rss_timeline=restarted, kill={"recovered_at_s": 600.0}) == ([], [])
+    assert verdict(rss_timeline=growing[:1]) == ([], []), "one sample measures nothing"
+    assert RSS_GROWTH_LIMIT_MIB == 20.0
+    stop = (b"I1127 ready\nSignal (15) received.\n"
+            b'E1127 main.cc:535] "failed to stop server: Internal - Exit timeout expired."\n')
+    assert crash_lines(stop, stuck_models_sent=True) == ([], [
+        'E1127 main.cc:535] "failed to stop server: Internal - Exit timeout expired."'])
+    crashes, excused = crash_lines(stop, stuck_models_sent=False)
+    assert len(crashes) == 1 and "Exit timeout expired" in crashes[0] and excused == []
+    with open(os.path.join(REPO, "perf", "soak_traffic.py")) as f:
+        traffic = f.read()
+    assert all(f'"{kind}": ' in traffic for kind in STUCK_MODEL_KINDS), "the excuse names kinds the soak sends"
+
+
 def test_the_verdict_excuses_only_what_the_stub_kill_causes():
     from soak_requests import Record
     from soak_verdict import crash_lines, verdict

@@ -143,10 +143,28 @@ class TritonServer:
                                      stderr=subprocess.STDOUT if self._log else None)
         try:
             self.wait_ready(timeout)
-        except BaseException:
-            self.stop()
+        except BaseException:     # not ready: no stream to drain, and a loading server may take long over SIGTERM
+            self.kill()
             raise
         return self
+
+    def kill(self, regions: set[str] | None = None) -> None:
+        """SIGKILL the server's process group at once, wait for it, and remove its stubs' shared memory (`regions`:
+        read earlier, while the stubs lived)."""
+        if self.proc is None:
+            return
+        if regions is None:
+            regions = stub_shm_regions(self.proc.pid)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        remove_shm_regions(regions)
+        self.proc = None
+        if self._log:
+            self._log.close()
+            self._log = None
 
     def drain(self, timeout: float) -> None:
         """End every stream while the whole server still runs: SIGTERM to the stubs alone (an llm model then refuses
@@ -215,16 +233,7 @@ class TritonServer:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             pass
-        try:   # stubs that outlived the server, or a server that did not stop
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        remove_shm_regions(regions)
-        self.proc = None
-        if self._log:
-            self._log.close()
-            self._log = None
+        self.kill(regions)     # stubs that outlived the server, or a server that did not stop
 
     def __enter__(self):
         return self.start()
@@ -290,10 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     stop = {"now": False}
 
     def on_signal(signum, frame):
+        # The first SIGINT or SIGTERM stops the launcher wherever it is (serving, supervising, waiting out a
+        # back-off, starting a server); later ones are ignored, so they cannot cut the stop itself short and leave
+        # a server behind.
+        if stop["now"]:
+            return
         stop["now"] = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     front_door = None
     if log_path:
         print(f"starting tritonserver on {server.model_repository} (log: {log_path})", flush=True)

@@ -30,7 +30,7 @@ _ROUTES = re.compile(r"(/health/(live|ready))?|/models/[^/]+(/versions/[^/]+)?"
                      r"(/(config|ready|stats|infer|generate|generate_stream))?")
 _HEALTH = re.compile(r"/health/(live|ready)")
 # Hop-by-hop headers (RFC 9110) and what the relay sets itself.
-_NOT_FORWARDED = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+_NOT_FORWARDED = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "expect",
                   "transfer-encoding", "upgrade", "host", "content-length"}
 
 
@@ -129,8 +129,10 @@ class Relay:
             return refused
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         try:
+            # The client's own Accept-Encoding or none: aiohttp's default one made Triton gzip answers that
+            # perf_analyzer (libcurl, no decoding) then could not read.
             upstream = await self.session().request(request.method, self.upstream + request.path_qs, data=raw,
-                                                    headers=headers)
+                                                    headers=headers, skip_auto_headers=("Accept-Encoding",))
         except (ClientError, OSError) as e:
             return triton_error(503, f"the inference server is not available: {e}")
         async with upstream:

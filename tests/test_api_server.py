@@ -14,7 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from trellm_client.client import LLMClient, http_generate, vllm_inputs
-from trellm_backend.tools.testbed import metric_sum, wait_until
+from trellm_backend.tools.testbed import metric_sum, perf_analyzer_env, wait_until
 
 pytestmark = pytest.mark.server
 
@@ -201,11 +201,7 @@ def perf_analyzer(server, model: str, input_data: str, export, concurrency: int,
     """perf_analyzer (tritonclient's wheel) streaming over gRPC, its per-request export written to `export`. Run
     again once if it exits 0 with an empty export: 2.51's perf_analyzer did so once in a full suite run on a busy
     2-core host (2026-11-27) and not in isolation; a second empty export fails the test with its output."""
-    env = dict(os.environ)
-    cudart = os.path.join(os.path.dirname(os.path.dirname(sys.executable)), "lib",
-                          f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages", "nvidia",
-                          "cuda_runtime", "lib")
-    env["LD_LIBRARY_PATH"] = cudart + os.pathsep + env.get("LD_LIBRARY_PATH", "")
+    env = perf_analyzer_env()
     for attempt in range(2):
         run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "perf_analyzer"), "-m", model,
                               "-u", server.grpc_url, "-i", "grpc", "--streaming", "--input-data", input_data,

@@ -10,9 +10,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
+
+from trellm_backend.tools.testbed import perf_analyzer_env
 
 pytestmark = pytest.mark.server
 
@@ -25,12 +26,7 @@ TIME_LIMIT_S = 120   # one profile takes about 8 s on 2 cores, most of it genai-
 def _env() -> dict:
     """genai-perf runs `perf_analyzer` from PATH: the one of this test's environment (tritonclient[all]), which needs
     CUDA's runtime library (from the nvidia-cuda-runtime-cu12 wheel) even on a CPU host."""
-    env = dict(os.environ)
-    bindir = os.path.dirname(sys.executable)
-    cudart = os.path.join(os.path.dirname(bindir), "lib", f"python{sys.version_info.major}.{sys.version_info.minor}",
-                          "site-packages", "nvidia", "cuda_runtime", "lib")
-    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
-    env["LD_LIBRARY_PATH"] = cudart + os.pathsep + env.get("LD_LIBRARY_PATH", "")
+    env = perf_analyzer_env()
     env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"   # the tokenizer is a local folder: never ask a hub
     return env
 

@@ -19,6 +19,7 @@ import tritonclient.http as httpclient
 
 from conftest import free_ports
 from trellm_backend.tools import launch
+from trellm_backend.tools.testbed import perf_analyzer_env
 from trellm_client.client import http_generate
 from trellm_openai.relay import nests_deeper_than
 
@@ -62,6 +63,19 @@ def test_tritonclient_http_and_generate_work_through_the_door_as_on_triton(trito
     text.set_data_from_numpy(np.array([[PROMPT.encode()]], dtype=np.object_), binary_data=True)
     ids = client.infer("preprocess", [text], outputs=[httpclient.InferRequestedOutput("input_ids", binary_data=True)])
     assert ids.as_numpy("input_ids").shape[-1] > 1
+
+
+def test_perf_analyzer_measures_through_the_door(door, tmp_path):
+    """perf_analyzer (libcurl, which does not decode gzip) over HTTP through the door: the relay asks Triton with the
+    client's Accept-Encoding only (aiohttp's default one made Triton gzip the answers perf_analyzer then could not
+    read: "failed to parse the request JSON buffer")."""
+    inputs = tmp_path / "inputs.json"
+    inputs.write_text(json.dumps({"data": [{"text_input": [PROMPT]}]}))
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "perf_analyzer"), "-m", "preprocess", "-u", door,
+                        "-i", "http", "--input-data", str(inputs), "--concurrency-range", "2", "--measurement-mode",
+                        "count_windows", "--measurement-request-count", "10", "--stability-percentage", "100"],
+                       capture_output=True, text=True, timeout=300, env=perf_analyzer_env())
+    assert r.returncode == 0 and "Throughput:" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_a_deep_body_is_refused_by_the_door_and_a_stream_in_flight_goes_on(triton_server, door):

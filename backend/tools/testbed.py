@@ -12,6 +12,20 @@ import urllib.request
 from dataclasses import dataclass
 
 
+def perf_analyzer_env() -> dict[str, str]:
+    """The environment to run tritonclient[all]'s perf_analyzer (beside this interpreter) in: it links CUDA's runtime
+    library even on a CPU host, which the nvidia-cuda-runtime-cu12 wheel provides; this interpreter's folder first
+    on PATH (genai-perf runs the `perf_analyzer` it finds there)."""
+    import sys
+    bindir = os.path.dirname(sys.executable)
+    cudart = os.path.join(os.path.dirname(bindir), "lib", f"python{sys.version_info.major}.{sys.version_info.minor}",
+                          "site-packages", "nvidia", "cuda_runtime", "lib")
+    env = dict(os.environ)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    env["LD_LIBRARY_PATH"] = cudart + os.pathsep + env.get("LD_LIBRARY_PATH", "")
+    return env
+
+
 def free_ports(n: int) -> list[int]:
     """`n` distinct loopback ports that were free a moment ago (all held at once while they are picked)."""
     socks = []

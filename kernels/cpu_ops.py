@@ -50,15 +50,20 @@ _error: str | None = None
 _isa_modules: dict = {}
 
 
-def _cpu_flags() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The first /proc/cpuinfo line of `field` ("flags", "model name"), or None."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(field):
                     return line
     except OSError:
         pass
-    return platform.processor()
+    return None
+
+
+def _cpu_flags() -> str:
+    return _cpuinfo("flags") or platform.processor()
 
 
 def host_isa() -> str:
@@ -70,22 +75,15 @@ def host_isa() -> str:
 
 
 def runnable_isas() -> list[str]:
-    """Every build of ISA_FLAGS this host executes, narrowest first (on a CPU other than x86, its native build)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return ["portable"]
+    """Every build of ISA_FLAGS this host executes, narrowest first (on a CPU other than x86, its native build,
+    which host_isa calls portable)."""
     names = list(ISA_FLAGS)
     return names[:names.index(host_isa()) + 1]
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    line = _cpuinfo("model name")
+    return line.split(":", 1)[1].strip() if line else platform.processor() or platform.machine()
 
 
 def build_dir(cflags: list[str] | None = None) -> str:

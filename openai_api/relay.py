@@ -54,6 +54,20 @@ def nests_deeper_than(raw: bytes, limit: int) -> bool:
     return bool(np.cumsum(step, dtype=np.int32).max() > limit)
 
 
+async def read_at_most(request: web.Request, limit: int) -> bytes | None:
+    """The request's body, or None once it is longer than `limit` bytes: refused from its Content-Length before
+    anything is read, else as the bytes come, so no route buffers more than its own bound."""
+    if request.content_length is not None and request.content_length > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def body_nests_deeper_than(raw: bytes, limit: int) -> bool:
     """nests_deeper_than off the event loop for a large body (numpy releases the GIL), so one client's megabytes of
     brackets do not stall every other request of the door."""
@@ -108,8 +122,6 @@ class Relay:
             return triton_error(401, "missing or unknown API key: send Authorization: Bearer <key>")
         if request.headers.get("Content-Encoding", "identity").lower() != "identity":
             return triton_error(415, "compressed request bodies are not relayed; send the body uncompressed")
-        if len(raw) > self.max_body_bytes:
-            return triton_error(413, f"the request body is larger than {self.max_body_bytes} bytes")
         header_length = request.headers.get("Inference-Header-Content-Length")
         try:
             json_part = raw[:int(header_length)] if header_length else raw
@@ -120,9 +132,8 @@ class Relay:
         return None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+        raw = await read_at_most(request, self.max_body_bytes)
+        if raw is None:
             return triton_error(413, f"the request body is larger than {self.max_body_bytes} bytes")
         refused = await self.refusal(request, raw)
         if refused is not None:

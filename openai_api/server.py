@@ -24,7 +24,7 @@ from aiohttp import web
 from trellm_openai import protocol
 from trellm_openai.keys import KeyStore, Limiter
 from trellm_openai.protocol import APIError, Generation
-from trellm_openai.relay import MAX_V2_BODY_BYTES, OneLineBadRequests, Relay, body_nests_deeper_than
+from trellm_openai.relay import OneLineBadRequests, Relay, body_nests_deeper_than, read_at_most
 from trellm_openai.tools import TOOL_CALL_PARSERS, CallStream, final_message
 from trellm_client.client import AsyncLLMClient, ServerUnavailable, ensemble_steps, infer_input
 
@@ -193,13 +193,9 @@ class FrontDoor:
 
     # -- requests ------------------------------------------------------------------------------------------------
     async def read_body(self, request: web.Request):
-        too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise too_large from None
-        if len(raw) > MAX_BODY_BYTES:      # the application admits the v2 routes' larger bodies
-            raise too_large
+        raw = await read_at_most(request, MAX_BODY_BYTES)
+        if raw is None:
+            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -480,7 +476,7 @@ def make_app(door: FrontDoor) -> web.Application:
     async def metrics(request):
         return web.Response(text=door.metrics.text() + await door.triton_metrics(), content_type="text/plain")
 
-    app = web.Application(client_max_size=max(MAX_BODY_BYTES, MAX_V2_BODY_BYTES), middlewares=[errors])
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors])   # each route reads its own bound
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

@@ -46,7 +46,7 @@ fi
 install_side_environments() {
   # The C++ operators' narrower instruction-set builds (portable, and AVX2 on an AVX-512 host): only the tests run
   # them (tests/test_cpu_ops.py checks every build the host executes), so they build here, off the critical path.
-  "$VENV/bin/python" -m trellm_kernels.cpu_ops --isas | tail -1
+  "$VENV/bin/python" -m trellm_kernels.cpu_ops --isas
 
   # locust pins a geventhttpclient newer than tritonclient[http] 2.51 allows, so it lives in its own environment
   # with the gRPC client only (perf/ load tests run it from there).

@@ -113,6 +113,16 @@ def test_only_the_client_routes_are_relayed(door):
     assert e.value.code == 405
     status, answer = post(door, "/v2/models/ensemble/generate", b"x", {"Content-Encoding": "gzip"})
     assert status == 415 and b"uncompressed" in answer
+    # a body announced past the bound is refused from its Content-Length, before a byte of it is read
+    import http.client
+    host, port = door.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.putrequest("POST", "/v2/models/ensemble/generate")
+    conn.putheader("Content-Length", str((64 << 20) + 1))
+    conn.endheaders(b'{"text_input": "')
+    answer = conn.getresponse()
+    assert answer.status == 413 and b"larger than 67108864 bytes" in answer.read()
+    conn.close()
 
 
 def test_with_a_keys_file_the_v2_routes_want_a_key_but_health(triton_server, tmp_path):

@@ -9,8 +9,8 @@ stop itself, two ways:
 - `pb_utils.is_model_ready` raises once the server is exiting ("Server not ready"), whichever process got the
   signal; a thread asks every `poll_s` seconds (an IPC round trip each time), but only once a request has reached
   the model. Asked earlier, while the server was still loading other models, the call crashed the stub
-  ("Fatal Python error: Segmentation fault" in poll_server: 2 of 3 starts of a 15-entry repository under load,
-  perf/many_models_start.py), and a model that has had no request has no stream to end anyway.
+  ("Fatal Python error: Segmentation fault" in poll_server; perf/many_models_start.py, perf/RESULTS.md), and a
+  model that has had no request has no stream to end anyway.
 """
 from __future__ import annotations
 

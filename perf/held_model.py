@@ -25,7 +25,11 @@ def main() -> int:
     ap.add_argument("--model", default="vllm_model", choices=["vllm_model", "ensemble"])
     ap.add_argument("--sampling", default="{}", help="vllm_model's sampling_parameters (JSON) besides max_tokens")
     ap.add_argument("--cancel", action="store_true", help="stop_stream(cancel_requests=True) after the final")
+    ap.add_argument("--cancel-after", type=int, default=0, metavar="K",
+                    help="cancel each stream after its K-th response instead of reading it to its final (implies --cancel)")
+    ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--streams", type=int, default=60)
+    ap.add_argument("--log-verbose", action="store_true", help="tritonserver --log-verbose=1 (its gRPC states)")
     args = ap.parse_args()
     import tritonclient.grpc as grpcclient
 
@@ -33,7 +37,8 @@ def main() -> int:
     from trellm_backend.tools.testbed import free_ports, rss_bytes
     from trellm_client.client import build_inputs, vllm_inputs
     server = TritonServer(os.path.join(REPO, "model_repository"), *free_ports(3), log_path=os.path.join(
-        REPO, "perf", "out", "held_model.log"), model_control_mode="explicit", load_models=["*"]).start()
+        REPO, "perf", "out", "held_model.log"), model_control_mode="explicit", load_models=["*"],
+        extra_args=["--log-verbose=1"] if args.log_verbose else []).start()
     try:
         before = rss_bytes(server.proc.pid) / 2**20
         for i in range(args.streams):
@@ -42,17 +47,17 @@ def main() -> int:
             client.start_stream(callback=lambda result, error: results.put((result, error)))
             if args.model == "vllm_model":
                 inputs = vllm_inputs(grpcclient, "The Python language",
-                                     {"max_tokens": 24, "temperature": 0.7, "seed": i, **json.loads(args.sampling)})
+                                     {"max_tokens": args.max_tokens, "temperature": 0.7, "seed": i, **json.loads(args.sampling)})
             else:
-                inputs = build_inputs(grpcclient, "The Python language", {"max_tokens": 24, "stream": True})
+                inputs = build_inputs(grpcclient, "The Python language", {"max_tokens": args.max_tokens, "stream": True})
             client.async_stream_infer(args.model, inputs, enable_empty_final_response=True)
-            while True:
+            for n in range(1, 100_000):
                 result, error = results.get(timeout=60)
                 if error is not None:
                     raise error
-                if result.get_response().parameters["triton_final_response"].bool_param:
+                if result.get_response().parameters["triton_final_response"].bool_param or n == args.cancel_after:
                     break
-            client.stop_stream(cancel_requests=args.cancel)
+            client.stop_stream(cancel_requests=args.cancel or args.cancel_after > 0)
             client.close()
         after = rss_bytes(server.proc.pid) / 2**20
         url = f"http://{server.http_url}/v2/repository"
@@ -65,8 +70,10 @@ def main() -> int:
             if state == "UNAVAILABLE":
                 break
             time.sleep(0.5)
-        print(f"{args.model} {args.sampling} x{args.streams}, closed {'with' if args.cancel else 'without'} a "
-              f"cancel: tritonserver {before:.1f} -> {after:.1f} MiB; after the unload: {state}")
+        how = (f"cancelled after {args.cancel_after} responses" if args.cancel_after else
+               "closed with a cancel" if args.cancel else "closed without a cancel")
+        print(f"{args.model} {args.sampling} x{args.streams}, {how}: tritonserver {before:.1f} -> {after:.1f} MiB; "
+              f"after the unload: {state}")
     finally:
         server.stop(timeout=5)
     return 0

@@ -110,10 +110,12 @@ def next_response(q: queue.Queue, end: float):
         return None
 
 
-def close_stream(client) -> None:
-    """Cancel what is still running on the client's stream, and close it."""
+def close_stream(client, settled: bool = False) -> None:
+    """Close the client's stream, cancelling what still runs on it. A stream whose every request has ended (a final
+    response or an error) is closed without a cancel: tritonserver 2.51 leaks the state, and holds the model, of a
+    request cancelled just after its final response (triton-inference-server/server#8078, fixed in 2.57)."""
     try:
-        client.stop_stream(cancel_requests=True)
+        client.stop_stream(cancel_requests=not settled)
         client.close()
     except Exception:  # noqa: BLE001 - a closed channel: nothing left to clean
         pass
@@ -146,7 +148,7 @@ class Requests:
         start = time.monotonic()
         end = start + (deadline or self.deadline)
         client = grpcclient.InferenceServerClient(self.server_grpc)
-        ttft, n, reason = None, 0, ""
+        ttft, n, reason, settled = None, 0, "", False
         try:
             client.start_stream(callback=lambda result, error: q.put((time.monotonic(), result, error)))
             broken = send(client, q, model, inputs, request_id)
@@ -162,9 +164,11 @@ class Requests:
                     return StreamOutcome("hung", ttft, n, reason, f"no final response after {self.deadline} s")
                 t, result, error = got
                 if error is not None:
+                    settled = True
                     outcome, msg = grpc_error_outcome(error)
                     return StreamOutcome(outcome, ttft, n, reason, msg)
                 chunk = chunk_from_result(result)
+                settled = chunk.final
                 n += 1
                 if chunk.text and ttft is None:
                     ttft = t - start
@@ -176,7 +180,7 @@ class Requests:
                 if chunk.final:
                     return StreamOutcome("ok", ttft, n, reason)
         finally:
-            close_stream(client)
+            close_stream(client, settled)
 
     def http(self, path: str, body, stream: bool, after=None, after_n=2) -> StreamOutcome:
         """POST `body` (dict or raw bytes) to Triton's HTTP endpoint; SSE events when `stream`. Outcomes: ok, error

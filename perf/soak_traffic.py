@@ -359,6 +359,7 @@ class Traffic(Requests):
         q: queue.Queue = queue.Queue()
         client = grpcclient.InferenceServerClient(self.server_grpc)
         outcomes: list[tuple[str, str]] = []
+        settled = False
         try:
             client.start_stream(callback=lambda result, error: q.put((time.monotonic(), result, error)))
             for i in range(size):
@@ -392,7 +393,8 @@ class Traffic(Requests):
                 elif chunk_from_result(result).final:
                     finals.add(result.get_response().id)
             outcomes += [("ok", "")] * len(finals) + errors
+            settled = len(outcomes) == size
             outcomes += [("hung", f"no final response after {self.deadline} s")] * (size - len(outcomes))
         finally:
-            close_stream(client)
+            close_stream(client, settled)
         return [self.record(kind, "overload", o, start, message=m) for o, m in outcomes]

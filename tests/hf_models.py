@@ -33,6 +33,21 @@ VARIANTS = {
                                                   num_attention_heads=4, num_key_value_heads=2,
                                                   max_position_embeddings=512, sliding_window=None,
                                                   rope_scaling=dict(rope_type="linear", factor=2.0))),
+    # Mixtral: 8 experts, top-2, the top-2 weights renormalised, GQA ratio 2
+    "mixtral-moe8": ("MixtralConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                           num_experts_per_tok=2, max_position_embeddings=512, sliding_window=None)),
+    # Qwen3-MoE: 8 experts, top-3 renormalised (norm_topk_prob), q/k norms, head_dim 8
+    "qwen3-moe8-qknorm": ("Qwen3MoeConfig", dict(hidden_size=48, intermediate_size=96, moe_intermediate_size=40,
+                                                 num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                                                 head_dim=8, num_experts=8, num_experts_per_tok=3,
+                                                 norm_topk_prob=True, max_position_embeddings=512)),
+    # Qwen2-MoE: a sigmoid-gated shared expert, top-2 not renormalised, q/k/v biases; layer 1 dense (mlp_only_layers)
+    "qwen2-moe-shared": ("Qwen2MoeConfig", dict(hidden_size=64, intermediate_size=80, moe_intermediate_size=32,
+                                                shared_expert_intermediate_size=48, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                                                num_experts_per_tok=2, mlp_only_layers=[1],
+                                                max_position_embeddings=512)),
 }
 
 

@@ -142,3 +142,23 @@ def exact_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         a = scale * torch.einsum("nhd,lhd->nhl", q64[cu[b]:cu[b + 1]].abs(), keys).amax(dim=-1)
         length[cu[b]:cu[b + 1], :, 0] = D * a + n_keys + FIXED_STEPS
     return Exact(value, magnitude, length)
+
+
+def exact_moe(x, w13, w2, weights, ids) -> Exact:
+    """fused_moe's answer from the reference in float64 (w13, w2: the experts' exact weights, dequantized by the
+    caller where quantized). An output sums, over its token's k experts, the routing weight times I products
+    act_i * w2; each act = silu(g) * u comes from two sums of H products. Errors dg, du in those move act by at most
+    1.1 |u| dg + |silu(g)| du (silu's slope lies in [-0.1, 1.1]), so the magnitude carried into the second sum is
+    |act| + 1.1 |u| G + |silu(g)| U, with G and U the magnitudes of the first two sums."""
+    from trellm_kernels import moe
+    x64, w13_64, w2_64, weights64 = x.double(), w13.double(), w2.double(), weights.double()
+    value = moe.fused_moe_reference(x64, w13_64, w2_64, weights64, ids)
+    magnitude = torch.zeros_like(value)
+    for e in ids.unique().tolist():
+        tokens, slots = (ids == e).nonzero(as_tuple=True)
+        g, u = (x64[tokens] @ w13_64[e].T).chunk(2, dim=-1)
+        G, U = (x64[tokens].abs() @ w13_64[e].abs().T).chunk(2, dim=-1)
+        s = torch.nn.functional.silu(g)
+        act = (s * u).abs() + 1.1 * u.abs() * G + s.abs() * U
+        magnitude.index_add_(0, tokens, (act @ w2_64[e].abs().T) * weights64[tokens, slots, None].abs())
+    return Exact(value, magnitude, x.shape[-1] + w2.shape[-1] + ids.shape[1] + FIXED_STEPS)

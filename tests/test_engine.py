@@ -136,23 +136,27 @@ def test_bad_requests_are_refused_with_the_numbers(default_model_path):
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("name, splits", [("default", None), ("qwen3-qknorm-hd8", "3"), ("qwen2-bias-gqa4", None)])
+@pytest.mark.parametrize("name, splits", [("default", None), ("qwen3-qknorm-hd8", "3"), ("qwen2-bias-gqa4", None),
+                                          ("qwen2-moe-shared", None)])
 def test_triton_kernels_match_transformers(monkeypatch, default_model_path, variant_dirs, name, splits, kernel_settings):
     """The same parity with every hot-path op running as a Triton-lang kernel (interpreted on CPU); for Qwen3
-    the decode steps take the split-sequence attention path. 8 tokens each: every request still decodes beside
-    others' prefill chunks, at a third of the interpreter's time for 20."""
+    the decode steps take the split-sequence attention path, and Qwen2-MoE's experts the fused MoE kernel. 8 tokens
+    each: every request still decodes beside others' prefill chunks, at a third of the interpreter's time for 20."""
     kernel_settings(force_triton=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"   # interpreted on CPU (conftest), compiled on GPU
     if splits:
         kernel_settings(attn_splits=int(splits))
     import trellm_kernels.triton_attention as ta
-    calls = []
+    import trellm_kernels.triton_moe as tm
+    calls, moe_calls = [], []
     monkeypatch.setattr(ta, "paged_attention_triton", _counting(ta.paged_attention_triton, calls))
+    monkeypatch.setattr(tm, "fused_moe_triton", _counting(tm.fused_moe_triton, moe_calls))
     if name == "default":
         check_parity(default_model_path, 4096, 8, device=device, max_num_batched_tokens=32, kv_cache_bytes=32 << 20)
     else:
         check_parity(variant_dirs[name], 320, 8, device=device, max_num_batched_tokens=48, kv_cache_bytes=8 << 20)
     assert calls, "the Triton attention kernel was never called"
+    assert bool(moe_calls) == ("moe" in name), "the fused MoE kernel runs exactly in the MoE models"
 
 
 def _counting(fn, calls):

@@ -27,10 +27,11 @@ from trellm_kernels import triton_activation, triton_attention, triton_kv_cache,
 
 from trellm_kernels import triton_linear
 from trellm_kernels import lora, triton_lora
+from trellm_kernels import moe, triton_moe
 
 from kernel_cases import paged_case, quantized, randn
-from rounding import (EPS32, Exact, assert_within_rounding, exact_attention, exact_linear, exact_lora_add, exact_rms_norm,
-                      exact_rotary, exact_silu_and_mul)
+from rounding import (EPS32, Exact, assert_within_rounding, exact_attention, exact_linear, exact_lora_add, exact_moe,
+                      exact_rms_norm, exact_rotary, exact_silu_and_mul)
 
 INTERPRETED = dispatch.settings().triton_interpret
 # Where the Triton kernels run: unset, on the tests' own CPU tensors (interpreted); "cuda", compiled on the GPU.
@@ -43,7 +44,8 @@ ENTRY_POINTS = [(triton_attention, "paged_attention_triton"), (triton_kv_cache, 
                 (triton_rmsnorm, "rms_norm_triton"), (triton_rmsnorm, "fused_add_rms_norm_triton"),
                 (triton_rotary, "rotary_triton"), (triton_activation, "silu_and_mul_triton"),
                 (triton_linear, "int8_linear_triton"), (triton_linear, "int4_linear_triton"),
-                (triton_lora, "lora_shrink_triton"), (triton_lora, "lora_expand_triton")]
+                (triton_lora, "lora_shrink_triton"), (triton_lora, "lora_expand_triton"),
+                (triton_moe, "fused_moe_triton")]
 
 
 def on_device(fn, device: str):
@@ -501,7 +503,7 @@ COMPILE_SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from trellm_kernels import triton_activation, triton_attention, triton_kv_cache, triton_rmsnorm, triton_rotary
+from trellm_kernels import triton_activation, triton_attention, triton_kv_cache, triton_moe, triton_rmsnorm, triton_rotary
 
 def build(fn, consts, ptrs, floats=()):
     sig = {n: "constexpr" if n in consts else ptrs.get(n, ptrs["*"]) if n.endswith("_ptr") else
@@ -529,6 +531,12 @@ build(triton_rmsnorm._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK_N=1024), {"
 build(triton_rotary._rotary_kernel, dict(BLOCK_HQ=8, BLOCK_HK=2, BLOCK_R=32),
       {"*": "*fp16", "pos_ptr": "*i64", "cs_ptr": "*fp32"})
 build(triton_activation._silu_and_mul_kernel, dict(BLOCK=1024), {"*": "*bf16"})
+for dt, prec in (("*bf16", "tf32"), ("*fp32", "ieee")):
+    for by_token, weighted in ((True, False), (False, True)):
+        build(triton_moe._moe_gemm_kernel, dict(TOP_K=2, A_BY_TOKEN=by_token, MUL_WEIGHT=weighted, BLOCK_M=64,
+              BLOCK_N=64, BLOCK_K=32, PREC=prec, UPCAST=False),
+              {"*": dt, "pairs_ptr": "*i32", "block_experts_ptr": "*i32", "weights_ptr": "*fp32",
+               "out_ptr": "*fp32" if weighted else dt})
 print("compiled")
 """
 
@@ -603,6 +611,50 @@ def test_int8_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype,
                                exact_linear(x, w64, bias), roundings=half)
         assert_within_rounding(linear.linear(x, q, bias), exact_linear(x_cpu, w64, bias),
                                roundings=half)
+
+
+# -------------------------------------------------------------------------------------------- mixture of experts
+
+MOE_CASES = [  # tokens, experts, top_k, hidden, expert intermediate, dtype
+    (1, 4, 1, 32, 16, F32), (7, 8, 2, 48, 40, F32), (65, 16, 4, 32, 24, F16), (513, 64, 8, 16, 8, F32),
+    (33, 64, 6, 24, 20, BF16), (200, 8, 2, 64, 48, BF16), (2, 4, 4, 16, 72, F32),
+]
+
+
+def moe_case(tokens, experts, top_k, hidden, inter, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = randn(g, tokens, hidden, dtype=dtype)
+    w13 = (randn(g, experts, 2 * inter, hidden) / hidden ** 0.5).to(dtype)
+    w2 = (randn(g, experts, hidden, inter) / inter ** 0.5).to(dtype)
+    weights, ids = moe.route(randn(g, tokens, experts), top_k, renormalize=seed % 2 == 0)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, dtype", MOE_CASES)
+def test_fused_moe_kernel_matches_the_reference(tokens, experts, top_k, hidden, inter, dtype):
+    x, w13, w2, weights, ids = moe_case(tokens, experts, top_k, hidden, inter, dtype)
+    # fp16/bf16: gate/up's output, silu, the activation and the output are each rounded to the dtype
+    assert_within_rounding(triton_moe.fused_moe_triton(x, w13, w2, weights, ids), exact_moe(x, w13, w2, weights, ids),
+                           roundings=1 if dtype == F32 else 4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_align_by_expert_gives_every_pair_once_in_blocks_of_one_expert(seed):
+    g = torch.Generator().manual_seed(seed)
+    tokens, experts, top_k, block_m = [(1, 4, 1, 16), (9, 8, 2, 16), (100, 64, 8, 64), (37, 5, 5, 16),
+                                       (300, 16, 2, 64), (3, 64, 1, 16)][seed]
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    pairs, block_experts = triton_moe.align_by_expert(ids, experts, block_m)
+    n = tokens * top_k
+    real = pairs[pairs < n]
+    assert sorted(real.tolist()) == list(range(n)) and (pairs[pairs >= n] == n).all()
+    by_block = pairs.view(-1, block_m)
+    for b, e in enumerate(block_experts.tolist()):
+        members = by_block[b][by_block[b] < n].long()
+        if e < 0:
+            assert members.numel() == 0
+        else:
+            assert members.numel() > 0 and (ids.reshape(-1)[members] == e).all()
 
 
 def test_quantization_is_checked():

@@ -21,7 +21,11 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 class ModelConfigError(ValueError):
@@ -80,6 +84,51 @@ def parse_quantization_config(qc, cfg_file: str) -> QuantFormat | None:
                        zero_offset=1 if fmt == "gptq" else 0)
 
 
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts feed-forward (kernels/moe.py): which layers have it, and its router."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int          # each expert's
+    renormalize: bool               # the top-k weights divided by their sum (Mixtral; Qwen's norm_topk_prob)
+    shared_intermediate_size: int = 0   # Qwen2-MoE's shared expert, gated by a sigmoid; 0: none
+    sparse_step: int = 1            # every sparse_step-th layer is sparse ...
+    dense_layers: tuple[int, ...] = ()  # ... except these (Qwen's mlp_only_layers)
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+
+def parse_moe(c: dict, family: str, num_layers: int, cfg_file: str) -> MoeConfig:
+    """config.json's expert settings for a MoE family, each checked and named when out of range."""
+    def positive(key: str, default=None) -> int:
+        v = c.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ModelConfigError(f"{cfg_file}: {key}={v!r} must be an integer >= 1")
+        return v
+
+    if family == "mixtral":
+        num_experts, size, renormalize = positive("num_local_experts"), positive("intermediate_size"), True
+        shared, step, dense = 0, 1, ()
+    else:
+        # Qwen's folders say num_experts; transformers 5 writes Qwen3-MoE's as num_local_experts
+        num_experts = positive("num_experts" if "num_experts" in c else "num_local_experts")
+        size = positive("moe_intermediate_size")
+        renormalize = c.get("norm_topk_prob", False)
+        if not isinstance(renormalize, bool):
+            raise ModelConfigError(f"{cfg_file}: norm_topk_prob={renormalize!r} must be true or false")
+        shared = positive("shared_expert_intermediate_size") if family == "qwen2_moe" else 0
+        step = positive("decoder_sparse_step", 1)
+        dense = c.get("mlp_only_layers") or []
+        if not all(isinstance(i, int) and 0 <= i < num_layers for i in dense):
+            raise ModelConfigError(f"{cfg_file}: mlp_only_layers={dense!r} must list layer indices in "
+                                   f"[0, {num_layers})")
+    top_k = positive("num_experts_per_tok")
+    if top_k > num_experts:
+        raise ModelConfigError(f"{cfg_file}: num_experts_per_tok={top_k} is more than the {num_experts} experts")
+    return MoeConfig(num_experts, top_k, size, renormalize, shared, step, tuple(sorted(set(dense))))
+
+
 @dataclass
 class ModelConfig:
     path: str
@@ -105,6 +154,7 @@ class ModelConfig:
     dtype: str                                      # config.json's: one of DTYPES
     eos_token_ids: list[int] = field(default_factory=list)
     quant: QuantFormat | None = None   # a GPTQ/AWQ checkpoint: config.json's quantization_config
+    moe: MoeConfig | None = None       # a mixture-of-experts family's experts and router
 
     @property
     def rotary_dim(self) -> int:
@@ -134,7 +184,8 @@ def _read_json(path: str) -> dict:
 
 
 def load_model_config(path: str) -> ModelConfig:
-    """Parse `path/config.json` (+ `generation_config.json` when present) of a Llama/Mistral/Qwen2/Qwen3 folder."""
+    """Parse `path/config.json` (+ `generation_config.json` when present) of a folder of one of
+    SUPPORTED_ARCHITECTURES."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise ModelConfigError(f"{cfg_file}: missing; the model folder must be a Hugging Face model folder")
@@ -176,7 +227,7 @@ def load_model_config(path: str) -> ModelConfig:
         raise ModelConfigError(f"{cfg_file}: dtype {dtype_name!r} is not supported ({sorted(DTYPES)})")
 
     sliding = c.get("sliding_window")
-    if family == "qwen2" and not c.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen2_moe", "qwen3_moe") and not c.get("use_sliding_window", False):
         sliding = None
 
     eos = _as_list(c.get("eos_token_id"))
@@ -188,24 +239,31 @@ def load_model_config(path: str) -> ModelConfig:
 
     attention_bias = bool(c.get("attention_bias", False))
     quant = parse_quantization_config(c.get("quantization_config"), cfg_file)
+    num_layers = int(c["num_hidden_layers"])
+    moe = parse_moe(c, family, num_layers, cfg_file) if family in MOE_FAMILIES else None
+    if moe is not None and quant is not None:
+        raise ModelConfigError(f"{cfg_file}: quantization_config with experts ({family}) is not supported: a "
+                               "GPTQ/AWQ mixture-of-experts checkpoint cannot be read yet")
+    qkv_bias = {"qwen2": True, "qwen2_moe": bool(c.get("qkv_bias", True))}.get(family, attention_bias)
     return ModelConfig(
         path=path,
         family=family,
         vocab_size=int(c["vocab_size"]),
         hidden_size=int(c["hidden_size"]),
         intermediate_size=int(c["intermediate_size"]),
-        num_layers=int(c["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases; Llama, Mistral and Qwen3 have them (and o_proj's) with attention_bias.
-        qkv_bias=family == "qwen2" or attention_bias,
-        o_bias=family != "qwen2" and attention_bias,
+        # Qwen2 always has q/k/v biases (Qwen2-MoE unless qkv_bias is false); the others have them, and o_proj's,
+        # with attention_bias.
+        qkv_bias=qkv_bias,
+        o_bias=family not in ("qwen2", "qwen2_moe") and attention_bias,
         mlp_bias=bool(c.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         partial_rotary_factor=partial,
@@ -213,4 +271,5 @@ def load_model_config(path: str) -> ModelConfig:
         dtype=dtype_name,
         eos_token_ids=eos,
         quant=quant,
+        moe=moe,
     )

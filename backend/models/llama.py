@@ -1,4 +1,5 @@
-"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3) over a flat batch of tokens and a paged KV cache.
+"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts Mixtral, Qwen2-MoE and
+Qwen3-MoE, whose sparse layers are models/moe.py's) over a flat batch of tokens and a paged KV cache.
 
 Tokens of all sequences in a step are concatenated ([T, hidden]); attention finds each sequence's keys and
 values through its block table, so prefill chunks and single-token decodes share one forward.
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from trellm_backend.models.config import ModelConfig, ModelConfigError
+from trellm_backend.models.moe import SparseMlp, load_sparse_mlp
 from trellm_backend.models.rope import cos_sin_cache
 from trellm_backend.models.weights import Checkpoint
 from trellm_kernels.activation import silu_and_mul
@@ -44,10 +46,11 @@ class LayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: Weight
+    gate_up: Weight | None          # the dense MLP; None in a sparse layer
     gate_up_bias: torch.Tensor | None
-    down: Weight
+    down: Weight | None
     down_bias: torch.Tensor | None
+    sparse: SparseMlp | None = None
 
 
 class LlamaModel:
@@ -71,6 +74,7 @@ class LlamaModel:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
+            sparse = cfg.moe is not None and cfg.moe.is_sparse(i)
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=ck.linear(a + "q_proj", a + "k_proj", a + "v_proj"),
@@ -80,10 +84,11 @@ class LlamaModel:
                 q_norm=take(a + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=take(a + "k_norm.weight") if cfg.qk_norm else None,
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=ck.linear(m + "gate_proj", m + "up_proj"),
+                gate_up=None if sparse else ck.linear(m + "gate_proj", m + "up_proj"),
                 gate_up_bias=ck.stacked(m + "gate_proj.bias", m + "up_proj.bias") if cfg.mlp_bias else None,
-                down=ck.linear(m + "down_proj"),
+                down=None if sparse else ck.linear(m + "down_proj"),
                 down_bias=take(m + "down_proj.bias") if cfg.mlp_bias else None,
+                sparse=load_sparse_mlp(ck, cfg, p) if sparse else None,
             ))
         self.norm = take("model.norm.weight")
         lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
@@ -97,12 +102,17 @@ class LlamaModel:
         """Which implementation each linear layer runs, e.g. "qkv, o, gate_up, down: fp32 C++ (AVX-512); lm_head:
         oneDNN float32" (logged at load, so that a host's paths show without a profile)."""
         counts = Counter((site, linear_path(getattr(layer, site)))
-                         for layer in self.layers for site in ("qkv", "o", "gate_up", "down"))
+                         for layer in self.layers for site in ("qkv", "o", "gate_up", "down")
+                         if getattr(layer, site) is not None)
         by_path: dict[tuple[str, int], list[str]] = {}
         for (site, path), n in counts.items():
             by_path.setdefault((path, n), []).append(site)
         parts = [f"{', '.join(sites)}{'' if n == len(self.layers) else f' in {n} of {len(self.layers)} layers'}: {path}"
                  for (path, n), sites in by_path.items()]
+        sparse = [layer.sparse.experts for layer in self.layers if layer.sparse is not None]
+        if sparse:
+            parts.append(f"experts in {len(sparse)} of {len(self.layers)} layers: " + (
+                "Triton fused MoE" if sparse[0].stacked is not None else linear_path(sparse[0].gate_up[0])))
         return "; ".join(parts + [f"lm_head: {linear_path(self.lm_head)}"])
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
@@ -146,6 +156,9 @@ class LlamaModel:
             if lora is not None:
                 lora.add(h, attn, i, "o")
             x, residual = fused_add_rms_norm(h, residual, w.post_norm, cfg.rms_norm_eps)
+            if w.sparse is not None:
+                h = w.sparse(x)
+                continue
             gu = linear(x, w.gate_up, w.gate_up_bias)
             if lora is not None:
                 lora.add(gu, x, i, "gate_up")

@@ -104,6 +104,13 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, dtype: t
             rest = key[len(prefix):] if key.startswith(prefix) else None
             parts = rest.split(".") if rest else []
             # {layer}.{self_attn|mlp}.{module}.lora_{A|B}.weight
+            if cfg.moe is not None and parts and parts[0].isdigit() and (
+                    "experts" in parts or "shared_expert" in parts
+                    or (len(parts) > 2 and parts[2] in ("gate_proj", "up_proj", "down_proj")
+                        and cfg.moe.is_sparse(int(parts[0])))):
+                raise AdapterError(f"LoRA adapter {name!r}: {weights_path}: key {key!r} targets the experts of "
+                                   f"mixture-of-experts layer {parts[0]}; LoRA on experts is not supported (the "
+                                   "attention projections are)")
             if len(parts) != 5 or parts[2] not in MODULES or parts[3] not in ("lora_A", "lora_B") \
                     or parts[4] != "weight" or not parts[0].isdigit():
                 raise AdapterError(f"LoRA adapter {name!r}: {weights_path}: key {key!r} is not a LoRA weight of "

@@ -161,3 +161,22 @@ def test_hot_load_serves_own_weights_and_unload_returns_memory(explicit_server, 
     assert not client.is_model_ready("second")
     assert answers(server.grpc_url, "base") == want_base
     client.close()
+
+
+def test_a_folder_the_engine_cannot_serve_is_refused_before_anything_is_written(default_model_path, tmp_path):
+    """add_model wrote all five entries for a folder the llm then refused at load (a Gemma 3 or an unknown key); it
+    now reads config.json as the load does, and exits 1 naming the file and what it refused."""
+    import shutil
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    folder = tmp_path / "gemma3"
+    shutil.copytree(default_model_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForConditionalGeneration"]}))
+    r = run_add_model("gemma", str(folder), "--repository", str(repo))
+    assert r.returncode == 1 and f"{folder}/config.json: architectures=['Gemma3ForConditionalGeneration'] is not " \
+                                 "supported" in r.stderr, r.stderr
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu_pytorch_tanh"}))
+    r = run_add_model("gemma", str(folder), "--repository", str(repo))
+    assert r.returncode == 1 and "hidden_act='gelu_pytorch_tanh' is not supported" in r.stderr, r.stderr
+    assert os.listdir(repo) == []

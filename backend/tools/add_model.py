@@ -73,20 +73,20 @@ def render_entry(template: model_config_pb2.ModelConfig, names: dict[str, str], 
     return cfg
 
 
-def check_adapters(config: EngineConfig, repository: str) -> None:
-    """Read each adapter of `lora_adapters` and check it against the model as the llm's load will (load_adapter),
-    so a missing or mismatched folder fails the command, naming the file, instead of the model's start (where it is
-    refused while the model serves without it). Folders resolve like the llm's: relative to the repository."""
+def check_model(config: EngineConfig, repository: str) -> None:
+    """Read the folder's config.json as the llm's load will (an architecture or key the engine does not implement
+    is refused by name), and each adapter of `lora_adapters` against it (load_adapter), so the command fails naming
+    the file instead of the model's start. Adapter folders resolve like the llm's: relative to the repository."""
+    from trellm_backend.models.config import load_model_config
     from trellm_backend.models.lora import adapter_table
+    cfg = load_model_config(config.model_path)
     table = adapter_table(config.lora_adapters)
     if not table:
         return
     import torch
 
-    from trellm_backend.models.config import load_model_config
     from trellm_backend.models.lora import load_adapter
     from trellm_backend.triton.parameters import resolve_model_path
-    cfg = load_model_config(config.model_path)
     for name, folder in table.items():
         load_adapter(name, resolve_model_path(folder, os.path.join(repository, name)), cfg, config.max_lora_rank,
                      torch.float32, torch.device("cpu"))
@@ -103,7 +103,7 @@ def add_model(name: str, hf_folder: str, repository: str = DEFAULT_REPOSITORY, e
     if not os.path.isfile(os.path.join(hf_folder, "config.json")):
         raise ValueError(f"{os.path.join(hf_folder, 'config.json')}: missing; HF_FOLDER must be a Hugging Face "
                          "model folder")
-    check_adapters(config, repository)
+    check_model(config, repository)
     names = entry_names(name, template_dir)
     if set(names.values()) & set(TEMPLATE_ENTRIES) and os.path.samefile(repository, template_dir):
         raise ValueError(f"model name {name!r} would overwrite a template entry")

@@ -33,6 +33,14 @@ VARIANTS = {
                                                   num_attention_heads=4, num_key_value_heads=2,
                                                   max_position_embeddings=512, sliding_window=None,
                                                   rope_scaling=dict(rope_type="linear", factor=2.0))),
+    # Phi-3: q/k/v and gate/up stored merged, partial rotary (12 of 16 dims), longrope whose pretraining length (24)
+    # the longer prompts start past and the shorter ones cross while they decode
+    "phi3-longrope": ("Phi3Config", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=512, partial_rotary_factor=0.75,
+                                         original_max_position_embeddings=24, sliding_window=None, pad_token_id=0,
+                                         rope_scaling=dict(rope_type="longrope",
+                                                           short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                                           long_factor=[1.5, 2.5, 4.0, 6.0, 9.0, 13.0]))),
     # Mixtral: 8 experts, top-2, the top-2 weights renormalised, GQA ratio 2
     "mixtral-moe8": ("MixtralConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
@@ -51,6 +59,11 @@ VARIANTS = {
 }
 
 
+# Variants whose attention projections are scaled up so that scores are of order one: with the default init
+# (std 0.02) attention is near uniform and a wrong rotation changes no greedy token.
+SHARP_ATTENTION = {"phi3-longrope": 6.0}
+
+
 def make_variant(name: str, out_dir: str, vocab_size: int = 320) -> str:
     import transformers
     cls_name, kwargs = VARIANTS[name]
@@ -63,6 +76,8 @@ def make_variant(name: str, out_dir: str, vocab_size: int = 320) -> str:
         for n, p in model.named_parameters():
             if n.endswith("bias") or "norm" in n:
                 p.add_(torch.randn_like(p) * 0.2)
+            if name in SHARP_ATTENTION and any(k in n for k in ("q_proj", "k_proj", "qkv_proj")):
+                p.mul_(SHARP_ATTENTION[name])
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 

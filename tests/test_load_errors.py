@@ -83,6 +83,7 @@ CASES = [missing_weights, truncated_weights, unsupported_architecture, tokenizer
          missing_tokenizer, kv_budget_below_one_sequence, negative_block_size, larger_than_memory,
          unsupported_quantization]
 THROUGH_TRITON = [missing_weights, tokenizer_larger_than_vocabulary, larger_than_memory]
+REFUSED_BY_ADD_MODEL = [unsupported_architecture]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
@@ -90,6 +91,11 @@ def test_every_broken_folder_fails_the_llm_entrys_checks_by_name(default_model_p
     folder = broken_copy(default_model_path, str(tmp_path / "hf"))
     engine, expected = case(folder)
     (tmp_path / "repo").mkdir()
+    if case in REFUSED_BY_ADD_MODEL:   # config.json is read before any entry is written
+        with pytest.raises(ModelConfigError) as e:
+            add_model(case.__name__, folder, str(tmp_path / "repo"), {"kv_cache_bytes": KV, **engine})
+        assert all(text in str(e.value) for text in expected) and os.listdir(tmp_path / "repo") == []
+        return
     add_model(case.__name__, folder, str(tmp_path / "repo"), {"kv_cache_bytes": KV, **engine})
     entry = tmp_path / "repo" / f"{case.__name__}_llm"
     # As Triton hands it to initialize: the config as JSON, read by the entry's own model_parameters.

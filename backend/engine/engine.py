@@ -12,6 +12,7 @@ from trellm_backend.engine.limits import context_limit, resolve_block_size, reso
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.models.config import ModelConfig, load_model_config
 from trellm_backend.models.lora import AdapterRegistry, adapter_table
+from trellm_backend.models.rope import long_rope_from
 from trellm_backend.engine.runner import ModelRunner
 from trellm_backend.engine.output_processor import OutputProcessor, bad_words_ids
 from trellm_backend.engine.request import Request, RequestOutput, SamplingParams, Status
@@ -42,7 +43,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.long_prefill_token_threshold,
-                                   *self._speculation(config, draft_cfg), max_loras=config.max_loras)
+                                   *self._speculation(config, draft_cfg), max_loras=config.max_loras,
+                                   long_rope_from=long_rope_from(mc))
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.pool_tokens = self.kv.num_blocks * config.block_size

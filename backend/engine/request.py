@@ -217,6 +217,7 @@ class Request:
     output_processor: object | None = None        # text and stop strings (output_processor.py), with a tokenizer
     unsent: list = field(default_factory=list)    # sampled tokens (SampledToken) whose text is still pending
     cache_salt: str | None = None                 # requests with different salts never share cached blocks
+    rope_long: bool = False                       # longrope: its tokens are rotated with the long factors
     num_cached_tokens: int = 0                    # prompt tokens found in the prefix cache at first admission
     spec_acceptance: float = 1.0                  # speculative guesses: recent acceptance rate (the scheduler's)
     spec_steps_since_probe: int = 0

@@ -91,7 +91,8 @@ class ModelRunner:
         for c in chunks:
             ids.extend(c.token_ids)
         meta, cu = attention_metadata([c.start for c in chunks], [c.num_new_tokens for c in chunks],
-                                      [c.block_ids for c in chunks], self.block_size, self.device)
+                                      [c.block_ids for c in chunks], self.block_size, self.device,
+                                      [c.rope_long for c in chunks])
         # Logits of each sampling chunk's last row, and with guesses of one row per guess before it too.
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         rows = [len(chunks[i].sampling) for i in sampling]
@@ -133,9 +134,11 @@ def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int, kv_dtyp
 
 
 def attention_metadata(starts: list[int], q_lens: list[int], tables: list[list[int]], block_size: int,
-                       device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
+                       device: torch.device, rope_long: list[bool] | None = None
+                       ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Where each token of a flat batch sits: sequence b runs q_lens[b] tokens from position starts[b], through
-    block table tables[b]. Returns the metadata (on `device`) and cu_seqlens_q on the CPU."""
+    block table tables[b] (with longrope, rotated with the long factors where rope_long[b]). Returns the metadata
+    (on `device`) and cu_seqlens_q on the CPU."""
     B, T = len(starts), sum(q_lens)
     max_blocks = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [-1] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
@@ -150,6 +153,7 @@ def attention_metadata(starts: list[int], q_lens: list[int], tables: list[list[i
     meta = AttentionMetadata(
         positions=positions.to(device), slot_mapping=slots.to(device), cu_seqlens_q=cu.to(device),
         seq_lens=seq_lens.to(device), block_tables=block_tables.to(device),
-        max_seqlen_q=max(q_lens), max_seqlen_k=int(seq_lens.max()))
+        max_seqlen_q=max(q_lens), max_seqlen_k=int(seq_lens.max()),
+        rope_long=None if rope_long is None else torch.tensor(rope_long, dtype=torch.bool)[seq_of_tok].to(device))
     return meta, cu
 

@@ -48,6 +48,7 @@ class ScheduledChunk:
     sampling: tuple[SamplingRow, ...] = ()
     draft_token_ids: list[int] = field(default_factory=list)   # guesses at the end of token_ids, to verify
     adapter: object | None = None   # the request's LoRA adapter (models/lora.LoraAdapter), or None
+    rope_long: bool = False   # longrope: rotate with the long factors (the sequence is past the pretraining length)
 
     @property
     def num_new_tokens(self) -> int:
@@ -93,8 +94,9 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
-                 speculative_disable_batch_size: int = 0, max_loras: int = 0):
+                 speculative_disable_batch_size: int = 0, max_loras: int = 0, long_rope_from: int | None = None):
         self.kv = kv_cache_manager
+        self.long_rope_from = long_rope_from   # longrope's pretraining length (models/rope.py), or None
         self.max_loras = max_loras      # most LoRA adapters among the running requests (0: no limit)
         self.proposer = proposer if num_speculative_tokens > 0 else None
         self.num_speculative_tokens = num_speculative_tokens
@@ -124,7 +126,8 @@ class Scheduler:
         samples = req.num_computed_tokens == req.num_tokens
         out.chunks.append(ScheduledChunk(req.request_id, start, req.token_ids[start:start + n],
                                          list(self.kv.block_ids(req.request_id)),
-                                         (sampling_row(req),) if samples else (), adapter=req.lora))
+                                         (sampling_row(req),) if samples else (), adapter=req.lora,
+                                         rope_long=req.rope_long))
         planned.append(req)
 
     def schedule(self) -> SchedulerOutput:
@@ -136,6 +139,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            self._rope_regime(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget, self.prefill_cap)
             target = req.num_computed_tokens + n
             while not self.kv.can_allocate_slots(req, target):
@@ -162,6 +166,7 @@ class Scheduler:
                     passed_over.append(self.waiting.popleft())
                     continue
                 adapters.add(req.lora.name)
+            self._rope_regime(req)
             hit = self.kv.get_computed_blocks(req)
             computed = len(hit) * self.kv.block_size
             remaining = req.num_tokens - computed
@@ -263,6 +268,18 @@ class Scheduler:
         for pos in range(num_accepted):
             s.accepted_per_pos[pos] += 1
         return num_accepted
+
+    def _rope_regime(self, req: Request) -> None:
+        """Longrope, as transformers runs it: a sequence longer than the pretraining length has every token rotated
+        with the long factors, so the step at which one grows past it recomputes all its tokens (what it holds was
+        rotated with the short ones). Its blocks and their prefix-cache hashes go; the new salt keeps the two
+        rotations' blocks apart in the cache."""
+        if self.long_rope_from is None or req.rope_long or req.num_tokens <= self.long_rope_from:
+            return
+        req.rope_long = True
+        req.cache_salt = f"{req.cache_salt or ''}|rope:long"
+        self.kv.free(req)
+        req.num_computed_tokens = 0
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req, keep_hashes=True)

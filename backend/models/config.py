@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Phi3ForCausalLM": "phi3",
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -167,6 +168,23 @@ class ModelConfig:
 
 
 DTYPES = ("float32", "float16", "bfloat16")   # torch's names
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+def check_longrope(scaling: dict, c: dict, half_rotary: int, cfg_file: str) -> dict:
+    """Phi-3's longrope: a short and a long factor per rotary frequency, and the pretraining length past which a
+    sequence uses the long ones (in the rope settings, or, in older folders, at the top level)."""
+    orig = scaling.get("original_max_position_embeddings", c.get("original_max_position_embeddings"))
+    if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
+        raise ModelConfigError(f"{cfg_file}: longrope needs original_max_position_embeddings, an integer >= 1; got "
+                               f"{orig!r}")
+    for key in ("short_factor", "long_factor"):
+        f = scaling.get(key)
+        if not isinstance(f, list) or len(f) != half_rotary or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in f):
+            raise ModelConfigError(f"{cfg_file}: rope_scaling.{key} must list {half_rotary} positive numbers (one per "
+                                   f"rotary frequency), got {f!r}")
+    return {**scaling, "original_max_position_embeddings": orig}
 
 
 def _as_list(x) -> list[int]:
@@ -215,12 +233,17 @@ def load_model_config(path: str) -> ModelConfig:
         rope_scaling = dict(rope_scaling)
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         rope_scaling["rope_type"] = rope_type
-        if rope_type not in ("default", "linear", "llama3", "yarn"):
+        if rope_type == "su":    # Phi-3's first name for longrope
+            rope_type = rope_scaling["rope_type"] = "longrope"
+        if rope_type not in ROPE_TYPES:
             raise ModelConfigError(
-                f"{cfg_file}: rope_scaling type {rope_type!r} is not supported (default, linear, llama3, yarn)")
+                f"{cfg_file}: rope_scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
         if rope_type == "default":
             rope_scaling = None
     partial = float(rope_params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
+    if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+        head_dim_ = int(c.get("head_dim") or c["hidden_size"] // int(c["num_attention_heads"]))
+        rope_scaling = check_longrope(rope_scaling, c, int(head_dim_ * partial) // 2, cfg_file)
 
     dtype_name = c.get("dtype") or c.get("torch_dtype") or "float32"
     if dtype_name not in DTYPES:

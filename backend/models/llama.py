@@ -1,5 +1,5 @@
-"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts Mixtral, Qwen2-MoE and
-Qwen3-MoE, whose sparse layers are models/moe.py's) over a flat batch of tokens and a paged KV cache.
+"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3, Phi-3, and the mixture-of-experts Mixtral, Qwen2-MoE
+and Qwen3-MoE, whose sparse layers are models/moe.py's) over a flat batch of tokens and a paged KV cache.
 
 Tokens of all sequences in a step are concatenated ([T, hidden]); attention finds each sequence's keys and
 values through its block table, so prefill chunks and single-token decodes share one forward.
@@ -14,7 +14,7 @@ import torch
 
 from trellm_backend.models.config import ModelConfig, ModelConfigError
 from trellm_backend.models.moe import SparseMlp, load_sparse_mlp
-from trellm_backend.models.rope import cos_sin_cache
+from trellm_backend.models.rope import cos_sin_cache, long_rope_from
 from trellm_backend.models.weights import Checkpoint
 from trellm_kernels.activation import silu_and_mul
 from trellm_kernels.attention import paged_attention
@@ -34,6 +34,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor   # [B, max_blocks] block ids, -1 padded
     max_seqlen_q: int
     max_seqlen_k: int
+    rope_long: torch.Tensor | None = None   # [T] bool: longrope's long factors for this token (None: short)
 
 
 @dataclass
@@ -75,16 +76,18 @@ class LlamaModel:
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
             sparse = cfg.moe is not None and cfg.moe.is_sparse(i)
+            fused = cfg.family == "phi3"      # Phi-3 stores q/k/v and gate/up already merged
             self.layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=ck.linear(a + "q_proj", a + "k_proj", a + "v_proj"),
+                qkv=ck.linear(a + "qkv_proj") if fused else ck.linear(a + "q_proj", a + "k_proj", a + "v_proj"),
                 qkv_bias=ck.stacked(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if cfg.qkv_bias else None,
                 o=ck.linear(a + "o_proj"),
                 o_bias=take(a + "o_proj.bias") if cfg.o_bias else None,
                 q_norm=take(a + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=take(a + "k_norm.weight") if cfg.qk_norm else None,
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=None if sparse else ck.linear(m + "gate_proj", m + "up_proj"),
+                gate_up=None if sparse else ck.linear(m + "gate_up_proj") if fused else ck.linear(
+                    m + "gate_proj", m + "up_proj"),
                 gate_up_bias=ck.stacked(m + "gate_proj.bias", m + "up_proj.bias") if cfg.mlp_bias else None,
                 down=None if sparse else ck.linear(m + "down_proj"),
                 down_bias=take(m + "down_proj.bias") if cfg.mlp_bias else None,
@@ -94,6 +97,8 @@ class LlamaModel:
         lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
         self.lm_head = prepare_weight(self.embed if cfg.tie_word_embeddings or lm_head is None else lm_head)
         self.cos_sin = cos_sin_cache(cfg, max_positions).to(device)
+        self.max_positions = max_positions
+        self.long_rope_from = long_rope_from(cfg)
         self.scale = cfg.head_dim ** -0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -128,6 +133,10 @@ class LlamaModel:
         cfg = self.cfg
         T = input_ids.shape[0]
         h = self.embed[input_ids]
+        rope_rows = meta.positions
+        if self.long_rope_from is not None and meta.rope_long is not None:
+            # longrope: the long factors are the table's second half (the scheduler decides which tokens take them)
+            rope_rows = meta.positions + meta.rope_long.to(meta.positions.dtype) * self.max_positions
         residual = None
         for i, w in enumerate(self.layers):
             if residual is None:
@@ -145,7 +154,7 @@ class LlamaModel:
             if w.q_norm is not None:  # Qwen3: RMSNorm of each head before rotary
                 q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rotary(q.contiguous(), k.contiguous(), meta.positions, self.cos_sin)
+            q, k = apply_rotary(q.contiguous(), k.contiguous(), rope_rows, self.cos_sin)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)

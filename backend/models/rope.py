@@ -18,6 +18,8 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     if s is None:
         return inv_freq, 1.0
     kind = s["rope_type"]
+    if kind == "longrope":
+        return _longrope_inv_freq(cfg, "short_factor")
     if kind == "linear":
         return inv_freq / float(s["factor"]), 1.0
     if kind == "llama3":
@@ -65,8 +67,33 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freq(cfg: ModelConfig, which: str) -> tuple[torch.Tensor, float]:
+    """Longrope's frequencies with its short or long factors, and the attention factor both share."""
+    s, dim = cfg.rope_scaling, cfg.rotary_dim
+    orig = s["original_max_position_embeddings"]
+    factor = float(s.get("factor") or cfg.max_position_embeddings / orig)
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (torch.tensor(s[which], dtype=torch.float32) * cfg.rope_theta ** shape), float(attention_factor)
+
+
+def long_rope_from(cfg: ModelConfig) -> int | None:
+    """For longrope, the sequence length past which a token's rotation uses the long factors (transformers' rule:
+    the longest position of the forward that computes it, so a whole prompt longer than this, and each later
+    token past it); None for the other rope types."""
+    s = cfg.rope_scaling
+    return s["original_max_position_embeddings"] if s is not None and s["rope_type"] == "longrope" else None
+
+
 def cos_sin_cache(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
-    """[max_positions, rotary_dim] fp32: cos of each position's angles, then sin."""
-    inv_freq, scale = rope_inv_freq(cfg)
-    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
+    """[max_positions, rotary_dim] fp32: cos of each position's angles, then sin. For longrope, the table of the
+    short factors and then the long factors' ([2 * max_positions, rotary_dim]): a token's row is its position, plus
+    max_positions where it takes the long ones."""
+    tables = [rope_inv_freq(cfg)]
+    if long_rope_from(cfg) is not None:
+        tables.append(_longrope_inv_freq(cfg, "long_factor"))
+    positions = torch.arange(max_positions, dtype=torch.float32)[:, None]
+    return torch.cat([torch.cat(((positions * f).cos() * scale, (positions * f).sin() * scale), dim=-1)
+                      for f, scale in tables])

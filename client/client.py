@@ -42,6 +42,7 @@ INPUT_TYPES = {
 LIST_INPUTS = {"stop_words", "bad_words"}
 INT_LIST_INPUTS = {"stop_token_ids"}
 JSON_INPUTS = {"tools", "logit_bias"}      # a JSON value (sent as its text), as `messages` is
+STOP_REQUEST_TIMEOUT_S = 10.0              # how long a stream left early waits for its stop request's answer
 
 
 class ServerUnavailable(ConnectionError):
@@ -222,7 +223,7 @@ class LLMClient:
             self.client.start_stream(callback=lambda result, error: done.put(error))
             try:
                 self.client.async_stream_infer(self._engine_model, [stop], request_id=request_id)
-                done.get(timeout=10)
+                done.get(timeout=STOP_REQUEST_TIMEOUT_S)
             finally:
                 self.client.stop_stream()
         except (InferenceServerException, queue.Empty):
@@ -338,9 +339,14 @@ class AsyncLLMClient:
             async def one_stop():
                 yield {"model_name": self._engine_model, "inputs": [stop], "request_id": request_id}
 
-            async for _ in self.client.stream_infer(one_stop()):
-                break   # the stop request's one (empty, final) response
-        except InferenceServerException:
+            async def read_to_end():
+                # The stop request's one (empty, final) response, then the call's end: leaving the call after the
+                # final response cancels it, and tritonserver 2.51 keeps a stream cancelled just after its final
+                # response (its state, the model's reference, the memory) for good.
+                async for _ in self.client.stream_infer(one_stop()):
+                    pass
+            await asyncio.wait_for(read_to_end(), STOP_REQUEST_TIMEOUT_S)
+        except (InferenceServerException, asyncio.TimeoutError):
             pass   # the server is gone, or the request already ended: nothing left to free
 
     async def stream(self, prompt: str | None = None, **params) -> AsyncIterator[str]:

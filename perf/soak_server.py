@@ -3,11 +3,13 @@ restarts a server whose stub died is the real one) as a subprocess, and what its
 resident memory, the /dev/shm regions of the Python-backend stubs, the engine's metrics."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import defaultdict
 
 from trellm_backend.tools.supervisor import stub_command
@@ -47,6 +49,11 @@ class Launcher:
                 return time.monotonic() - t0
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; see {self.log}")
+
+    def server_version(self) -> tuple[int, ...]:
+        """tritonserver's version, from its own HTTP port (/v2)."""
+        with urllib.request.urlopen(f"http://localhost:{self.http_port}/v2", timeout=10) as r:
+            return tuple(int(p) for p in json.load(r)["version"].split(".")[:3] if p.isdigit())
 
     def stdout(self) -> str:
         with open(self.stdout_path, errors="replace") as f:

@@ -209,6 +209,10 @@ class Traffic(Requests):
             "grpc_cancel_right_after_send": lambda rng: self.grpc_stream(
                 self.llm, llm_inputs(self.random_ids(rng), **long_llm), after_n=0,
                 after=lambda c: c.stop_stream(cancel_requests=True)),
+            # Read to the final response, then cancelled: tritonserver 2.51 keeps such a stream's state for good
+            # (soak.py leaves this kind out on servers before 2.57 unless --kinds names it).
+            "grpc_cancel_after_final": lambda rng: self.grpc_stream(
+                self.ensemble, ensemble_inputs(rng.choice(PROMPTS), max_tokens=8, stream=True), cancel_at_close=True),
             "llmclient_leave_early": self._cancel_llmclient,
             "async_llmclient_leave_early": self._cancel_async_llmclient,
             "stop_request_ensemble": self._cancel_stop_request,

@@ -251,6 +251,8 @@ def print_summary(s: dict) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>6}")
+    for kind, why in s.get("left_out", {}).items():
+        print(f"left out: {kind} ({why})")
     print("\nby outcome:")
     for outcome, n in s["outcomes"].items():
         print(f"  {n:6d}  {outcome}")

@@ -22,7 +22,7 @@ from conftest import REPO, free_ports
 from repository_helpers import processes_mentioning
 from trellm_backend.tools.launch import TritonServer, openmp_wait_defaults
 from trellm_backend.tools.supervisor import Supervisor, server_children, stub_shm_regions
-from trellm_backend.tools.testbed import private_repository, wait_until
+from trellm_backend.tools.testbed import private_repository, rss_bytes, wait_until
 from trellm_client.client import LLMClient
 
 pytestmark = pytest.mark.server
@@ -534,6 +534,45 @@ def test_stopping_the_server_ends_ensemble_streams_with_a_final_abort(tmp_path):
         assert not counted, f"the stopping server still counted inferences in flight: {counted[:1]}"
     finally:
         server.stop(timeout=15)    # past its exit timeout (10 s), 2.51 may linger for minutes: no need to wait
+
+
+def test_a_server_past_its_memory_bound_is_recycled_with_its_streams_ended_first(tmp_path):
+    """On 2.51 a gRPC stream cancelled just after its final response keeps its state in tritonserver for good; the
+    supervisor's memory bound contains that by restarting the server. The streams in flight are ended first, each
+    with its final response (abort), not cut by the kill, and the restart neither waits out nor counts as a fault."""
+    repo = tmp_path / "model_repository"
+    private_repository(os.path.join(REPO, "model_repository"), str(repo), {"llm": {"shutdown_grace_s": "1"}})
+    server = TritonServer(str(repo), *free_ports(3), log_path=str(tmp_path / "server.log")).start()
+    try:
+        end: list = []
+        streaming = threading.Event()
+
+        def stream():
+            chunks = []
+            try:
+                with LLMClient(server.grpc_url) as c:
+                    for chunk in c.stream_chunks("Once upon a time", stream=True, max_tokens=2000, min_tokens=2000):
+                        chunks.append(chunk)
+                        streaming.set()
+                end.append(("final", chunks[-1].finish_reason, chunks[-1].final))
+            except Exception as e:   # noqa: BLE001 - the outcome itself is what is checked
+                end.append(("error", str(e), len(chunks)))
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        assert streaming.wait(timeout=60)
+        old_pid = server.proc.pid
+        bound = rss_bytes(old_pid) / 2**20 / 2
+        supervisor = Supervisor(server, log=open(os.devnull, "w"), recycle_above_mib=bound)
+        supervisor.run(should_stop=lambda: len(supervisor.restarts) >= 1)
+        thread.join(timeout=30)
+        assert end == [("final", "abort", True)], end
+        assert supervisor.restarts[0]["reason"].startswith("recycle: tritonserver holds "), supervisor.restarts
+        assert server.proc.pid != old_pid
+        with LLMClient(server.grpc_url) as c:
+            assert c.generate("Once upon a time", max_tokens=4)
+    finally:
+        server.stop(timeout=15)
 
 
 def cancel_ensemble_stream_midway(url: str) -> None:

@@ -264,6 +264,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--probe-interval", type=float, default=0.0, metavar="S",
                     help="also restart after 3 failed one-token generate probes, one every S seconds (default 0: "
                          "off; a dead stub and a server exit are noticed without it)")
+    ap.add_argument("--recycle-above-mib", type=float, default=0.0, metavar="MIB",
+                    help="restart tritonserver, its streams ended first, when its resident memory passes MIB (default "
+                         "0: no bound; tritonserver 2.51 keeps what a gRPC stream cancelled just after its final "
+                         "response held, fixed in 2.57)")
     ap.add_argument("--probe-model", default="ensemble", help="the model the generate probe asks (default ensemble)")
     ap.add_argument("--openai-port", type=int, default=0, metavar="PORT",
                     help="also start the OpenAI-compatible front door (python -m trellm_openai) on this port "
@@ -342,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.exit_after_demo:
                 return 0
         if not args.no_restart:
-            Supervisor(server, probe_interval=args.probe_interval, probe_model=args.probe_model).run()
+            Supervisor(server, probe_interval=args.probe_interval, probe_model=args.probe_model,
+                       recycle_above_mib=args.recycle_above_mib).run()
         while server.proc.poll() is None:
             time.sleep(0.5)
         errors = log_errors(log_path) if log_path else []

@@ -12,6 +12,12 @@ every open stream with a connection error at once, and starts the server again w
 as the index said just before (or, where the server is already gone or too busy to answer, at the last look, taken
 every `index_interval` seconds while it serves), at once the first time and after 1, 2, 4 ... 30 s when restarts
 follow each other closely.
+
+With a memory bound (`recycle_above_mib`), a server whose resident memory passes it is recycled: its streams are
+ended first (TritonServer.drain: each gets its final response, finish_reason abort), then it restarts at once. That
+contains what tritonserver 2.51 keeps of a gRPC stream cancelled just after its final response (its request and its
+model stay held; fixed upstream in 2.57, the server of the Docker image), which nothing outside the server can
+reach.
 """
 from __future__ import annotations
 
@@ -28,9 +34,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from trellm_backend.tools.healthcheck import generate_probe
+from trellm_backend.tools.testbed import rss_bytes
 
 STUB_NAME = "triton_python_backend_stub"
 SHM_PREFIX = "triton_python_backend_shm_region_"
+RECYCLE = "recycle"            # the reason's first word for a restart on the memory bound: planned, not a fault
 MAX_BACKOFF_S = 30.0
 STABLE_AFTER_S = 60.0          # a server healthy this long resets the back-off
 
@@ -138,6 +146,8 @@ class Supervisor:
     probe_model: str = "ensemble"
     probe_failures: int = 3               # consecutive failed probes that count as a fault
     index_interval: float = 5.0           # seconds between looks at which models are loaded (explicit mode)
+    recycle_above_mib: float = 0.0        # tritonserver's resident memory that recycles it; 0: no bound
+    drain_s: float = 30.0                 # how long a recycle waits for the streams to end before the restart
     log: object = sys.stderr
     restarts: list[dict] = field(default_factory=list)   # {"reason", "down_s"} per restart, for the caller
     _stub_models: dict[int, str] = field(default_factory=dict)
@@ -189,6 +199,8 @@ class Supervisor:
                                                                             self._backends)
                 if model in ready:
                     return f"the Python-backend stub of model '{model}' (pid {pid}) died"
+        if self.recycle_above_mib > 0 and (mib := rss_bytes(proc.pid) / 2**20) > self.recycle_above_mib:
+            return f"{RECYCLE}: tritonserver holds {mib:.0f} MiB, above its bound of {self.recycle_above_mib:.0f} MiB"
         if self.server.model_control_mode == "explicit" and time.monotonic() >= self._next_index:
             self._next_index = time.monotonic() + self.index_interval
             self._look_at_index()
@@ -218,7 +230,8 @@ class Supervisor:
 
     def restart(self, reason: str, backoff: float) -> None:
         """Kill the server's process group at once (open streams end with a connection error instead of hanging)
-        and start it again after `backoff` seconds, loading the models that were loaded."""
+        and start it again after `backoff` seconds, loading the models that were loaded. A recycle drains the
+        streams first: the server still serves, so each can end with its final response."""
         down = time.monotonic()
         proc = self.server.proc          # None after a start that failed (TritonServer.start stops what it began)
         running = proc is not None and proc.poll() is None
@@ -226,6 +239,8 @@ class Supervisor:
         if self.server.model_control_mode == "explicit":
             models = self._look_at_index() if running else self._loaded
         print(f"supervisor: {reason}; restarting tritonserver in {backoff:.0f} s", file=self.log, flush=True)
+        if running and reason.startswith(RECYCLE):
+            self.server.drain(self.drain_s)
         if proc is not None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -263,11 +278,13 @@ class Supervisor:
                     backoff = 0.0
                 time.sleep(self.poll_s)
                 continue
+            planned = reason.startswith(RECYCLE)
             while True:
                 try:
-                    self.restart(reason, backoff)
+                    self.restart(reason, 0.0 if planned else backoff)
                     break
                 except (RuntimeError, TimeoutError) as e:      # the new server did not come up: try again, slower
-                    reason = f"restart failed: {e}"
+                    reason, planned = f"restart failed: {e}", False
                     backoff = next_backoff(backoff)
-            backoff, healthy_since = next_backoff(backoff), time.monotonic()
+            if not planned:    # a recycle is no fault: it neither waits out nor lengthens the back-off
+                backoff, healthy_since = next_backoff(backoff), time.monotonic()

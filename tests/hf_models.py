@@ -41,6 +41,18 @@ VARIANTS = {
                                          rope_scaling=dict(rope_type="longrope",
                                                            short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                                            long_factor=[1.5, 2.5, 4.0, 6.0, 9.0, 13.0]))),
+    # Gemma 3 (text): (1 + w) norms around both halves of each layer, embeddings scaled by sqrt(hidden), GELU-tanh,
+    # q/k norms, query_pre_attn_scalar 24 (not the head size), a sliding layer (rope base 10k) and a full one (1e6,
+    # linear scaling), tied embeddings, the logits capped at 30
+    "gemma3-text": ("Gemma3TextConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                             query_pre_attn_scalar=24, max_position_embeddings=512, sliding_window=512,
+                                             layer_types=["sliding_attention", "full_attention"],
+                                             final_logit_softcapping=30.0, pad_token_id=0,
+                                             rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                                    "rope_theta": 10000.0},
+                                                              "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                                 "rope_theta": 1e6}})),
     # Mixtral: 8 experts, top-2, the top-2 weights renormalised, GQA ratio 2
     "mixtral-moe8": ("MixtralConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
@@ -61,7 +73,7 @@ VARIANTS = {
 
 # Variants whose attention projections are scaled up so that scores are of order one: with the default init
 # (std 0.02) attention is near uniform and a wrong rotation changes no greedy token.
-SHARP_ATTENTION = {"phi3-longrope": 6.0}
+SHARP_ATTENTION = {"phi3-longrope": 6.0, "gemma3-text": 6.0}
 
 
 def make_variant(name: str, out_dir: str, vocab_size: int = 320) -> str:
@@ -79,6 +91,19 @@ def make_variant(name: str, out_dir: str, vocab_size: int = 320) -> str:
             if name in SHARP_ATTENTION and any(k in n for k in ("q_proj", "k_proj", "qkv_proj")):
                 p.mul_(SHARP_ATTENTION[name])
     model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def with_tokenizer(name: str, tokenizer_dir: str, out_dir: str) -> str:
+    """Variant `name` over the vocabulary of the tokenizer in `tokenizer_dir` (copied beside the weights): a folder
+    a server can take as it takes a downloaded one."""
+    import json
+    import shutil
+    with open(os.path.join(tokenizer_dir, "tokenizer.json")) as f:
+        vocab_size = max(json.load(f)["model"]["vocab"].values()) + 1
+    make_variant(name, out_dir, vocab_size)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tokenizer_dir, file), out_dir)
     return out_dir
 
 

@@ -114,6 +114,18 @@ def exact_silu_and_mul(x: torch.Tensor) -> Exact:
     return Exact(value, value.abs(), FIXED_STEPS, 1 + x.double().chunk(2, dim=-1)[1].abs())
 
 
+def exact_gelu_tanh_and_mul(x: torch.Tensor) -> Exact:
+    """gelu_tanh(gate) * up in float64, as g * sigmoid(y), y = 2 sqrt(2/pi) (g + 0.044715 g^3): the same function as
+    0.5 g (1 + tanh(y / 2)), without the cancellation that form has where y is very negative (even in float64 it is
+    then off by 1e-16 / (1 + tanh) relative). Otherwise as exact_silu_and_mul: products, no sum."""
+    g, up = x.double().chunk(2, dim=-1)
+    y = 2 * math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)
+    value = g * torch.sigmoid(y) * up
+    # y itself carries a few roundings (the cube, a multiply-add, the scale), each relative to |y|, and sigmoid's
+    # relative change is at most the change of y: a relative error of up to 4 |y| eps where y is very negative
+    return Exact(value, value.abs(), FIXED_STEPS + 4 * y.abs(), 1 + up.abs())
+
+
 def exact_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, max_seqlen_k,
                     k_scale=None, v_scale=None) -> Exact:
     """paged_attention's answer from the reference in float64 (a quantized cache dequantized exactly first).

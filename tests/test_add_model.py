@@ -163,6 +163,29 @@ def test_hot_load_serves_own_weights_and_unload_returns_memory(explicit_server, 
     client.close()
 
 
+@pytest.mark.parametrize("family", ["mixtral-moe8", "phi3-longrope", "gemma3-text"])
+def test_an_added_family_serves_transformers_greedy_text(explicit_server, default_model_path, family):
+    """A Mixtral, a Phi-3 and a Gemma 3 folder (the default model's tokenizer, random weights) added with the command
+    and loaded into a running server answer with transformers' greedy text through the ensemble and the vLLM-shaped
+    entry."""
+    from hf_models import with_tokenizer
+    server, root = explicit_server
+    folder = with_tokenizer(family, default_model_path, str(root / family))
+    want = greedy_texts(folder)
+    name = family.split("-")[0]
+    add_model(name, folder, server.model_repository, {"kv_cache_bytes": str(16 << 20)})
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        client.load_model(name)
+        client.load_model(f"{name}_vllm_model")
+        assert answers(server.grpc_url, name) == want
+        assert vllm_answers(server.http_url, f"{name}_vllm_model") == want
+    finally:
+        client.unload_model(f"{name}_vllm_model")
+        client.unload_model(name, unload_dependents=True)
+        client.close()
+
+
 def test_a_folder_the_engine_cannot_serve_is_refused_before_anything_is_written(default_model_path, tmp_path):
     """add_model wrote all five entries for a folder the llm then refused at load (a Gemma 3 or an unknown key); it
     now reads config.json as the load does, and exits 1 naming the file and what it refused."""

@@ -174,3 +174,24 @@ def test_kernel_interpreter_tests_in_their_own_process():
                           os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_kernels.py")],
                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:]
+
+
+def test_gemma_logprobs_follow_the_capped_logits(variant_dirs):
+    """Gemma 3's final_logit_softcapping is monotonic, so greedy tokens cannot show it; the logprobs do. Each
+    sampled token's logprob is transformers' log-softmax of the capped logits, far closer to it than to the uncapped
+    ones'."""
+    import json
+    from transformers import AutoModelForCausalLM
+    folder = variant_dirs["gemma3-text"]
+    cap = json.load(open(os.path.join(folder, "config.json")))["final_logit_softcapping"]
+    prompt = random_prompts(3, 320, [12])[0]
+    engine = LLMEngine(EngineConfig(model_path=folder, kv_cache_bytes=8 << 20))
+    [out] = run(engine, [prompt], replace(GREEDY, max_tokens=6, logprobs=0))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out["tokens"]])).logits[0, len(prompt) - 1:-1].double()
+    uncapped = torch.atanh(logits / cap) * cap     # what the model computed before transformers capped it
+    for i, (token, logprob) in enumerate(zip(out["tokens"], out["logprobs"])):
+        want = torch.log_softmax(logits[i], -1)[token].item()
+        other = torch.log_softmax(uncapped[i], -1)[token].item()
+        assert abs(logprob - want) * 100 < abs(logprob - other), (i, logprob, want, other)

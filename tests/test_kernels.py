@@ -30,8 +30,8 @@ from trellm_kernels import lora, triton_lora
 from trellm_kernels import moe, triton_moe
 
 from kernel_cases import paged_case, quantized, randn
-from rounding import (EPS32, Exact, assert_within_rounding, exact_attention, exact_linear, exact_lora_add, exact_moe,
-                      exact_rms_norm, exact_rotary, exact_silu_and_mul)
+from rounding import (EPS32, Exact, assert_within_rounding, exact_attention, exact_gelu_tanh_and_mul, exact_linear,
+                      exact_lora_add, exact_moe, exact_rms_norm, exact_rotary, exact_silu_and_mul)
 
 INTERPRETED = dispatch.settings().triton_interpret
 # Where the Triton kernels run: unset, on the tests' own CPU tensors (interpreted); "cuda", compiled on the GPU.
@@ -43,6 +43,7 @@ pytestmark = [pytest.mark.kernels,
 ENTRY_POINTS = [(triton_attention, "paged_attention_triton"), (triton_kv_cache, "write_kv_triton"),
                 (triton_rmsnorm, "rms_norm_triton"), (triton_rmsnorm, "fused_add_rms_norm_triton"),
                 (triton_rotary, "rotary_triton"), (triton_activation, "silu_and_mul_triton"),
+                (triton_activation, "gelu_tanh_and_mul_triton"),
                 (triton_linear, "int8_linear_triton"), (triton_linear, "int4_linear_triton"),
                 (triton_lora, "lora_shrink_triton"), (triton_lora, "lora_expand_triton"),
                 (triton_moe, "fused_moe_triton")]
@@ -412,6 +413,14 @@ def test_silu_and_mul(shape, dtype):
                            roundings=1 if dtype == F32 else 2)
 
 
+@pytest.mark.parametrize("shape,dtype", [((7, 96), F32), ((2, 3, 2200), F16), ((5, 34), BF16)])
+def test_gelu_tanh_and_mul(shape, dtype):
+    g = torch.Generator().manual_seed(11)
+    x = randn(g, *shape, dtype=dtype) * 3
+    assert_within_rounding(triton_activation.gelu_tanh_and_mul_triton(x), exact_gelu_tanh_and_mul(x),
+                           roundings=1 if dtype == F32 else 2)
+
+
 # ------------------------------------------------------------------------------------------------------- LoRA
 
 @pytest.mark.parametrize("tokens,k,r,n,dtype", [(7, 48, 8, 40, F32), (5, 200, 16, 130, F16), (3, 32, 4, 24, BF16)])
@@ -530,7 +539,8 @@ for raw, quant in (("*i8", 1), ("*u8", 2), ("*u8", 3)):   # INT8 / FP8 KV caches
 build(triton_rmsnorm._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK_N=1024), {"*": "*bf16"}, ("eps",))
 build(triton_rotary._rotary_kernel, dict(BLOCK_HQ=8, BLOCK_HK=2, BLOCK_R=32),
       {"*": "*fp16", "pos_ptr": "*i64", "cs_ptr": "*fp32"})
-build(triton_activation._silu_and_mul_kernel, dict(BLOCK=1024), {"*": "*bf16"})
+for act in (0, 1):
+    build(triton_activation._act_and_mul_kernel, dict(ACT=act, BLOCK=1024), {"*": "*bf16"})
 for dt, prec in (("*bf16", "tf32"), ("*fp32", "ieee")):
     for by_token, weighted in ((True, False), (False, True)):
         build(triton_moe._moe_gemm_kernel, dict(TOP_K=2, A_BY_TOKEN=by_token, MUL_WEIGHT=weighted, BLOCK_M=64,

@@ -14,7 +14,7 @@ from google.protobuf import json_format
 from tritonclient.utils import InferenceServerException
 
 from repository_helpers import edit_json, explicit_mode_server
-from trellm_backend.models.config import ModelConfigError
+from trellm_backend.models.config import ModelConfigError, load_model_config
 from trellm_backend.tools.add_model import add_model
 from trellm_backend.tools.repository import read_config
 from trellm_backend.triton.checks import serving_config
@@ -180,3 +180,21 @@ def test_ensemble_load_reports_the_engine_error_everywhere(server, default_model
         assert expected in f.read()
     good_still_answers(s)
     client.close()
+
+
+@pytest.mark.parametrize("variant, changes, message", [
+    ("gemma3-text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0 is not supported"),
+    ("gemma3-text", dict(hidden_activation="gelu"), "hidden_activation='gelu' is not supported (only "
+                                                    "'gelu_pytorch_tanh')"),
+    ("gemma3-text", dict(layer_types=["full_attention"]), "layer_types=['full_attention'] must name"),
+    ("phi3-longrope", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0],
+                                                long_factor=[1.0] * 6, original_max_position_embeddings=24)),
+     "rope_scaling.short_factor must list 6 positive numbers"),
+])
+def test_a_family_key_outside_what_is_served_is_refused_by_name(tmp_path, variant, changes, message):
+    from hf_models import model_dir_for
+    folder = model_dir_for(str(tmp_path), variant)
+    edit_json(os.path.join(folder, "config.json"), **changes)
+    with pytest.raises(ModelConfigError) as e:
+        load_model_config(folder)
+    assert f"{folder}/config.json: " in str(e.value) and message in str(e.value), str(e.value)

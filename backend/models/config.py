@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -130,6 +131,48 @@ def parse_moe(c: dict, family: str, num_layers: int, cfg_file: str) -> MoeConfig
     return MoeConfig(num_experts, top_k, size, renormalize, shared, step, tuple(sorted(set(dense))))
 
 
+@dataclass(frozen=True)
+class GemmaConfig:
+    """What Gemma 3's text model does beyond the Llama forward: norms of weight (1 + w) around both halves of each
+    layer, embeddings scaled by sqrt(hidden), GELU-tanh, its own attention scale, sliding layers with their own rope
+    base, and an optional tanh cap on the logits."""
+    layer_types: tuple[str, ...]          # "sliding_attention" or "full_attention", one per layer
+    local_rope_theta: float               # the sliding layers' rope base (default rope); the full layers' is rope_theta
+    attention_scale: float                # query_pre_attn_scalar ** -0.5
+    final_logit_softcapping: float | None = None
+
+
+def parse_gemma3(c: dict, num_layers: int, cfg_file: str) -> tuple[GemmaConfig, dict]:
+    """Gemma 3's settings, and the full-attention layers' rope settings for the common reading (transformers 5 keeps
+    one rope dict per layer type; older folders keep rope_theta, rope_scaling and rope_local_base_freq)."""
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if c.get(key):
+            raise ModelConfigError(f"{cfg_file}: {key}={c[key]!r} is not supported (Gemma 3's text model without it)")
+    types = c.get("layer_types") or ["sliding_attention" if (i + 1) % int(c.get("sliding_window_pattern", 6))
+                                     else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ModelConfigError(f"{cfg_file}: layer_types={types!r} must name sliding_attention or full_attention for "
+                               f"each of the {num_layers} layers")
+    per_type = c.get("rope_parameters") or {}
+    if "full_attention" in per_type or "sliding_attention" in per_type:
+        local = dict(per_type.get("sliding_attention") or {})
+        if local.get("rope_type", "default") != "default":
+            raise ModelConfigError(f"{cfg_file}: rope_parameters.sliding_attention.rope_type="
+                                   f"{local['rope_type']!r} is not supported (default)")
+        local_theta = float(local.get("rope_theta", 10000.0))
+        full = {"rope_parameters": dict(per_type.get("full_attention") or {})}
+    else:
+        local_theta = float(c.get("rope_local_base_freq", 10000.0))
+        full = {k: c[k] for k in ("rope_theta", "rope_scaling") if k in c}
+    cap = c.get("final_logit_softcapping")
+    scalar = c.get("query_pre_attn_scalar", 256)
+    if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or scalar <= 0:
+        raise ModelConfigError(f"{cfg_file}: query_pre_attn_scalar={scalar!r} must be a positive number")
+    if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0):
+        raise ModelConfigError(f"{cfg_file}: final_logit_softcapping={cap!r} must be a positive number or null")
+    return GemmaConfig(tuple(types), local_theta, float(scalar) ** -0.5, None if cap is None else float(cap)), full
+
+
 @dataclass
 class ModelConfig:
     path: str
@@ -156,6 +199,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     quant: QuantFormat | None = None   # a GPTQ/AWQ checkpoint: config.json's quantization_config
     moe: MoeConfig | None = None       # a mixture-of-experts family's experts and router
+    gemma: GemmaConfig | None = None   # Gemma 3's differences from the Llama forward
 
     @property
     def rotary_dim(self) -> int:
@@ -213,9 +257,15 @@ def load_model_config(path: str) -> ModelConfig:
     if family is None:
         raise ModelConfigError(
             f"{cfg_file}: architectures={archs} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-    act = c.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelConfigError(f"{cfg_file}: hidden_act={act!r} is not supported (only 'silu')")
+    act_key, want_act = ("hidden_activation", "gelu_pytorch_tanh") if family == "gemma3" else ("hidden_act", "silu")
+    act = c.get(act_key, want_act)
+    if act != want_act:
+        raise ModelConfigError(f"{cfg_file}: {act_key}={act!r} is not supported (only {want_act!r})")
+    gemma = None
+    if family == "gemma3":
+        gemma, rope_source = parse_gemma3(c, int(c["num_hidden_layers"]), cfg_file)
+        c = {**{k: v for k, v in c.items() if k not in ("rope_parameters", "rope_theta", "rope_scaling")},
+             **rope_source}
 
     num_heads = int(c["num_attention_heads"])
     num_kv_heads = int(c.get("num_key_value_heads") or num_heads)
@@ -280,13 +330,13 @@ def load_model_config(path: str) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", family == "gemma3")),   # transformers' defaults
         # Qwen2 always has q/k/v biases (Qwen2-MoE unless qkv_bias is false); the others have them, and o_proj's,
         # with attention_bias.
         qkv_bias=qkv_bias,
         o_bias=family not in ("qwen2", "qwen2_moe") and attention_bias,
         mlp_bias=bool(c.get("mlp_bias", False)),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         partial_rotary_factor=partial,
@@ -295,4 +345,5 @@ def load_model_config(path: str) -> ModelConfig:
         eos_token_ids=eos,
         quant=quant,
         moe=moe,
+        gemma=gemma,
     )

@@ -1,5 +1,6 @@
-"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3, Phi-3, and the mixture-of-experts Mixtral, Qwen2-MoE
-and Qwen3-MoE, whose sparse layers are models/moe.py's) over a flat batch of tokens and a paged KV cache.
+"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3's text model, and the mixture-of-experts
+Mixtral, Qwen2-MoE and Qwen3-MoE, whose sparse layers are models/moe.py's) over a flat batch of tokens and a paged
+KV cache.
 
 Tokens of all sequences in a step are concatenated ([T, hidden]); attention finds each sequence's keys and
 values through its block table, so prefill chunks and single-token decodes share one forward.
@@ -8,7 +9,7 @@ q/k/v and gate/up are merged into one matrix each, so a layer costs four matmuls
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,7 +17,7 @@ from trellm_backend.models.config import ModelConfig, ModelConfigError
 from trellm_backend.models.moe import SparseMlp, load_sparse_mlp
 from trellm_backend.models.rope import cos_sin_cache, long_rope_from
 from trellm_backend.models.weights import Checkpoint
-from trellm_kernels.activation import silu_and_mul
+from trellm_kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from trellm_kernels.attention import paged_attention
 from trellm_kernels.kv_cache import write_kv
 from trellm_kernels.linear import Weight, linear, linear_path, prepare_weight
@@ -52,6 +53,9 @@ class LayerWeights:
     down: Weight | None
     down_bias: torch.Tensor | None
     sparse: SparseMlp | None = None
+    attn_out_norm: torch.Tensor | None = None   # Gemma: the attention's output normed before the residual add
+    mlp_out_norm: torch.Tensor | None = None    # Gemma: the MLP's output normed before the residual add
+    cos_sin: torch.Tensor | None = None         # the layer's own rope table (Gemma's sliding layers); None: the model's
 
 
 class LlamaModel:
@@ -67,10 +71,21 @@ class LlamaModel:
         self.dtype = dtype
         ck = Checkpoint(cfg, state, device, dtype, quantization)
         take, source = ck.take, cfg.path
+        gemma = cfg.gemma
+
+        def norm(name: str) -> torch.Tensor:
+            # Gemma stores its norms' weights as w and scales by 1 + w
+            return take(name) + 1 if gemma is not None else take(name)
+
         self.embed = take("model.embed_tokens.weight")
         if self.embed.shape != (cfg.vocab_size, cfg.hidden_size):
             raise ModelConfigError(f"{source}: model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
                                    f"config.json says vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}")
+        self.cos_sin = cos_sin_cache(cfg, max_positions).to(device)
+        local_cos_sin = None
+        if gemma is not None and "sliding_attention" in gemma.layer_types:
+            local_cos_sin = cos_sin_cache(replace(cfg, rope_theta=gemma.local_rope_theta, rope_scaling=None),
+                                          max_positions).to(device)
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -78,28 +93,35 @@ class LlamaModel:
             sparse = cfg.moe is not None and cfg.moe.is_sparse(i)
             fused = cfg.family == "phi3"      # Phi-3 stores q/k/v and gate/up already merged
             self.layers.append(LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
+                input_norm=norm(p + "input_layernorm.weight"),
                 qkv=ck.linear(a + "qkv_proj") if fused else ck.linear(a + "q_proj", a + "k_proj", a + "v_proj"),
                 qkv_bias=ck.stacked(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if cfg.qkv_bias else None,
                 o=ck.linear(a + "o_proj"),
                 o_bias=take(a + "o_proj.bias") if cfg.o_bias else None,
-                q_norm=take(a + "q_norm.weight") if cfg.qk_norm else None,
-                k_norm=take(a + "k_norm.weight") if cfg.qk_norm else None,
-                post_norm=take(p + "post_attention_layernorm.weight"),
+                q_norm=norm(a + "q_norm.weight") if cfg.qk_norm else None,
+                k_norm=norm(a + "k_norm.weight") if cfg.qk_norm else None,
+                post_norm=norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
                 gate_up=None if sparse else ck.linear(m + "gate_up_proj") if fused else ck.linear(
                     m + "gate_proj", m + "up_proj"),
                 gate_up_bias=ck.stacked(m + "gate_proj.bias", m + "up_proj.bias") if cfg.mlp_bias else None,
                 down=None if sparse else ck.linear(m + "down_proj"),
                 down_bias=take(m + "down_proj.bias") if cfg.mlp_bias else None,
                 sparse=load_sparse_mlp(ck, cfg, p) if sparse else None,
+                attn_out_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
+                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
+                cos_sin=local_cos_sin if gemma and gemma.layer_types[i] == "sliding_attention" else None,
             ))
-        self.norm = take("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
         self.lm_head = prepare_weight(self.embed if cfg.tie_word_embeddings or lm_head is None else lm_head)
-        self.cos_sin = cos_sin_cache(cfg, max_positions).to(device)
         self.max_positions = max_positions
         self.long_rope_from = long_rope_from(cfg)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim ** -0.5 if gemma is None else gemma.attention_scale
+        # Gemma: embeddings times sqrt(hidden) (rounded to the dtype first, as transformers does), GELU-tanh, and
+        # the logits' optional tanh cap
+        self.embed_scale = None if gemma is None else torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device=device)
+        self.gelu = gemma is not None
+        self.logit_cap = None if gemma is None else gemma.final_logit_softcapping
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -133,6 +155,8 @@ class LlamaModel:
         cfg = self.cfg
         T = input_ids.shape[0]
         h = self.embed[input_ids]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         rope_rows = meta.positions
         if self.long_rope_from is not None and meta.rope_long is not None:
             # longrope: the long factors are the table's second half (the scheduler decides which tokens take them)
@@ -154,7 +178,8 @@ class LlamaModel:
             if w.q_norm is not None:  # Qwen3: RMSNorm of each head before rotary
                 q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rotary(q.contiguous(), k.contiguous(), rope_rows, self.cos_sin)
+            q, k = apply_rotary(q.contiguous(), k.contiguous(), rope_rows,
+                                self.cos_sin if w.cos_sin is None else w.cos_sin)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
@@ -164,6 +189,8 @@ class LlamaModel:
             h = linear(attn, w.o, w.o_bias)
             if lora is not None:
                 lora.add(h, attn, i, "o")
+            if w.attn_out_norm is not None:
+                h = rms_norm(h, w.attn_out_norm, cfg.rms_norm_eps)
             x, residual = fused_add_rms_norm(h, residual, w.post_norm, cfg.rms_norm_eps)
             if w.sparse is not None:
                 h = w.sparse(x)
@@ -171,12 +198,17 @@ class LlamaModel:
             gu = linear(x, w.gate_up, w.gate_up_bias)
             if lora is not None:
                 lora.add(gu, x, i, "gate_up")
-            act = silu_and_mul(gu)
+            act = gelu_tanh_and_mul(gu) if self.gelu else silu_and_mul(gu)
             h = linear(act, w.down, w.down_bias)
             if lora is not None:
                 lora.add(h, act, i, "down")
+            if w.mlp_out_norm is not None:
+                h = rms_norm(h, w.mlp_out_norm, cfg.rms_norm_eps)
         # Only the rows that will be sampled go through the final norm and the vocabulary projection.
         h = h[logits_indices]
         residual = residual[logits_indices]
         x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
-        return linear(x, self.lm_head).float()
+        logits = linear(x, self.lm_head).float()
+        if self.logit_cap is not None:
+            logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
+        return logits

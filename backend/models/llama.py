@@ -92,6 +92,9 @@ class LlamaModel:
             a, m = p + "self_attn.", p + "mlp."
             sparse = cfg.moe is not None and cfg.moe.is_sparse(i)
             fused = cfg.family == "phi3"      # Phi-3 stores q/k/v and gate/up already merged
+            gate_up = None
+            if not sparse:
+                gate_up = ck.linear(m + "gate_up_proj") if fused else ck.linear(m + "gate_proj", m + "up_proj")
             self.layers.append(LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight"),
                 qkv=ck.linear(a + "qkv_proj") if fused else ck.linear(a + "q_proj", a + "k_proj", a + "v_proj"),
@@ -101,8 +104,7 @@ class LlamaModel:
                 q_norm=norm(a + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=norm(a + "k_norm.weight") if cfg.qk_norm else None,
                 post_norm=norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
-                gate_up=None if sparse else ck.linear(m + "gate_up_proj") if fused else ck.linear(
-                    m + "gate_proj", m + "up_proj"),
+                gate_up=gate_up,
                 gate_up_bias=ck.stacked(m + "gate_proj.bias", m + "up_proj.bias") if cfg.mlp_bias else None,
                 down=None if sparse else ck.linear(m + "down_proj"),
                 down_bias=take(m + "down_proj.bias") if cfg.mlp_bias else None,
@@ -175,7 +177,7 @@ class LlamaModel:
             q = q.reshape(T, cfg.num_heads, cfg.head_dim)
             k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            if w.q_norm is not None:  # Qwen3: RMSNorm of each head before rotary
+            if w.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm of each head before rotary
                 q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
             q, k = apply_rotary(q.contiguous(), k.contiguous(), rope_rows,

@@ -122,6 +122,18 @@ def vllm_answers(http_url: str, model: str) -> dict[str, str]:
                              exclude_input_in_output=True)[0]["text_output"] for p in PROMPTS}
 
 
+def door_answers(url: str, model: str) -> dict[str, str]:
+    """Greedy completions through the OpenAI front door (the model is its ensemble entry's name)."""
+    import urllib.request
+    out = {}
+    for p in PROMPTS:
+        body = json.dumps({"model": model, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0}).encode()
+        req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out[p] = json.load(r)["choices"][0]["text"]
+    return out
+
+
 def test_hot_load_serves_own_weights_and_unload_returns_memory(explicit_server, default_model_path):
     server, root = explicit_server
     second = variant_model(default_model_path, str(root / "hf_second"))
@@ -166,9 +178,11 @@ def test_hot_load_serves_own_weights_and_unload_returns_memory(explicit_server, 
 @pytest.mark.parametrize("family", ["mixtral-moe8", "phi3-longrope", "gemma3-text"])
 def test_an_added_family_serves_transformers_greedy_text(explicit_server, default_model_path, family):
     """A Mixtral, a Phi-3 and a Gemma 3 folder (the default model's tokenizer, random weights) added with the command
-    and loaded into a running server answer with transformers' greedy text through the ensemble and the vLLM-shaped
-    entry."""
+    and loaded into a running server answer with transformers' greedy text through the ensemble, the vLLM-shaped
+    entry and the OpenAI front door."""
     from hf_models import with_tokenizer
+    from test_openai_api import start_front_door
+    from trellm_backend.tools.launch import stop_front_door
     server, root = explicit_server
     folder = with_tokenizer(family, default_model_path, str(root / family))
     want = greedy_texts(folder)
@@ -180,6 +194,11 @@ def test_an_added_family_serves_transformers_greedy_text(explicit_server, defaul
         client.load_model(f"{name}_vllm_model")
         assert answers(server.grpc_url, name) == want
         assert vllm_answers(server.http_url, f"{name}_vllm_model") == want
+        door, url = start_front_door(server)
+        try:
+            assert door_answers(url, name) == want
+        finally:
+            stop_front_door(door)
     finally:
         client.unload_model(f"{name}_vllm_model")
         client.unload_model(name, unload_dependents=True)

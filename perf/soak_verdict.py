@@ -196,9 +196,9 @@ def summarize(soak, args, startup: dict, launcher, left_processes: list[int]) ->
         "requests": len(records),
         "by_category": {c: sum(sum(o.values()) for o in kinds.values()) for c, kinds in by_kind.items()},
         "by_kind": {c: {kind: dict(o) for kind, o in sorted(kinds.items())} for c, kinds in sorted(by_kind.items())},
-        "kinds_planned": {"wellformed": sorted(soak.wellformed()), "malformed": sorted(soak.malformed()),
-                          "cancel": sorted(soak.cancels()), "disconnect": sorted(soak.disconnects()),
-                          "overload": sorted(soak.bursts())},
+        "kinds_planned": {category: sorted(k for k in kinds if k not in soak.left_out) for category, kinds in (
+            ("wellformed", soak.wellformed()), ("malformed", soak.malformed()), ("cancel", soak.cancels()),
+            ("disconnect", soak.disconnects()), ("overload", soak.bursts()))},
         "outcomes": dict(Counter(r.outcome for r in records).most_common()),
         "error_samples": samples,
         "hung": len(hung),

@@ -6,7 +6,9 @@ the public one: it checks a body's size and nesting (a byte scan, no parse) and 
 it is, streams included. The routes are those clients of Triton's HTTP use (tritonclient's HTTP client,
 perf_analyzer, genai-perf, curl): health, server and model metadata, config, ready, stats, infer, generate and
 generate_stream. Repository control, shared memory, tracing and logging stay on loopback. An error of the relay's
-own has Triton's shape, {"error": "..."}.
+own has Triton's shape, {"error": "..."}. One more refusal reads a field: `stream: true` sent to `/generate`
+(genai-perf's `--endpoint-type generate --streaming` does that): 2.51 answers it at once with an error while the
+model's generation runs on unread, so a client repeating it fills the engine with work nobody reads.
 """
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ _CLOSE[[ord("]"), ord("}")]] = 1
 _ROUTES = re.compile(r"(/health/(live|ready))?|/models/[^/]+(/versions/[^/]+)?"
                      r"(/(config|ready|stats|infer|generate|generate_stream))?")
 _HEALTH = re.compile(r"/health/(live|ready)")
+_GENERATE = re.compile(r"/models/[^/]+(/versions/[^/]+)?/generate")
+# `"stream": true` (or [true]) as a key of the body: inside a JSON string a quote is escaped, so text cannot match.
+_STREAM_ON = re.compile(rb'"stream"\s*:\s*(true|\[\s*true\s*\])')
 # Hop-by-hop headers (RFC 9110) and what the relay sets itself.
 _NOT_FORWARDED = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "expect",
                   "transfer-encoding", "upgrade", "host", "content-length"}
@@ -129,6 +134,9 @@ class Relay:
             return triton_error(400, f"Inference-Header-Content-Length {header_length!r} is not a number")
         if await body_nests_deeper_than(json_part, self.max_depth):
             return triton_error(400, f"the request body nests deeper than {self.max_depth} levels")
+        if _GENERATE.fullmatch(tail) and len(json_part) <= OFF_LOOP_BYTES and _STREAM_ON.search(json_part):
+            return triton_error(400, "stream=true needs the generate_stream route: /generate answers with one "
+                                     f"response; POST it to {request.path}_stream")
         return None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:

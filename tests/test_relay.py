@@ -102,6 +102,25 @@ def test_a_deep_body_is_refused_by_the_door_and_a_stream_in_flight_goes_on(trito
     assert status == 200, answer    # brackets inside a string are text, not nesting
 
 
+def test_stream_true_on_generate_is_refused_before_triton_runs_it(triton_server, door):
+    """2.51 answers a streamed request on /generate with an error at once while the generation runs on unread; a
+    client repeating that (genai-perf's `--endpoint-type generate --streaming`) left a soak's engine busy with work
+    nobody read. The door refuses it and Triton never counts it."""
+    def ensemble_requests() -> int:
+        with urllib.request.urlopen(f"http://{triton_server.http_url}/v2/models/ensemble/stats", timeout=10) as r:
+            return json.load(r)["model_stats"][0]["inference_stats"]["success"]["count"]
+    before = ensemble_requests()
+    for body in (b'{"text_input": "hi", "stream": true, "max_tokens": 8}', b'{"text_input": ["hi"], "stream" : [ true ]}'):
+        status, answer = post(door, "/v2/models/ensemble/generate", body)
+        assert status == 400 and json.loads(answer)["error"].startswith("stream=true needs the generate_stream route"), \
+            answer
+    assert ensemble_requests() == before
+    status, answer = post(door, "/v2/models/ensemble/generate", b'{"text_input": "\\"stream\\": true", "max_tokens": 2}')
+    assert status == 200 and json.loads(answer)["text_output"], answer     # the words in a prompt are text
+    events = http_generate(door, PROMPT, stream=True, max_tokens=4)        # the streaming route takes it
+    assert events[-1]["finish_reason"] == "length"
+
+
 def test_only_the_client_routes_are_relayed(door):
     for path in ("/v2/repository/index", "/v2/repository/models/ensemble/unload", "/v2/systemsharedmemory/status",
                  "/v2/trace/setting", "/v2/logging", "/v2/models/ensemble/load"):

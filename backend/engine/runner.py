@@ -92,7 +92,7 @@ class ModelRunner:
             ids.extend(c.token_ids)
         meta, cu = attention_metadata([c.start for c in chunks], [c.num_new_tokens for c in chunks],
                                       [c.block_ids for c in chunks], self.block_size, self.device,
-                                      [c.rope_long for c in chunks])
+                                      [c.rope_long for c in chunks] if self.model.long_rope_from is not None else None)
         # Logits of each sampling chunk's last row, and with guesses of one row per guess before it too.
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         rows = [len(chunks[i].sampling) for i in sampling]

@@ -103,7 +103,8 @@ class LlamaModel:
                 o_bias=take(a + "o_proj.bias") if cfg.o_bias else None,
                 q_norm=norm(a + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=norm(a + "k_norm.weight") if cfg.qk_norm else None,
-                post_norm=norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
+                # the norm before the MLP: Gemma names it pre_feedforward (its post_attention one is attn_out_norm)
+                post_norm=norm(p + ("pre_feedforward" if gemma else "post_attention") + "_layernorm.weight"),
                 gate_up=gate_up,
                 gate_up_bias=ck.stacked(m + "gate_proj.bias", m + "up_proj.bias") if cfg.mlp_bias else None,
                 down=None if sparse else ck.linear(m + "down_proj"),
@@ -160,7 +161,7 @@ class LlamaModel:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         rope_rows = meta.positions
-        if self.long_rope_from is not None and meta.rope_long is not None:
+        if meta.rope_long is not None:
             # longrope: the long factors are the table's second half (the scheduler decides which tokens take them)
             rope_rows = meta.positions + meta.rope_long.to(meta.positions.dtype) * self.max_positions
         residual = None

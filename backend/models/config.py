@@ -101,31 +101,38 @@ class MoeConfig:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
 
 
+def positive(value, key: str, cfg_file: str, integer: bool = True):
+    """`value` of config.json's `key` when it is a positive integer (or, without `integer`, number); else an error
+    naming the file, the key and the value."""
+    kinds = int if integer else (int, float)
+    if not isinstance(value, kinds) or isinstance(value, bool) or value <= 0:
+        raise ModelConfigError(f"{cfg_file}: {key}={value!r} must be " +
+                               ("an integer >= 1" if integer else "a positive number"))
+    return value
+
+
 def parse_moe(c: dict, family: str, num_layers: int, cfg_file: str) -> MoeConfig:
     """config.json's expert settings for a MoE family, each checked and named when out of range."""
-    def positive(key: str, default=None) -> int:
-        v = c.get(key, default)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ModelConfigError(f"{cfg_file}: {key}={v!r} must be an integer >= 1")
-        return v
+    def setting(key: str, default=None) -> int:
+        return positive(c.get(key, default), key, cfg_file)
 
     if family == "mixtral":
-        num_experts, size, renormalize = positive("num_local_experts"), positive("intermediate_size"), True
+        num_experts, size, renormalize = setting("num_local_experts"), setting("intermediate_size"), True
         shared, step, dense = 0, 1, ()
     else:
         # Qwen's folders say num_experts; transformers 5 writes Qwen3-MoE's as num_local_experts
-        num_experts = positive("num_experts" if "num_experts" in c else "num_local_experts")
-        size = positive("moe_intermediate_size")
+        num_experts = setting("num_experts" if "num_experts" in c else "num_local_experts")
+        size = setting("moe_intermediate_size")
         renormalize = c.get("norm_topk_prob", False)
         if not isinstance(renormalize, bool):
             raise ModelConfigError(f"{cfg_file}: norm_topk_prob={renormalize!r} must be true or false")
-        shared = positive("shared_expert_intermediate_size") if family == "qwen2_moe" else 0
-        step = positive("decoder_sparse_step", 1)
+        shared = setting("shared_expert_intermediate_size") if family == "qwen2_moe" else 0
+        step = setting("decoder_sparse_step", 1)
         dense = c.get("mlp_only_layers") or []
         if not all(isinstance(i, int) and 0 <= i < num_layers for i in dense):
             raise ModelConfigError(f"{cfg_file}: mlp_only_layers={dense!r} must list layer indices in "
                                    f"[0, {num_layers})")
-    top_k = positive("num_experts_per_tok")
+    top_k = setting("num_experts_per_tok")
     if top_k > num_experts:
         raise ModelConfigError(f"{cfg_file}: num_experts_per_tok={top_k} is more than the {num_experts} experts")
     return MoeConfig(num_experts, top_k, size, renormalize, shared, step, tuple(sorted(set(dense))))
@@ -164,13 +171,11 @@ def parse_gemma3(c: dict, num_layers: int, cfg_file: str) -> tuple[GemmaConfig, 
     else:
         local_theta = float(c.get("rope_local_base_freq", 10000.0))
         full = {k: c[k] for k in ("rope_theta", "rope_scaling") if k in c}
+    scalar = positive(c.get("query_pre_attn_scalar", 256), "query_pre_attn_scalar", cfg_file, integer=False)
     cap = c.get("final_logit_softcapping")
-    scalar = c.get("query_pre_attn_scalar", 256)
-    if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or scalar <= 0:
-        raise ModelConfigError(f"{cfg_file}: query_pre_attn_scalar={scalar!r} must be a positive number")
-    if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0):
-        raise ModelConfigError(f"{cfg_file}: final_logit_softcapping={cap!r} must be a positive number or null")
-    return GemmaConfig(tuple(types), local_theta, float(scalar) ** -0.5, None if cap is None else float(cap)), full
+    if cap is not None:
+        cap = float(positive(cap, "final_logit_softcapping", cfg_file, integer=False))
+    return GemmaConfig(tuple(types), local_theta, float(scalar) ** -0.5, cap), full
 
 
 @dataclass
@@ -218,10 +223,8 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 def check_longrope(scaling: dict, c: dict, half_rotary: int, cfg_file: str) -> dict:
     """Phi-3's longrope: a short and a long factor per rotary frequency, and the pretraining length past which a
     sequence uses the long ones (in the rope settings, or, in older folders, at the top level)."""
-    orig = scaling.get("original_max_position_embeddings", c.get("original_max_position_embeddings"))
-    if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
-        raise ModelConfigError(f"{cfg_file}: longrope needs original_max_position_embeddings, an integer >= 1; got "
-                               f"{orig!r}")
+    orig = positive(scaling.get("original_max_position_embeddings", c.get("original_max_position_embeddings")),
+                    "original_max_position_embeddings", cfg_file)
     for key in ("short_factor", "long_factor"):
         f = scaling.get(key)
         if not isinstance(f, list) or len(f) != half_rotary or not all(

@@ -1,9 +1,9 @@
 """Random inputs for the kernels: the paged-attention batches that tests/test_kernels.py and tests/test_cpu_ops.py
-check and that perf/bench_attention.py and perf/bench_kv_cuda.py time, built in one place so that what is timed is
-what is tested."""
+check and that perf/bench_attention.py and perf/bench_kv_cuda.py time, and the mixture-of-experts cases of
+tests/test_kernels.py and tests/test_moe.py, built in one place so that what is timed is what is tested."""
 import torch
 
-from trellm_kernels import kv_cache
+from trellm_kernels import kv_cache, moe
 
 
 def randn(g, *shape, dtype=torch.float32):
@@ -38,3 +38,14 @@ def quantized(args, cache_dtype):
     qk, k_scale = kv_cache.quantize_kv(k_cache, cache_dtype)
     qv, v_scale = kv_cache.quantize_kv(v_cache, cache_dtype)
     return (q, qk, qv, *args[3:]), dict(k_scale=k_scale, v_scale=v_scale)
+
+
+def moe_case(tokens, experts, top_k, hidden, inter, dtype=torch.float32, seed=0):
+    """fused_moe's arguments in stacked form: x [T, H], w13 [E, 2I, H], w2 [E, H, I] (scaled to keep outputs of order
+    one), and a routing of random logits, renormalised for even seeds."""
+    g = torch.Generator().manual_seed(seed)
+    x = randn(g, tokens, hidden, dtype=dtype)
+    w13 = (randn(g, experts, 2 * inter, hidden) / hidden ** 0.5).to(dtype)
+    w2 = (randn(g, experts, hidden, inter) / inter ** 0.5).to(dtype)
+    weights, ids = moe.route(randn(g, tokens, experts), top_k, renormalize=seed % 2 == 0)
+    return x, w13, w2, weights, ids

@@ -29,7 +29,7 @@ from trellm_kernels import triton_linear
 from trellm_kernels import lora, triton_lora
 from trellm_kernels import moe, triton_moe
 
-from kernel_cases import paged_case, quantized, randn
+from kernel_cases import moe_case, paged_case, quantized, randn
 from rounding import (EPS32, Exact, assert_within_rounding, exact_attention, exact_gelu_tanh_and_mul, exact_linear,
                       exact_lora_add, exact_moe, exact_rms_norm, exact_rotary, exact_silu_and_mul)
 
@@ -404,21 +404,18 @@ def test_rotary(h, kvh, d, rot, dtype):
 
 # -------------------------------------------------------------------------------------------------- SiLU and mul
 
+ACTIVATIONS = {"silu": ("silu_and_mul_triton", exact_silu_and_mul),
+               "gelu_tanh": ("gelu_tanh_and_mul_triton", exact_gelu_tanh_and_mul)}
+
+
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("shape,dtype", [((7, 96), F32), ((2, 3, 2200), F16), ((5, 34), BF16)])
-def test_silu_and_mul(shape, dtype):
+def test_act_and_mul(act, shape, dtype):
+    kernel, exact = ACTIVATIONS[act]
     g = torch.Generator().manual_seed(10)
     x = randn(g, *shape, dtype=dtype) * 3
-    # in fp16/bf16 silu(gate) is rounded to the dtype before the product (the reference's order), then the product
-    assert_within_rounding(triton_activation.silu_and_mul_triton(x), exact_silu_and_mul(x),
-                           roundings=1 if dtype == F32 else 2)
-
-
-@pytest.mark.parametrize("shape,dtype", [((7, 96), F32), ((2, 3, 2200), F16), ((5, 34), BF16)])
-def test_gelu_tanh_and_mul(shape, dtype):
-    g = torch.Generator().manual_seed(11)
-    x = randn(g, *shape, dtype=dtype) * 3
-    assert_within_rounding(triton_activation.gelu_tanh_and_mul_triton(x), exact_gelu_tanh_and_mul(x),
-                           roundings=1 if dtype == F32 else 2)
+    # in fp16/bf16 act(gate) is rounded to the dtype before the product (the reference's order), then the product
+    assert_within_rounding(getattr(triton_activation, kernel)(x), exact(x), roundings=1 if dtype == F32 else 2)
 
 
 # ------------------------------------------------------------------------------------------------------- LoRA
@@ -629,15 +626,6 @@ MOE_CASES = [  # tokens, experts, top_k, hidden, expert intermediate, dtype
     (1, 4, 1, 32, 16, F32), (7, 8, 2, 48, 40, F32), (65, 16, 4, 32, 24, F16), (513, 64, 8, 16, 8, F32),
     (33, 64, 6, 24, 20, BF16), (200, 8, 2, 64, 48, BF16), (2, 4, 4, 16, 72, F32),
 ]
-
-
-def moe_case(tokens, experts, top_k, hidden, inter, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = randn(g, tokens, hidden, dtype=dtype)
-    w13 = (randn(g, experts, 2 * inter, hidden) / hidden ** 0.5).to(dtype)
-    w2 = (randn(g, experts, hidden, inter) / inter ** 0.5).to(dtype)
-    weights, ids = moe.route(randn(g, tokens, experts), top_k, renormalize=seed % 2 == 0)
-    return x, w13, w2, weights, ids
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, dtype", MOE_CASES)

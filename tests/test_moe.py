@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_models import model_dir_for
-from kernel_cases import randn
+from kernel_cases import moe_case, randn
 from rounding import assert_within_rounding, exact_moe
 from trellm_backend.models.config import ModelConfigError, load_model_config
 from trellm_backend.models.lora import AdapterError, load_adapter
@@ -35,15 +35,6 @@ def test_route_is_transformers_router(family, renormalize):
     assert torch.equal(weights, hf_weights.float())
 
 
-def stacked_case(tokens, experts, top_k, hidden, inter, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = randn(g, tokens, hidden)
-    w13 = randn(g, experts, 2 * inter, hidden) / hidden ** 0.5
-    w2 = randn(g, experts, hidden, inter) / inter ** 0.5
-    weights, ids = moe.route(randn(g, tokens, experts), top_k, renormalize=True)
-    return x, w13, w2, weights, ids
-
-
 def as_experts(w13, w2, quantization="none") -> moe.Experts:
     return moe.Experts([linear.prepare_weight(w.contiguous(), quantization) for w in w13],
                        [linear.prepare_weight(w.contiguous(), quantization) for w in w2])
@@ -52,7 +43,7 @@ def as_experts(w13, w2, quantization="none") -> moe.Experts:
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", [(1, 4, 1, 32, 16), (9, 8, 2, 64, 48),
                                                                      (130, 16, 4, 48, 40), (5, 64, 8, 16, 24)])
 def test_cpu_path_matches_the_reference(tokens, experts, top_k, hidden, inter):
-    x, w13, w2, weights, ids = stacked_case(tokens, experts, top_k, hidden, inter)
+    x, w13, w2, weights, ids = moe_case(tokens, experts, top_k, hidden, inter)
     assert_within_rounding(moe.fused_moe(x, as_experts(w13, w2), weights, ids), exact_moe(x, w13, w2, weights, ids))
 
 
@@ -74,7 +65,7 @@ def test_int8_experts_are_quantized_at_load_and_serve(tmp_path):
 
 def test_experts_no_token_chose_are_not_run():
     """An expert with NaN weights that the router never picks leaves no trace: only the chosen experts run."""
-    x, w13, w2, weights, ids = stacked_case(12, 8, 2, 32, 16)
+    x, w13, w2, weights, ids = moe_case(12, 8, 2, 32, 16)
     unused = sorted(set(range(8)) - set(ids.unique().tolist()))
     if not unused:
         ids = ids % 6

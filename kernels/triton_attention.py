@@ -15,6 +15,9 @@ of its sequence's context and writes unnormalised partials (running max, running
 kernel, grid (T, H), merges the segments by log-sum-exp. It is chosen when few (sequence, KV head) programs would
 otherwise face a long context; num_splits= or env TRELLM_ATTN_SPLITS forces a path (1 = single launch).
 
+A sliding window (window > 0) masks keys more than window - 1 before a row and starts each program's loop at its
+first row's window; soft-capping (SOFTCAP) maps each score through cap * tanh(s / cap) before the softmax.
+
 Head sizes are padded to a power of two >= 16 with masks, and row tiles are >= 16, as tl.dot needs on GPUs.
 """
 
@@ -55,11 +58,21 @@ def _decode_kv(raw, dtype: tl.constexpr, QUANT: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))               # in (0, 1]: never overflows
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _attend(acc, m_i, l_i, q, q_pos, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, key_lo, key_hi, block_size,
-            s_kb, s_ks, s_vb, s_vs, s_ksb, s_kss, s_vsb, s_vss, qk_scale, HEAD_DIM: tl.constexpr,
-            D_P: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
-    """Online softmax of the rows q ([M, D_P], absolute positions q_pos) over keys [key_lo, key_hi). QUANT (1 INT8,
-    2 FP8): key j's scale multiplies score j, value j's scale the weight p_j, so tiles are only converted."""
+            s_kb, s_ks, s_vb, s_vs, s_ksb, s_kss, s_vsb, s_vss, qk_scale, window, cap, HEAD_DIM: tl.constexpr,
+            D_P: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
+            SOFTCAP: tl.constexpr):
+    """Online softmax of the rows q ([M, D_P], absolute positions q_pos) over keys [key_lo, key_hi), each row
+    seeing keys q_pos - window < j <= q_pos. QUANT (1 INT8, 2 FP8): key j's scale multiplies score j, value j's
+    scale the weight p_j, so tiles are only converted. SOFTCAP: scores (log2 domain) capped at cap * tanh(s / cap),
+    cap the soft cap times log2(e)."""
     d = tl.arange(0, D_P)
     for start in range(key_lo, key_hi, TILE):
         kpos = start + tl.arange(0, TILE)
@@ -73,7 +86,10 @@ def _attend(acc, m_i, l_i, q, q_pos, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, key
         else:
             k_sc = tl.load(ks_ptr + blk * s_ksb + slot * s_kss, mask=kmask, other=0.0).to(tl.float32)
             s = _dot(q, _decode_kv(k_t, q.dtype, QUANT), PREC, UPCAST) * (k_sc * qk_scale)[None, :]
-        s = tl.where((kpos[None, :] <= q_pos[:, None]) & kmask[None, :], s, float("-inf"))
+        if SOFTCAP:
+            s = cap * _tanh(s / cap)
+        seen = (kpos[None, :] <= q_pos[:, None]) & (q_pos[:, None] - kpos[None, :] < window)
+        s = tl.where(seen & kmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -92,11 +108,11 @@ def _attend(acc, m_i, l_i, q, q_pos, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, key
 
 @triton.jit
 def _paged_attn_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, qk_scale,
-                       num_seqs, block_size, s_qt, s_qh, s_ot, s_oh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt,
+                       window, cap, num_seqs, block_size, s_qt, s_qh, s_ot, s_oh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt,
                        s_ksb, s_kss, s_vsb, s_vss,
                        GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
                        D_P: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                       QUANT: tl.constexpr):
+                       QUANT: tl.constexpr, SOFTCAP: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     # Largest b with cu_q[b] // BLOCK_Q + b <= pid: the sequence whose tile numbering contains pid.
@@ -124,13 +140,14 @@ def _paged_attn_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cu_q_ptr,
         q = tl.load(q_ptr + row[:, None] * s_qt + head[:, None] * s_qh + d[None, :], mask=io_mask, other=0.0)
         q_pos = tl.where(row_ok, ctx_len + qi, -1)
         key_hi = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)   # last key any row of the tile may see
+        key_lo = tl.maximum(0, ctx_len + q_tile * BLOCK_Q - window + 1)  # first key the tile's first row sees
         acc = tl.zeros([BLOCK_Q * GROUP_P, D_P], dtype=tl.float32)
         m_i = tl.full([BLOCK_Q * GROUP_P], NEG_BIG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.float32)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kc_ptr + kvh * s_kh, vc_ptr + kvh * s_vh, ks_ptr + kvh,
-                                vs_ptr + kvh, bt_ptr + b.to(tl.int64) * s_bt, 0, key_hi, block_size, s_kb, s_ks,
-                                s_vb, s_vs, s_ksb, s_kss, s_vsb, s_vss, qk_scale, HEAD_DIM, D_P, TILE, PREC, UPCAST,
-                                QUANT)
+                                vs_ptr + kvh, bt_ptr + b.to(tl.int64) * s_bt, key_lo, key_hi, block_size, s_kb,
+                                s_ks, s_vb, s_vs, s_ksb, s_kss, s_vsb, s_vss, qk_scale, window, cap, HEAD_DIM, D_P,
+                                TILE, PREC, UPCAST, QUANT, SOFTCAP)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + row[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -138,10 +155,10 @@ def _paged_attn_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cu_q_ptr,
 
 @triton.jit
 def _split_decode_kernel(part_acc_ptr, part_ml_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cu_q_ptr, seq_lens_ptr,
-                         bt_ptr, qk_scale, block_size, split_len, num_heads, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs,
+                         bt_ptr, qk_scale, window, cap, block_size, split_len, num_heads, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs,
                          s_vh, s_bt, s_ksb, s_kss, s_vsb, s_vss, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr, TILE: tl.constexpr,
-                         PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
+                         PREC: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr, SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -156,15 +173,15 @@ def _split_decode_kernel(part_acc_ptr, part_ml_ptr, q_ptr, kc_ptr, vc_ptr, ks_pt
         q = tl.load(q_ptr + row64 * s_qt + head[:, None] * s_qh + d[None, :],
                     mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
         q_pos = tl.where(row_ok, seq_len - 1, -1)
-        key_lo = split * split_len
+        key_lo = tl.maximum(0, seq_len - window) + split * split_len   # segments cover the row's window
         key_hi = tl.minimum(seq_len, key_lo + split_len)
         acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kc_ptr + kvh * s_kh, vc_ptr + kvh * s_vh, ks_ptr + kvh,
                                 vs_ptr + kvh, bt_ptr + b.to(tl.int64) * s_bt, key_lo, key_hi, block_size, s_kb,
-                                s_ks, s_vb, s_vs, s_ksb, s_kss, s_vsb, s_vss, qk_scale, HEAD_DIM, D_P, TILE, PREC,
-                                UPCAST, QUANT)
+                                s_ks, s_vb, s_vs, s_ksb, s_kss, s_vsb, s_vss, qk_scale, window, cap, HEAD_DIM, D_P,
+                                TILE, PREC, UPCAST, QUANT, SOFTCAP)
         # partials laid out [T, H, NUM_SPLITS, D_P] and [T, H, NUM_SPLITS, 2] (max, sum)
         idx = (row64 * num_heads + head) * NUM_SPLITS + split
         tl.store(part_acc_ptr + idx[:, None] * D_P + d[None, :], acc, mask=row_ok[:, None])
@@ -213,7 +230,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_s
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                            max_seqlen_q: int, max_seqlen_k: int, *, num_splits: int | None = None, k_scale=None,
-                           v_scale=None):
+                           v_scale=None, window: int = 0, softcap: float = 0.0):
     """Same arguments and result as paged_attention_reference ([T, H, D] in q's dtype). num_splits: None picks a
     path (see choose_num_splits); 1 forces the single launch; > 1 forces the split path (decode-only batches).
     An INT8 or FP8 cache (int8 / float8_e4m3fn) comes with its float16 scales [num_blocks, block_size, KVH]."""
@@ -224,8 +241,9 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     if T == 0 or B == 0:
         return out
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    seen_k = min(max_seqlen_k, window) if window > 0 else max_seqlen_k     # the most keys a row sees
     if num_splits is None:
-        num_splits = choose_num_splits(B, KVH, max_seqlen_q, max_seqlen_k, q.device)
+        num_splits = choose_num_splits(B, KVH, max_seqlen_q, seen_k, q.device)
     if num_splits > 1 and max_seqlen_q != 1:
         raise ValueError("the split path serves decode-only batches (max_seqlen_q == 1)")
     group = H // KVH
@@ -247,22 +265,27 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     scale_strides = (k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1))
     qk_scale = scale * LOG2E
+    window = window if window > 0 else 1 << 30
+    cap = softcap * LOG2E if softcap > 0 else 1.0
     if num_splits == 1:
         block_m = max(group_p, 16 if max_seqlen_q * group_p <= 16 else 64)
         block_q = block_m // group_p
         grid = (T // block_q + B, KVH)
-        _paged_attn_kernel[grid](out, q, k_cache, v_cache, k_scale, v_scale, cu_q, lens, bt, qk_scale, B,
-                                 block_size, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_strides,
+        _paged_attn_kernel[grid](out, q, k_cache, v_cache, k_scale, v_scale, cu_q, lens, bt, qk_scale, window, cap,
+                                 B, block_size, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_strides,
                                  bt.stride(0), *scale_strides, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q,
-                                 HEAD_DIM=D, D_P=d_p, TILE=TILE_N, PREC=prec, UPCAST=upcast, QUANT=quant)
+                                 HEAD_DIM=D, D_P=d_p, TILE=TILE_N, PREC=prec, UPCAST=upcast, QUANT=quant,
+                                 SOFTCAP=softcap > 0)
         return out
-    split_len = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), TILE_N) * TILE_N
+    split_len = triton.cdiv(triton.cdiv(seen_k, num_splits), TILE_N) * TILE_N
     part_acc = torch.empty(T, H, num_splits, d_p, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(T, H, num_splits, 2, dtype=torch.float32, device=q.device)
     _split_decode_kernel[(B, KVH, num_splits)](
-        part_acc, part_ml, q, k_cache, v_cache, k_scale, v_scale, cu_q, lens, bt, qk_scale, block_size, split_len,
+        part_acc, part_ml, q, k_cache, v_cache, k_scale, v_scale, cu_q, lens, bt, qk_scale, window, cap, block_size,
+        split_len,
         H, q.stride(0), q.stride(1), *kv_strides, bt.stride(0), *scale_strides, NUM_SPLITS=num_splits, GROUP=group,
-        BLOCK_M=max(16, group_p), HEAD_DIM=D, D_P=d_p, TILE=TILE_N, PREC=prec, UPCAST=upcast, QUANT=quant)
+        BLOCK_M=max(16, group_p), HEAD_DIM=D, D_P=d_p, TILE=TILE_N, PREC=prec, UPCAST=upcast, QUANT=quant,
+        SOFTCAP=softcap > 0)
     _merge_splits_kernel[(T, H)](out, part_acc, part_ml, out.stride(0), out.stride(1), H, NUM_SPLITS=num_splits,
                                  SPLITS_P=triton.next_power_of_2(num_splits), HEAD_DIM=D, D_P=d_p)
     return out

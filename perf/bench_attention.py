@@ -39,9 +39,9 @@ def cpp(q, k, v, cu, seq_lens, bt, scale, mq, mk, k_scale=None, v_scale=None):
     out = torch.empty_like(q)
     if k_scale is not None:
         cpu_ops.load().paged_attention_quantized(out, q, k.view(torch.int8), v.view(torch.int8), k_scale, v_scale,
-                                                 cu, seq_lens, bt, scale, 1 << 30, k.dtype == torch.int8)
+                                                 cu, seq_lens, bt, scale, 1 << 30, k.dtype == torch.int8, 0, 0.0)
     else:
-        cpu_ops.load().paged_attention(out, q, k, v, cu, seq_lens, bt, scale, 1 << 30)
+        cpu_ops.load().paged_attention(out, q, k, v, cu, seq_lens, bt, scale, 1 << 30, 0, 0.0)
     return out
 
 

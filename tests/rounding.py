@@ -127,21 +127,23 @@ def exact_gelu_tanh_and_mul(x: torch.Tensor) -> Exact:
 
 
 def exact_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, max_seqlen_k,
-                    k_scale=None, v_scale=None) -> Exact:
+                    k_scale=None, v_scale=None, window=0, softcap=0.0) -> Exact:
     """paged_attention's answer from the reference in float64 (a quantized cache dequantized exactly first).
 
     Output o = sum_j w_j v_j with softmax weights w_j. A score q.k_j of D products is off by up to D u a_j,
     a_j = scale * sum|q||k_j|, which moves w_j by up to twice that relatively; the weighted sum adds one rounding per
     key. So a row's length is D * max_j a_j + its keys (plus the fixed steps), and its magnitude sum_j w_j |v_j|,
-    the reference's answer on |v|."""
+    the reference's answer on |v|. A soft cap's tanh has slope <= 1, so it moves no score error up, and adds a
+    few roundings of its own, each relative to the cap: 8 softcap more to the length. A window only drops keys."""
     from trellm_kernels import attention, kv_cache
     if k_scale is not None:
         k_cache = kv_cache.dequantize_kv(k_cache, k_scale, torch.float64)
         v_cache = kv_cache.dequantize_kv(v_cache, v_scale, torch.float64)
     q64, k64, v64 = q.double(), k_cache.double(), v_cache.double()
     rest = (cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, max_seqlen_k)
-    value = attention.paged_attention_reference(q64, k64, v64, *rest)
-    magnitude = attention.paged_attention_reference(q64, k64, v64.abs(), *rest)
+    options = dict(window=window, softcap=softcap)
+    value = attention.paged_attention_reference(q64, k64, v64, *rest, **options)
+    magnitude = attention.paged_attention_reference(q64, k64, v64.abs(), *rest, **options)
     T, H, D = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     length = torch.zeros(T, H, 1, dtype=torch.float64)
@@ -152,7 +154,7 @@ def exact_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         blocks = block_tables[b, :-(-n_keys // block_size)].long()
         keys = k64[blocks].reshape(-1, kv_heads, D)[:n_keys].abs().repeat_interleave(H // kv_heads, dim=1)
         a = scale * torch.einsum("nhd,lhd->nhl", q64[cu[b]:cu[b + 1]].abs(), keys).amax(dim=-1)
-        length[cu[b]:cu[b + 1], :, 0] = D * a + n_keys + FIXED_STEPS
+        length[cu[b]:cu[b + 1], :, 0] = D * a + n_keys + FIXED_STEPS + 8 * softcap
     return Exact(value, magnitude, length)
 
 

@@ -14,7 +14,8 @@ from trellm_kernels import activation, attention, cpu_ops, dispatch, kv_cache, l
 from kernel_cases import paged_case, quantized, randn
 from rounding import (EPS32, assert_within_rounding, exact_linear, exact_lora_add, exact_rms_norm, exact_rotary,
                       exact_silu_and_mul)
-from test_kernels import BF16, F16, F32, KV_QUANT, QUANTIZED_WRITE_CASES, attention_close, check_quantized_write
+from test_kernels import (BF16, F16, F32, KV_QUANT, QUANTIZED_WRITE_CASES, attention_close, attention_options_close,
+                          check_quantized_write)
 
 pytestmark = pytest.mark.kernels
 
@@ -61,7 +62,7 @@ def test_cpu_attention_operator_matches_reference(ops, case, group, d, bs, dtype
     kvh = 2
     args = paged_case(q_lens, ctx_lens, kvh * group, kvh, d, bs, dtype, seed=case)
     out = torch.empty_like(args[0])
-    ops.paged_attention(out, *args[:7], 1 << 30)
+    ops.paged_attention(out, *args[:7], 1 << 30, 0, 0.0)
     attention_close(out, args)
 
 
@@ -77,8 +78,43 @@ def test_cpu_quantized_attention_operator_matches_reference(ops, case, group, d,
     args, scales = quantized(paged_case(*CPU_OP_CASES[case], kvh * group, kvh, d, bs, dtype, seed=case), cache_dtype)
     out = torch.empty_like(args[0])
     ops.paged_attention_quantized(out, args[0], args[1].view(torch.int8), args[2].view(torch.int8),
-                                  scales["k_scale"], scales["v_scale"], *args[3:7], 1 << 30, cache_dtype == torch.int8)
+                                  scales["k_scale"], scales["v_scale"], *args[3:7], 1 << 30, cache_dtype == torch.int8,
+                                  0, 0.0)
     attention_close(out, args, **scales)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, *KV_QUANT])
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (16, 0.0), (33, 0.0), (0, 30.0), (12, 2.0)])
+@pytest.mark.parametrize("case", range(len(CPU_OP_CASES)))
+def test_cpu_attention_operator_window_and_softcap(ops, case, window, softcap, cache_dtype):
+    """The operator's sliding window (blocks before a row's window never read) and score cap, over float and
+    quantized caches, against the reference."""
+    args = paged_case(*CPU_OP_CASES[case], 8, 2, 64, 16, F32, seed=case)
+    scales = {}
+    if cache_dtype is not None:
+        args, scales = quantized(args, cache_dtype)
+    out = torch.empty_like(args[0])
+    if cache_dtype is None:
+        ops.paged_attention(out, *args[:7], 1 << 30, window, softcap)
+    else:
+        ops.paged_attention_quantized(out, args[0], args[1].view(torch.int8), args[2].view(torch.int8),
+                                      scales["k_scale"], scales["v_scale"], *args[3:7], 1 << 30,
+                                      cache_dtype == torch.int8, window, softcap)
+    attention_options_close(out, args, window, softcap, **scales)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, *KV_QUANT])
+@pytest.mark.parametrize("window,softcap", [(7, 0.0), (20, 0.0), (0, 50.0), (9, 3.0)])
+def test_cpu_dispatch_window_and_softcap(ops, kernel_settings, window, softcap, cache_dtype):
+    """On a CPU, long chunks with a window run in torch's fused attention over their window's blocks, and with a
+    soft cap in the reference's GEMMs; together with the operator's rows, the reference's answer."""
+    kernel_settings(force_triton=False)
+    args = paged_case([1, 40, 1, 25], [30, 7, 90, 0], 8, 4, 64, 16, F32)
+    scales = {}
+    if cache_dtype is not None:
+        args, scales = quantized(args, cache_dtype)
+    out = attention.paged_attention(*args, **scales, window=window, softcap=softcap)
+    attention_options_close(out, args, window, softcap, **scales)
 
 
 @pytest.mark.parametrize("cache_dtype", KV_QUANT)
@@ -105,7 +141,7 @@ def test_cpu_dispatch_over_a_quantized_cache(ops, monkeypatch, cache_dtype, kern
 
     class Spy:
         def paged_attention_quantized(self, *a):
-            seen.append(a[-2])
+            seen.append(a[-4])
             return real.paged_attention_quantized(*a)
 
         def __getattr__(self, name):
@@ -130,9 +166,9 @@ def test_cpu_dispatch_splits_long_chunks(ops, monkeypatch, kernel_settings):
     real = ops
 
     class Spy:
-        def paged_attention(self, out, q, k, v, cu, lens, tables, scale, max_q_len):
+        def paged_attention(self, out, q, k, v, cu, lens, tables, scale, max_q_len, window, softcap):
             seen.append(max_q_len)
-            return real.paged_attention(out, q, k, v, cu, lens, tables, scale, max_q_len)
+            return real.paged_attention(out, q, k, v, cu, lens, tables, scale, max_q_len, window, softcap)
 
     monkeypatch.setattr(cpu_ops, "_module", Spy())
     kernel_settings(force_triton=False)

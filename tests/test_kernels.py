@@ -168,6 +168,68 @@ def test_attention_split_decode(ctx_lens, h, kvh, d, bs, dtype, splits):
     check_attention(args, num_splits=1)          # the single-launch path on the same decode batch
 
 
+def attention_options_close(out, args, window, softcap, **scales):
+    assert out.dtype == args[0].dtype
+    assert_within_rounding(out, exact_attention(*args, **scales, window=window, softcap=softcap),
+                           roundings=1 if out.dtype == F32 else 2)
+
+
+# q_lens, ctx_lens, H, KVH, D, block_size, window, softcap: windows shorter and longer than a tile, a block and the
+# context, landing inside blocks and on their edges; Gemma 2's caps
+WINDOWED = [
+    ([1, 5, 17, 1, 40], [0, 16, 15, 70, 9], 4, 2, 16, 16, 7, 0.0),
+    ([1, 33, 2, 1], [90, 0, 31, 64], 8, 2, 16, 16, 16, 0.0),
+    ([3, 1, 20], [45, 100, 0], 7, 1, 8, 32, 33, 0.0),
+    ([1, 5, 17, 1], [0, 16, 15, 32], 4, 2, 64, 16, 0, 50.0),
+    ([1, 40, 2], [70, 9, 31], 8, 2, 16, 16, 12, 2.0),
+    ([2, 1], [3, 4], 4, 4, 16, 16, 1, 0.0),                    # window 1: each row sees only itself
+]
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,h,kvh,d,bs,window,softcap", WINDOWED)
+def test_attention_sliding_window_and_softcap(q_lens, ctx_lens, h, kvh, d, bs, window, softcap):
+    """Each row sees its last `window` keys, scores capped by tanh: the single launch on a mixed batch, and the
+    split path on the batch's decodes, whose segments cover only the window."""
+    args = paged_case(q_lens, ctx_lens, h, kvh, d, bs, F32, seed=window)
+    options = dict(window=window, softcap=softcap)
+    attention_options_close(triton_attention.paged_attention_triton(*args, num_splits=1, **options), args, **options)
+    decodes = paged_case([1] * len(ctx_lens), ctx_lens, h, kvh, d, bs, F32, seed=window)
+    attention_options_close(triton_attention.paged_attention_triton(*decodes, num_splits=3, **options), decodes,
+                            **options)
+    if softcap == 0.0:   # keys the window hides change nothing: garbage there leaves the answer as it was
+        k_cache, v_cache = args[1].clone(), args[2].clone()
+        for b, (table, n) in enumerate(zip(args[5], args[4].tolist())):
+            first = (n - q_lens[b] - window + 1) // bs      # blocks wholly before every row's window
+            for block in table[:max(0, first)].tolist():
+                k_cache[block], v_cache[block] = float("nan"), float("nan")
+        hidden = (args[0], k_cache, v_cache, *args[3:])
+        out = triton_attention.paged_attention_triton(*hidden, num_splits=1, **options)
+        attention_options_close(out, args, **options)
+
+
+def test_reference_window_and_softcap_from_first_principles():
+    """The reference (every other path's oracle) against attention written out for one sequence: a window W
+    means keys p - W < j <= p, and the cap is applied to the scaled scores before the softmax."""
+    q_len, ctx, h, d, bs, window, cap = 5, 19, 2, 8, 4, 6, 0.7
+    args = paged_case([q_len], [ctx], h, h, d, bs, torch.float64)
+    q, k_cache, v_cache, _, seq_lens, tables, scale = args[:7]
+    n = ctx + q_len
+    k = k_cache[tables[0, :-(-n // bs)].long()].reshape(-1, h, d)[:n]
+    v = v_cache[tables[0, :-(-n // bs)].long()].reshape(-1, h, d)[:n]
+    expected = torch.empty_like(q)
+    for i in range(q_len):
+        p = ctx + i
+        for head in range(h):
+            s = torch.tanh((k[:p + 1, head] @ q[i, head]) * scale / cap) * cap
+            s[:max(0, p - window + 1)] = float("-inf")
+            expected[i, head] = torch.softmax(s, 0) @ v[:p + 1, head]
+    got = attention.paged_attention_reference(*args, window=window, softcap=cap)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    decode = paged_case([1] * 3, [0, 7, 30], h, h, d, bs, torch.float64)
+    assert torch.allclose(attention.paged_attention_reference(*decode, window=window, softcap=cap),
+                          attention._padded_attention(*decode, window=window, softcap=cap))
+
+
 def test_attention_path_choice(monkeypatch, kernel_settings):
     kernel_settings(attn_splits=None)
     choose = triton_attention.choose_num_splits

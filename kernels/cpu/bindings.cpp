@@ -7,11 +7,11 @@
 
 void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                          torch::Tensor cu_seqlens_q, torch::Tensor seq_lens, torch::Tensor block_tables,
-                         double scale, int64_t max_q_len);
+                         double scale, int64_t max_q_len, int64_t window, double softcap);
 void paged_attention_quantized_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor cu_seqlens_q,
                                    torch::Tensor seq_lens, torch::Tensor block_tables, double scale, int64_t max_q_len,
-                                   bool is_int8);
+                                   bool is_int8, int64_t window, double softcap);
 void rms_norm_cpu(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm_cpu(torch::Tensor out, torch::Tensor res_out, torch::Tensor x, torch::Tensor residual,
                             torch::Tensor weight, double eps);
@@ -32,7 +32,8 @@ void write_kv_quantized_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_ca
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_attention", &paged_attention_cpu,
-        "Paged attention over a mixed batch of prefill chunks and decodes, reading the cache in place", no_gil);
+        "Paged attention over a mixed batch of prefill chunks and decodes, reading the cache in place (window > 0: "
+        "each row sees its last `window` keys; softcap > 0: scores capped by tanh)", no_gil);
   m.def("paged_attention_quantized", &paged_attention_quantized_cpu,
         "paged_attention over an INT8 or FP8 e4m3 cache (int8 views) with per-token-and-head float16 scales", no_gil);
   m.def("rms_norm", &rms_norm_cpu, "out = rms_norm(x) * weight", no_gil);

@@ -11,7 +11,8 @@
 //
 // Layouts (all contiguous): q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
 // cu_seqlens_q [B+1], seq_lens [B], block_tables [B, max_blocks] (int32). Query row i of sequence b sits at
-// position seq_lens[b] - q_len + i and sees keys 0..that position. The G = H / KVH query heads of a KV head are
+// position seq_lens[b] - q_len + i and sees keys 0..that position, or with a sliding window (window > 0) the last
+// `window` of them. softcap > 0 caps each scaled score s at softcap * tanh(s / softcap) (Gemma 2). The G = H / KVH query heads of a KV head are
 // processed together, so each K/V block is converted and read once for all of them. Sequences with more than
 // max_q_len query rows are skipped (their output rows are left as they are): long prefill chunks are
 // compute-bound and run faster in torch's fused attention (kernels/attention.py), whose gather is small next to
@@ -150,7 +151,8 @@ inline void block_scores(const float* qs, int64_t rows, int64_t D, const float* 
 template <typename scalar_t, typename kv_t, int BS_FIXED>
 void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc, const at::Half* ks,
             const at::Half* vs, scalar_t* out, const int32_t* cu, const int32_t* seq_lens, const int32_t* tables,
-            int64_t max_blocks, int64_t H, int64_t KVH, int64_t D, int64_t BS_RUNTIME, float scale) {
+            int64_t max_blocks, int64_t H, int64_t KVH, int64_t D, int64_t BS_RUNTIME, float scale, int64_t window,
+            float softcap) {
   const int64_t BS = BS_FIXED > 0 ? BS_FIXED : BS_RUNTIME;
   const int64_t G = H / KVH;
   const int64_t q_start = cu[w.seq];
@@ -196,8 +198,10 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
 
   const int32_t* table = tables + w.seq * max_blocks;
   const int64_t n_blocks = (kv_end + BS - 1) / BS;
+  // With a window, blocks wholly before the item's first row's window are never read (they may be freed).
+  const int64_t first_block = window > 0 ? std::max<int64_t>(0, first_pos + w.row_begin - window + 1) / BS : 0;
   const int64_t slot_stride = KVH * D;
-  for (int64_t nb = 0; nb < n_blocks; ++nb) {
+  for (int64_t nb = first_block; nb < n_blocks; ++nb) {
     const int64_t block = table[nb];
     const int64_t base = nb * BS;
     const int64_t valid = std::min<int64_t>(BS, kv_end - base);
@@ -255,19 +259,24 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
     }
 
     for (int64_t r = 0; r < rows; ++r) {
-      // Row r's last visible key: its own position (causal), never past the block's valid slots.
+      // Row r sees slots [first, visible) of the block: up to its own position (causal), never past the block's
+      // valid slots, and with a window none before position pos - window + 1.
       const int64_t pos = first_pos + w.row_begin + r / heads;
       const int64_t visible = std::min<int64_t>(valid, pos - base + 1);
-      if (visible <= 0) continue;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1 - base) : 0;
+      if (visible <= first) continue;
       const int64_t h = (r % heads) / G;
-      float* sr = s + r * BS;
+      float* sr = s + r * BS + first;
+      const int64_t n = visible - first;
+      if (softcap > 0.f)
+        for (int64_t j = 0; j < n; ++j) sr[j] = softcap * std::tanh(sr[j] / softcap);
       float block_max = sr[0];
-      for (int64_t j = 1; j < visible; ++j) block_max = std::max(block_max, sr[j]);
+      for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sr[j]);
       const float new_max = std::max(m[r], block_max);
       const float correction = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : exp_approx(m[r] - new_max);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < visible; ++j) {
+      for (int64_t j = 0; j < n; ++j) {
         sr[j] = exp_approx(sr[j] - new_max);
         sum += sr[j];
       }
@@ -279,21 +288,22 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
         for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
       }
       if (kQuant && direct_values) {
-        const float* vh = vsc + h * BS;
+        const float* vh = vsc + h * BS + first;
 #pragma omp simd
-        for (int64_t j = 0; j < visible; ++j) pv[j] = sr[j] * vh[j];
-        if (D == 64) accumulate_values<4>(ar, pv, visible, vblk + h * D, slot_stride);
-        else accumulate_values<8>(ar, pv, visible, vblk + h * D, slot_stride);
+        for (int64_t j = 0; j < n; ++j) pv[j] = sr[j] * vh[j];
+        const kv_t* vfirst = vblk + first * slot_stride + h * D;
+        if (D == 64) accumulate_values<4>(ar, pv, n, vfirst, slot_stride);
+        else accumulate_values<8>(ar, pv, n, vfirst, slot_stride);
         continue;
       }
       const float* v0;
       int64_t v_stride;
-      if constexpr (kFloat) v0 = vblk + h * D, v_stride = slot_stride;
-      else v0 = vb + h * BS * D, v_stride = D;
-      if (D == 64) accumulate_values<4>(ar, sr, visible, v0, v_stride);
-      else if (D == 128) accumulate_values<8>(ar, sr, visible, v0, v_stride);
+      if constexpr (kFloat) v0 = vblk + first * slot_stride + h * D, v_stride = slot_stride;
+      else v0 = vb + (h * BS + first) * D, v_stride = D;
+      if (D == 64) accumulate_values<4>(ar, sr, n, v0, v_stride);
+      else if (D == 128) accumulate_values<8>(ar, sr, n, v0, v_stride);
       else
-        for (int64_t j = 0; j < visible; ++j) {
+        for (int64_t j = 0; j < n; ++j) {
           const float pj = sr[j];
           const float* vj = v0 + j * v_stride;
 #pragma omp simd
@@ -315,7 +325,8 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
 template <typename scalar_t, typename kv_t>
 void run_all(const std::vector<WorkItem>& items, const scalar_t* q, const kv_t* kc, const kv_t* vc, const at::Half* ks,
              const at::Half* vs, scalar_t* out, const int32_t* cu, const int32_t* seq_lens, const int32_t* tables,
-             int64_t max_blocks, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale) {
+             int64_t max_blocks, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale, int64_t window,
+             float softcap) {
   // Items are sorted longest first and taken from a shared counter: the threads of torch's own pool balance
   // sequences of very different lengths (cpu_ops.py builds with OpenMP for torch's own libgomp).
   std::atomic<int64_t> next{0};
@@ -325,7 +336,8 @@ void run_all(const std::vector<WorkItem>& items, const scalar_t* q, const kv_t* 
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
       const WorkItem& w = items[i];
 #define TRELLM_ATTEND(BSF) \
-  attend<scalar_t, kv_t, BSF>(w, q, kc, vc, ks, vs, out, cu, seq_lens, tables, max_blocks, H, KVH, D, BS, scale)
+  attend<scalar_t, kv_t, BSF>(w, q, kc, vc, ks, vs, out, cu, seq_lens, tables, max_blocks, H, KVH, D, BS, scale, \
+                                     window, softcap)
       if (BS == 16) TRELLM_ATTEND(16);
       else if (BS == 32) TRELLM_ATTEND(32);
       else if (BS == 128) TRELLM_ATTEND(128);
@@ -341,7 +353,7 @@ namespace {
 
 std::vector<WorkItem> work_items(at::Tensor q, at::Tensor out, at::Tensor k_cache, at::Tensor v_cache,
                                  at::Tensor cu_seqlens_q, at::Tensor seq_lens, at::Tensor block_tables,
-                                 int64_t max_q_len) {
+                                 int64_t max_q_len, int64_t window) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention_cpu: q, out and the caches must be contiguous");
   TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -372,7 +384,8 @@ std::vector<WorkItem> work_items(at::Tensor q, at::Tensor out, at::Tensor k_cach
       const int64_t r1 = std::min(q_len, r0 + kTileRows);
       const int64_t per_item = q_len <= kTransposeRows ? KVH / kv_split : 1;
       for (int64_t h = 0; h < KVH; h += per_item)
-        items.push_back({b, h, h + per_item, r0, r1, (r1 - r0) * per_item * (first_pos + r1)});
+        items.push_back({b, h, h + per_item, r0, r1,
+                         (r1 - r0) * per_item * (window > 0 ? std::min(window, first_pos + r1) : first_pos + r1)});
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
@@ -383,17 +396,18 @@ std::vector<WorkItem> work_items(at::Tensor q, at::Tensor out, at::Tensor k_cach
 
 void paged_attention_cpu(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                          at::Tensor cu_seqlens_q, at::Tensor seq_lens, at::Tensor block_tables,
-                         double scale, int64_t max_q_len) {
+                         double scale, int64_t max_q_len, int64_t window, double softcap) {
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "paged_attention_cpu: q, out and the caches must share a dtype");
-  const auto items = work_items(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_q_len);
+  const auto items = work_items(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_q_len, window);
   const int64_t H = q.size(1), D = q.size(2), BS = k_cache.size(1), KVH = k_cache.size(2);
   const int32_t *cu = cu_seqlens_q.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
     run_all<scalar_t, scalar_t>(items, q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                 v_cache.data_ptr<scalar_t>(), nullptr, nullptr, out.data_ptr<scalar_t>(), cu, lens,
-                                tables, block_tables.size(1), H, KVH, D, BS, static_cast<float>(scale));
+                                tables, block_tables.size(1), H, KVH, D, BS, static_cast<float>(scale), window,
+                                static_cast<float>(softcap));
   });
 }
 
@@ -402,12 +416,12 @@ void paged_attention_cpu(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::T
 void paged_attention_quantized_cpu(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                    at::Tensor k_scale, at::Tensor v_scale, at::Tensor cu_seqlens_q,
                                    at::Tensor seq_lens, at::Tensor block_tables, double scale, int64_t max_q_len,
-                                   bool is_int8) {
+                                   bool is_int8, int64_t window, double softcap) {
   TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar &&
                   k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf &&
                   k_scale.is_contiguous() && v_scale.is_contiguous(),
               "paged_attention_quantized: caches as int8 views, contiguous float16 scales");
-  const auto items = work_items(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_q_len);
+  const auto items = work_items(q, out, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_q_len, window);
   const int64_t H = q.size(1), D = q.size(2), BS = k_cache.size(1), KVH = k_cache.size(2);
   const int32_t *cu = cu_seqlens_q.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -416,12 +430,12 @@ void paged_attention_quantized_cpu(at::Tensor out, at::Tensor q, at::Tensor k_ca
     if (is_int8)
       run_all<scalar_t, int8_t>(items, q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
                                 ks, vs, out.data_ptr<scalar_t>(), cu, lens, tables, block_tables.size(1), H, KVH, D,
-                                BS, static_cast<float>(scale));
+                                BS, static_cast<float>(scale), window, static_cast<float>(softcap));
     else
       run_all<scalar_t, fp8_e4m3>(items, q.data_ptr<scalar_t>(),
                                   reinterpret_cast<const fp8_e4m3*>(k_cache.data_ptr<int8_t>()),
                                   reinterpret_cast<const fp8_e4m3*>(v_cache.data_ptr<int8_t>()), ks, vs,
                                   out.data_ptr<scalar_t>(), cu, lens, tables, block_tables.size(1), H, KVH, D, BS,
-                                  static_cast<float>(scale));
+                                  static_cast<float>(scale), window, static_cast<float>(softcap));
   });
 }

@@ -42,17 +42,31 @@ VARIANTS = {
                                                            short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                                            long_factor=[1.5, 2.5, 4.0, 6.0, 9.0, 13.0]))),
     # Gemma 3 (text): (1 + w) norms around both halves of each layer, embeddings scaled by sqrt(hidden), GELU-tanh,
-    # q/k norms, query_pre_attn_scalar 24 (not the head size), a sliding layer (rope base 10k) and a full one (1e6,
-    # linear scaling), tied embeddings, the logits capped at 30
+    # q/k norms, query_pre_attn_scalar 24 (not the head size), a sliding layer (window 20, rope base 10k) and a full
+    # one (1e6, linear scaling), tied embeddings, the logits capped at 30
     "gemma3-text": ("Gemma3TextConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                             query_pre_attn_scalar=24, max_position_embeddings=512, sliding_window=512,
+                                             query_pre_attn_scalar=24, max_position_embeddings=512, sliding_window=20,
                                              layer_types=["sliding_attention", "full_attention"],
                                              final_logit_softcapping=30.0, pad_token_id=0,
                                              rope_parameters={"sliding_attention": {"rope_type": "default",
                                                                                     "rope_theta": 10000.0},
                                                               "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                                  "rope_theta": 1e6}})),
+    # Gemma 2: attention scores capped at 3 (sharp attention exceeds it), the logits at 30, a sliding layer (window
+    # 10, inside one block) then a full one, one rope base for both
+    "gemma2-softcap": ("Gemma2Config", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                            query_pre_attn_scalar=16, max_position_embeddings=512, sliding_window=10,
+                                            attn_logit_softcapping=3.0, final_logit_softcapping=30.0, pad_token_id=0)),
+    # Mistral v0.1: every layer slides (window 24, across block edges)
+    "mistral-sliding": ("MistralConfig", dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=512, sliding_window=24)),
+    # Qwen2 with use_sliding_window: layers from max_window_layers on slide (here layer 1, window 33)
+    "qwen2-sliding": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                          sliding_window=33, max_window_layers=1, max_position_embeddings=512)),
     # Mixtral: 8 experts, top-2, the top-2 weights renormalised, GQA ratio 2
     "mixtral-moe8": ("MixtralConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
@@ -73,7 +87,8 @@ VARIANTS = {
 
 # Variants whose attention projections are scaled up so that scores are of order one: with the default init
 # (std 0.02) attention is near uniform and a wrong rotation changes no greedy token.
-SHARP_ATTENTION = {"phi3-longrope": 6.0, "gemma3-text": 6.0}
+SHARP_ATTENTION = {"phi3-longrope": 6.0, "gemma3-text": 6.0, "gemma2-softcap": 6.0, "mistral-sliding": 6.0,
+                   "qwen2-sliding": 6.0}
 
 
 def make_variant(name: str, out_dir: str, vocab_size: int = 320) -> str:

@@ -175,9 +175,9 @@ def test_hot_load_serves_own_weights_and_unload_returns_memory(explicit_server, 
     client.close()
 
 
-@pytest.mark.parametrize("family", ["mixtral-moe8", "phi3-longrope", "gemma3-text"])
+@pytest.mark.parametrize("family", ["mixtral-moe8", "phi3-longrope", "gemma3-text", "gemma2-softcap"])
 def test_an_added_family_serves_transformers_greedy_text(explicit_server, default_model_path, family):
-    """A Mixtral, a Phi-3 and a Gemma 3 folder (the default model's tokenizer, random weights) added with the command
+    """A Mixtral, a Phi-3, a Gemma 3 and a Gemma 2 folder (the default model's tokenizer, random weights) added with the command
     and loaded into a running server answer with transformers' greedy text through the ensemble, the vLLM-shaped
     entry and the OpenAI front door."""
     from hf_models import with_tokenizer

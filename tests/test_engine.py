@@ -92,6 +92,37 @@ def test_preemption_keeps_outputs_identical(default_model_path):
     assert engine.num_preemptions > 0
 
 
+@pytest.mark.parametrize("prefix_caching, speculation", [(False, "none"), (True, "ngram")])
+def test_sliding_window_returns_blocks_that_left_it(variant_dirs, prefix_caching, speculation):
+    """Every layer of mistral-sliding attends within 24 keys: blocks that left a request's window go back to the
+    pool as it decodes, so a 90-token prompt decoding 40 holds 3 blocks of 16, not 9. After every step the free
+    blocks are overwritten with large values and handed to other requests (a pool of 16 blocks for six sequences):
+    a block freed too early, or a kernel that still read a dropped one, would change a token. With prefix caching
+    and n-gram guesses (the random model repeats itself, so some are accepted) the tokens stay the same."""
+    folder = variant_dirs["mistral-sliding"]
+    engine = check_parity(folder, 320, 40, block_size=16, num_kv_blocks=16, max_num_batched_tokens=48,
+                          enable_prefix_caching=prefix_caching, speculative_method=speculation,
+                          speculative_disable_batch_size=8)
+    if speculation != "none":
+        assert engine.stats().spec_num_accepted_tokens > 0
+    assert engine.kv_blocks_used() == 0 and engine.kv.window == 24
+    prompts = random_prompts(0, 320, LENGTHS)
+    held = []
+
+    def poison_free_blocks_and_count():
+        free = list(engine.kv.free_ids)
+        if not prefix_caching:       # cached free blocks must keep what a later hit reads
+            engine.runner.kv_cache[:, :, free] = 1e4
+        held.append(engine.kv_blocks_used())
+
+    got = run(engine, prompts[-1:], replace(GREEDY, max_tokens=40), after_step=poison_free_blocks_and_count)
+    assert got[0]["tokens"] == hf_greedy(folder, prompts[-1:], 40)[0]
+    assert max(held[-30:]) <= 3, held
+    if not prefix_caching:
+        got = run(engine, prompts, replace(GREEDY, max_tokens=40), after_step=poison_free_blocks_and_count)
+        assert [r["tokens"] for r in got] == hf_greedy(folder, prompts, 40)
+
+
 def test_abort_frees_blocks_at_once(default_model_path):
     engine = LLMEngine(EngineConfig(model_path=default_model_path, block_size=16, kv_cache_bytes=16 << 20))
     for i, p in enumerate(random_prompts(1, 4096, [40, 33, 5])):
@@ -137,10 +168,11 @@ def test_bad_requests_are_refused_with_the_numbers(default_model_path):
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("name, splits", [("default", None), ("qwen3-qknorm-hd8", "3"), ("qwen2-bias-gqa4", None),
-                                          ("qwen2-moe-shared", None)])
+                                          ("qwen2-moe-shared", None), ("gemma2-softcap", None)])
 def test_triton_kernels_match_transformers(monkeypatch, default_model_path, variant_dirs, name, splits, kernel_settings):
     """The same parity with every hot-path op running as a Triton-lang kernel (interpreted on CPU); for Qwen3
-    the decode steps take the split-sequence attention path, and Qwen2-MoE's experts the fused MoE kernel. 8 tokens
+    the decode steps take the split-sequence attention path, Qwen2-MoE's experts the fused MoE kernel, and Gemma 2
+    its window and score cap in the attention kernel. 8 tokens
     each: every request still decodes beside others' prefill chunks, at a third of the interpreter's time for 20."""
     kernel_settings(force_triton=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"   # interpreted on CPU (conftest), compiled on GPU

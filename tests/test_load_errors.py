@@ -183,7 +183,10 @@ def test_ensemble_load_reports_the_engine_error_everywhere(server, default_model
 
 
 @pytest.mark.parametrize("variant, changes, message", [
-    ("gemma3-text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0 is not supported"),
+    ("gemma3-text", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True is not supported"),
+    ("gemma2-softcap", dict(attn_logit_softcapping=-1.0), "attn_logit_softcapping=-1.0 must be a positive number"),
+    ("mistral-sliding", dict(sliding_window=0), "sliding_window=0 must be an integer >= 1"),
+    ("qwen2-sliding", dict(layer_types=["sliding_attention"]), "layer_types=['sliding_attention'] must name"),
     ("gemma3-text", dict(hidden_activation="gelu"), "hidden_activation='gelu' is not supported (only "
                                                     "'gelu_pytorch_tanh')"),
     ("gemma3-text", dict(layer_types=["full_attention"]), "layer_types=['full_attention'] must name"),

@@ -4,7 +4,8 @@ workloads, a fake proposer of speculative guesses, some right and some wrong).
 The fake "computes" a token by writing its id into a fake KV pool at the slot its block table gives, "attends" by
 reading every earlier position back through the table, and derives the next token from what it read: so a
 prefix-cache hit that handed out wrong contents, a block shared while still written, or a block table gone stale
-would change the outputs (and fail the invariant test's direct check too).
+would change the outputs (and fail the invariant test's direct check too). With a sliding window it reads only the
+window's positions, and a table entry dropped while a query still needed it fails the read.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 import pytest
 
-from trellm_backend.engine.kv_cache_manager import KVCacheManager, blocks_for
+from trellm_backend.engine.kv_cache_manager import NULL_BLOCK, KVCacheManager, blocks_for
 from trellm_backend.engine.request import Request, SamplingParams, Status
 from trellm_backend.engine.scheduler import ScheduledChunk, Scheduler
 
@@ -28,13 +29,18 @@ def next_token(tokens: list[int]) -> int:
     return (sum(tokens[-3:]) * 31 + len(tokens)) % 50
 
 
-def fake_forward(kv: list[list[int]], block_size: int, chunk: ScheduledChunk) -> list[int]:
-    """Write the chunk's tokens at the slots of its block table, then read back every position it attends to."""
+def fake_forward(kv: list[list[int]], block_size: int, chunk: ScheduledChunk, window: int = 0) -> list[int]:
+    """Write the chunk's tokens at the slots of its block table, then read back every position it attends to: from
+    the first query's window on (window > 0), else from 0."""
     end = chunk.start + chunk.num_new_tokens
     assert len(chunk.block_ids) * block_size >= end
     for pos, token in enumerate(chunk.token_ids, chunk.start):
+        assert chunk.block_ids[pos // block_size] != NULL_BLOCK, "a new token's slot was dropped"
         kv[chunk.block_ids[pos // block_size]][pos % block_size] = token
-    return [kv[chunk.block_ids[pos // block_size]][pos % block_size] for pos in range(end)]
+    first = max(0, chunk.start - window + 1) if window else 0
+    assert all(chunk.block_ids[pos // block_size] != NULL_BLOCK for pos in range(first, end)), \
+        "a block still inside a query's window was dropped"
+    return [kv[chunk.block_ids[pos // block_size]][pos % block_size] for pos in range(first, end)]
 
 
 @st.composite
@@ -54,7 +60,8 @@ def workloads(draw):
     return dict(block_size=block_size, num_blocks=num_blocks, reqs=reqs,
                 max_num_seqs=draw(st.integers(1, 6)), budget=draw(st.integers(1, 24)),
                 chunked=draw(st.booleans()), prefix_caching=draw(st.booleans()), cap=draw(st.integers(0, 8)),
-                spec_k=draw(st.sampled_from([0, 0, 1, 3])), spec_seed=draw(st.integers(0, 1000)))
+                spec_k=draw(st.sampled_from([0, 0, 1, 3])), spec_seed=draw(st.integers(0, 1000)),
+                window=draw(st.sampled_from([0, 0, 1, 3, 6])))
 
 
 class FakeGuesses:
@@ -88,7 +95,8 @@ def check_invariants(bm: KVCacheManager, sched: Scheduler, out, budget: int) -> 
         assert r.status is Status.RUNNING
         assert len(bm.block_ids(r.request_id)) >= blocks_for(r.num_computed_tokens, bm.block_size)
         for b in bm.block_ids(r.request_id):
-            refs[b] += 1
+            if b != NULL_BLOCK:
+                refs[b] += 1
     for r in sched.waiting:
         assert r.status is Status.WAITING and bm.block_ids(r.request_id) == [] and r.num_computed_tokens == 0
     assert refs == bm.ref_count, "reference counts must equal the block tables' use of each block"
@@ -103,7 +111,7 @@ def check_invariants(bm: KVCacheManager, sched: Scheduler, out, budget: int) -> 
 @given(workloads())
 def test_scheduler_and_kv_cache_manager_invariants(w):
     bs = w["block_size"]
-    bm = KVCacheManager(w["num_blocks"], bs, w["prefix_caching"])
+    bm = KVCacheManager(w["num_blocks"], bs, w["prefix_caching"], window=w["window"])
     sched = Scheduler(bm, w["max_num_seqs"], w["budget"], w["chunked"], w["cap"], FakeGuesses(w["spec_seed"]),
                       w["spec_k"], speculative_disable_batch_size=4)
     pool_tokens = w["num_blocks"] * bs
@@ -134,9 +142,12 @@ def test_scheduler_and_kv_cache_manager_invariants(w):
         for c in out.chunks:            # the fake forward pass
             req = by_id[c.request_id]
             assert c.start + c.num_new_tokens == req.num_computed_tokens, "planned progress is the request's"
-            seen = fake_forward(kv, bs, c)
-            assert seen == (req.token_ids + c.draft_token_ids)[:len(seen)], \
+            seen = fake_forward(kv, bs, c, w["window"])
+            first = max(0, c.start - w["window"] + 1) if w["window"] else 0
+            assert seen == (req.token_ids + c.draft_token_ids)[first:first + len(seen)], \
                 "attention must read this request's own tokens"
+            if w["window"]:     # blocks wholly before the window went back to the pool
+                assert all(b == NULL_BLOCK for b in c.block_ids[:first // bs]), "a block outside the window is held"
         for c in out.chunks:
             req = by_id[c.request_id]
             if c.samples:       # the target's token after each accepted guess; stop at the first disagreement

@@ -8,7 +8,7 @@ import threading
 import time
 
 from trellm_backend.engine.kv_cache_manager import KVCacheManager
-from trellm_backend.engine.limits import context_limit, resolve_block_size, resolve_device_dtype
+from trellm_backend.engine.limits import context_limit, kv_window, resolve_block_size, resolve_device_dtype
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.models.config import ModelConfig, load_model_config
 from trellm_backend.models.lora import AdapterRegistry, adapter_table
@@ -40,7 +40,8 @@ class LLMEngine:
         self.max_model_len = context_limit(config, mc)
         draft_cfg = load_draft_config(config, mc, self.max_model_len)
         self.runner = ModelRunner(config, mc, self.max_model_len, draft_cfg)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 window=kv_window(mc, draft_cfg))
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.long_prefill_token_threshold,
                                    *self._speculation(config, draft_cfg), max_loras=config.max_loras,

@@ -2,8 +2,13 @@
 hold a known prefix that a later request may reuse (prefix caching).
 
 The cache tensor itself lives in the model runner; this class only hands out block ids. It owns every request's
-block table (`req_to_blocks`, as vLLM v1's KVCacheManager does) and its prefix hashes; a table is append-only
-while the request runs and released whole when it finishes, is aborted or preempted. Looking up a cached prefix
+block table (`req_to_blocks`, as vLLM v1's KVCacheManager does) and its prefix hashes; a table grows at its end
+while the request runs and is released whole when it finishes, is aborted or preempted.
+
+Sliding windows: when every layer attends only within the last `window` keys (Mistral v0.1, Phi-3), a block whose
+keys all fell out of a request's window is never read again. It goes back to the pool as the request advances and
+its table entry becomes NULL_BLOCK, so a long generation holds about window / block_size blocks, as vLLM's
+sliding-window manager does. Such a block keeps its hash, like any freed one, until it is taken. Looking up a cached prefix
 changes nothing; request progress (`num_computed_tokens`) is the scheduler's alone.
 
 Prefix caching: a block whose tokens are all known is registered under a chained hash of (parent block's hash,
@@ -20,15 +25,21 @@ from collections import OrderedDict
 from trellm_backend.engine.request import Request
 
 
+NULL_BLOCK = -1      # a table entry whose block fell out of the sliding window and went back to the pool
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int = 0):
+        """window > 0: every layer of every model reading the tables attends within its last `window` keys."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
+        self.num_dropped: dict[str, int] = {}                       # request id -> its leading NULL_BLOCK entries
         # Insertion-ordered set of free block ids: popitem(last=False) takes the LRU one, pop(id) removes any in O(1).
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_count = [0] * num_blocks
@@ -128,16 +139,36 @@ class KVCacheManager:
             done = self.num_registered.get(req.request_id, 0)
             for i, (h, key) in enumerate(self._keys(req, full)[done:], done):
                 bid = table[i]
-                if self.block_hash[bid] is None and h not in self.cached:
+                if bid != NULL_BLOCK and self.block_hash[bid] is None and h not in self.cached:
                     self.block_hash[bid], self.block_key[bid] = h, key
                     self.cached[h] = bid
             self.num_registered[req.request_id] = max(done, full)
+
+    def drop_outside_window(self, req: Request, first_query: int) -> None:
+        """With a window, return the blocks of `req` whose keys all sit at positions <= first_query - window:
+        `first_query` is the position of the step's first query, later ones sit further on, so nothing reads them
+        again. The scheduler calls it as it plans the step."""
+        if not self.window:
+            return
+        table = self.req_to_blocks.get(req.request_id, [])
+        done = self.num_dropped.get(req.request_id, 0)
+        outside = min(len(table), max(0, first_query - self.window + 1) // self.block_size)
+        for i in range(done, outside):
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+        self.num_dropped[req.request_id] = max(done, outside)
+
+    def _release(self, bid: int) -> None:
+        """One reference fewer; a block nobody references goes to the free list's tail with its hash."""
+        self.ref_count[bid] -= 1
+        if self.ref_count[bid] == 0:
+            self.free_ids[bid] = None
 
     def trim(self, req: Request, num_tokens: int) -> None:
         """Return the blocks of `req`'s table past those `num_tokens` tokens need (speculative guesses that were
         rejected). They hold no registered prefix, so they go to the head of the free list, to be reused first."""
         table = self.req_to_blocks.get(req.request_id, [])
-        while len(table) > blocks_for(num_tokens, self.block_size):
+        while len(table) > max(blocks_for(num_tokens, self.block_size), self.num_dropped.get(req.request_id, 0)):
             bid = table.pop()
             self.ref_count[bid] -= 1
             if self.ref_count[bid] == 0:
@@ -156,9 +187,9 @@ class KVCacheManager:
         prefix outlives the private ends of the sequences that used it. `keep_hashes`: the request comes back
         (preemption), and its tokens' hashes are still right."""
         for bid in reversed(self.req_to_blocks.pop(req.request_id, [])):
-            self.ref_count[bid] -= 1
-            if self.ref_count[bid] == 0:
-                self.free_ids[bid] = None
+            if bid != NULL_BLOCK:
+                self._release(bid)
         self.num_registered.pop(req.request_id, None)
+        self.num_dropped.pop(req.request_id, None)
         if not keep_hashes:
             self.req_to_hashes.pop(req.request_id, None)

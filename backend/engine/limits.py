@@ -23,12 +23,19 @@ def resolve_device_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> tuple[tor
 
 
 def context_limit(cfg: EngineConfig, mc: ModelConfig) -> int:
-    """The served max_model_len: the parameter, else the model's own limit. Attention here is full-context, so a
-    sliding-window model is served only as far as the two agree. Raises ValueError past the model's limit."""
-    limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
+    """The served max_model_len: the parameter, else the model's own limit (max_position_embeddings; sliding layers
+    attend within their window at any length). Raises ValueError past the model's limit."""
+    limit = mc.max_position_embeddings
     if cfg.max_model_len > limit:
         raise ValueError(f"max_model_len={cfg.max_model_len} exceeds what {mc.path}/config.json allows ({limit})")
     return cfg.max_model_len or limit
+
+
+def kv_window(*configs: ModelConfig | None) -> int:
+    """The window past which no layer of these models (the target, and the draft that shares its block tables)
+    reads a key, or 0 when any layer attends to the whole context: the KV manager then keeps every block."""
+    windows = [w for mc in configs if mc is not None for w in (mc.layer_windows or (0,))]
+    return max(windows) if windows and all(windows) else 0
 
 
 # Tokens per KV block when the parameter is 0. CUDA: the Triton kernels' key tile. CPU: the C++ attention reads a

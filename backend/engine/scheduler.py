@@ -122,6 +122,7 @@ class Scheduler:
     def _schedule(self, out: SchedulerOutput, planned: list[Request], req: Request, n: int) -> None:
         """Plan `n` tokens of `req` for this step and count them as computed."""
         start = req.num_computed_tokens
+        self.kv.drop_outside_window(req, start)
         req.num_computed_tokens = start + n
         samples = req.num_computed_tokens == req.num_tokens
         out.chunks.append(ScheduledChunk(req.request_id, start, req.token_ids[start:start + n],

@@ -25,9 +25,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+GEMMA_FAMILIES = ("gemma2", "gemma3")
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 class ModelConfigError(ValueError):
@@ -140,26 +143,41 @@ def parse_moe(c: dict, family: str, num_layers: int, cfg_file: str) -> MoeConfig
 
 @dataclass(frozen=True)
 class GemmaConfig:
-    """What Gemma 3's text model does beyond the Llama forward: norms of weight (1 + w) around both halves of each
-    layer, embeddings scaled by sqrt(hidden), GELU-tanh, its own attention scale, sliding layers with their own rope
-    base, and an optional tanh cap on the logits."""
+    """What Gemma 2 and Gemma 3's text model do beyond the Llama forward: norms of weight (1 + w) around both halves
+    of each layer, embeddings scaled by sqrt(hidden), GELU-tanh, their own attention scale, sliding layers (with
+    their own rope base in Gemma 3), and optional tanh caps on the attention scores and the logits."""
     layer_types: tuple[str, ...]          # "sliding_attention" or "full_attention", one per layer
     local_rope_theta: float               # the sliding layers' rope base (default rope); the full layers' is rope_theta
     attention_scale: float                # query_pre_attn_scalar ** -0.5
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
 
 
-def parse_gemma3(c: dict, num_layers: int, cfg_file: str) -> tuple[GemmaConfig, dict]:
-    """Gemma 3's settings, and the full-attention layers' rope settings for the common reading (transformers 5 keeps
-    one rope dict per layer type; older folders keep rope_theta, rope_scaling and rope_local_base_freq)."""
-    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
-        if c.get(key):
-            raise ModelConfigError(f"{cfg_file}: {key}={c[key]!r} is not supported (Gemma 3's text model without it)")
-    types = c.get("layer_types") or ["sliding_attention" if (i + 1) % int(c.get("sliding_window_pattern", 6))
-                                     else "full_attention" for i in range(num_layers)]
-    if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+def parse_layer_types(c: dict, num_layers: int, default: list[str], cfg_file: str) -> tuple[str, ...]:
+    """config.json's layer_types (else `default`), checked: one of LAYER_TYPES per layer."""
+    types = c.get("layer_types") or default
+    if not isinstance(types, list) or len(types) != num_layers or not set(types) <= set(LAYER_TYPES):
         raise ModelConfigError(f"{cfg_file}: layer_types={types!r} must name sliding_attention or full_attention for "
                                f"each of the {num_layers} layers")
+    return tuple(types)
+
+
+# transformers' defaults where config.json leaves a Gemma key out
+GEMMA_DEFAULTS = {"gemma2": dict(pattern=2, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+                  "gemma3": dict(pattern=6, attn_logit_softcapping=None, final_logit_softcapping=None)}
+
+
+def parse_gemma(c: dict, family: str, num_layers: int, cfg_file: str) -> tuple[GemmaConfig, dict]:
+    """Gemma 2 or 3's settings, and the full-attention layers' rope settings for the common reading (Gemma 3 in
+    transformers 5 keeps one rope dict per layer type; older Gemma 3 folders keep rope_theta, rope_scaling and
+    rope_local_base_freq; Gemma 2 has one rope for all layers)."""
+    defaults = GEMMA_DEFAULTS[family]
+    if c.get("use_bidirectional_attention"):
+        raise ModelConfigError(f"{cfg_file}: use_bidirectional_attention={c['use_bidirectional_attention']!r} is "
+                               "not supported (a causal language model only)")
+    pattern = int(c.get("sliding_window_pattern", defaults["pattern"]))
+    types = parse_layer_types(c, num_layers, ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                              for i in range(num_layers)], cfg_file)
     per_type = c.get("rope_parameters") or {}
     if "full_attention" in per_type or "sliding_attention" in per_type:
         local = dict(per_type.get("sliding_attention") or {})
@@ -169,13 +187,33 @@ def parse_gemma3(c: dict, num_layers: int, cfg_file: str) -> tuple[GemmaConfig, 
         local_theta = float(local.get("rope_theta", 10000.0))
         full = {"rope_parameters": dict(per_type.get("full_attention") or {})}
     else:
-        local_theta = float(c.get("rope_local_base_freq", 10000.0))
-        full = {k: c[k] for k in ("rope_theta", "rope_scaling") if k in c}
+        full = {k: c[k] for k in ("rope_parameters", "rope_theta", "rope_scaling") if k in c}
+        shared_theta = per_type.get("rope_theta", c.get("rope_theta", 10000.0))
+        local_theta = float(c.get("rope_local_base_freq", 10000.0) if family == "gemma3" else shared_theta)
     scalar = positive(c.get("query_pre_attn_scalar", 256), "query_pre_attn_scalar", cfg_file, integer=False)
-    cap = c.get("final_logit_softcapping")
-    if cap is not None:
-        cap = float(positive(cap, "final_logit_softcapping", cfg_file, integer=False))
-    return GemmaConfig(tuple(types), local_theta, float(scalar) ** -0.5, cap), full
+    caps = {}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = c.get(key, defaults[key])
+        caps[key] = None if cap is None else float(positive(cap, key, cfg_file, integer=False))
+    return GemmaConfig(types, local_theta, float(scalar) ** -0.5, **caps), full
+
+
+def layer_windows(c: dict, family: str, num_layers: int, window: int | None, gemma: GemmaConfig | None,
+                  cfg_file: str) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), as transformers reads the family: Gemma's and Qwen2/3's
+    layer_types (Qwen's defaults from max_window_layers), every layer for the others."""
+    if not window:
+        return (0,) * num_layers
+    if gemma is not None:
+        types = gemma.layer_types
+    elif family in ("qwen2", "qwen3", "qwen2_moe"):
+        first = int(c.get("max_window_layers", 28))
+        default = [("sliding_attention" if (i >= first if family != "qwen2_moe" else (i + 1) % 2 and i < first)
+                    else "full_attention") for i in range(num_layers)]
+        types = parse_layer_types(c, num_layers, default, cfg_file)
+    else:
+        types = ("sliding_attention",) * num_layers
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
 @dataclass
@@ -199,12 +237,13 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict | None
     partial_rotary_factor: float
-    sliding_window: int | None
+    sliding_window: int | None                      # the window of the layers that slide
     dtype: str                                      # config.json's: one of DTYPES
     eos_token_ids: list[int] = field(default_factory=list)
     quant: QuantFormat | None = None   # a GPTQ/AWQ checkpoint: config.json's quantization_config
     moe: MoeConfig | None = None       # a mixture-of-experts family's experts and router
-    gemma: GemmaConfig | None = None   # Gemma 3's differences from the Llama forward
+    gemma: GemmaConfig | None = None   # Gemma 2 and 3's differences from the Llama forward
+    layer_windows: tuple[int, ...] = ()   # each layer's sliding window, 0 for full attention
 
     @property
     def rotary_dim(self) -> int:
@@ -260,13 +299,13 @@ def load_model_config(path: str) -> ModelConfig:
     if family is None:
         raise ModelConfigError(
             f"{cfg_file}: architectures={archs} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-    act_key, want_act = ("hidden_activation", "gelu_pytorch_tanh") if family == "gemma3" else ("hidden_act", "silu")
+    act_key, want_act = ("hidden_activation", "gelu_pytorch_tanh") if family in GEMMA_FAMILIES else ("hidden_act", "silu")
     act = c.get(act_key, want_act)
     if act != want_act:
         raise ModelConfigError(f"{cfg_file}: {act_key}={act!r} is not supported (only {want_act!r})")
     gemma = None
-    if family == "gemma3":
-        gemma, rope_source = parse_gemma3(c, int(c["num_hidden_layers"]), cfg_file)
+    if family in GEMMA_FAMILIES:
+        gemma, rope_source = parse_gemma(c, family, int(c["num_hidden_layers"]), cfg_file)
         c = {**{k: v for k, v in c.items() if k not in ("rope_parameters", "rope_theta", "rope_scaling")},
              **rope_source}
 
@@ -302,9 +341,11 @@ def load_model_config(path: str) -> ModelConfig:
     if dtype_name not in DTYPES:
         raise ModelConfigError(f"{cfg_file}: dtype {dtype_name!r} is not supported ({sorted(DTYPES)})")
 
-    sliding = c.get("sliding_window")
-    if family in ("qwen2", "qwen2_moe", "qwen3_moe") and not c.get("use_sliding_window", False):
+    sliding = c.get("sliding_window", 4096 if family in GEMMA_FAMILIES else None)   # transformers' defaults
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not c.get("use_sliding_window", False):
         sliding = None
+    if sliding is not None:
+        sliding = positive(sliding, "sliding_window", cfg_file)
 
     eos = _as_list(c.get("eos_token_id"))
     gen_file = os.path.join(path, "generation_config.json")
@@ -333,7 +374,7 @@ def load_model_config(path: str) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", family == "gemma3")),   # transformers' defaults
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", family in GEMMA_FAMILIES)),   # transformers' defaults
         # Qwen2 always has q/k/v biases (Qwen2-MoE unless qkv_bias is false); the others have them, and o_proj's,
         # with attention_bias.
         qkv_bias=qkv_bias,
@@ -343,10 +384,11 @@ def load_model_config(path: str) -> ModelConfig:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         partial_rotary_factor=partial,
-        sliding_window=int(sliding) if sliding else None,
+        sliding_window=sliding,
         dtype=dtype_name,
         eos_token_ids=eos,
         quant=quant,
         moe=moe,
         gemma=gemma,
+        layer_windows=layer_windows(c, family, num_layers, sliding, gemma, cfg_file),
     )

@@ -1,4 +1,4 @@
-"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3's text model, and the mixture-of-experts
+"""The Llama-family forward (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3's text model, and the mixture-of-experts
 Mixtral, Qwen2-MoE and Qwen3-MoE, whose sparse layers are models/moe.py's) over a flat batch of tokens and a paged
 KV cache.
 
@@ -56,6 +56,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None   # Gemma: the attention's output normed before the residual add
     mlp_out_norm: torch.Tensor | None = None    # Gemma: the MLP's output normed before the residual add
     cos_sin: torch.Tensor | None = None         # the layer's own rope table (Gemma's sliding layers); None: the model's
+    window: int = 0                             # the layer's sliding window; 0: full attention
 
 
 class LlamaModel:
@@ -113,6 +114,7 @@ class LlamaModel:
                 attn_out_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
                 mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
                 cos_sin=local_cos_sin if gemma and gemma.layer_types[i] == "sliding_attention" else None,
+                window=cfg.layer_windows[i] if cfg.layer_windows else 0,
             ))
         self.norm = norm("model.norm.weight")
         lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
@@ -121,10 +123,11 @@ class LlamaModel:
         self.long_rope_from = long_rope_from(cfg)
         self.scale = cfg.head_dim ** -0.5 if gemma is None else gemma.attention_scale
         # Gemma: embeddings times sqrt(hidden) (rounded to the dtype first, as transformers does), GELU-tanh, and
-        # the logits' optional tanh cap
+        # optional tanh caps on the attention scores and the logits
         self.embed_scale = None if gemma is None else torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device=device)
         self.gelu = gemma is not None
         self.logit_cap = None if gemma is None else gemma.final_logit_softcapping
+        self.attention_cap = (gemma and gemma.attn_logit_softcapping) or 0.0
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -187,7 +190,8 @@ class LlamaModel:
             k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
             attn = paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                                   self.scale, meta.max_seqlen_q, meta.max_seqlen_k, k_scale, v_scale)
+                                   self.scale, meta.max_seqlen_q, meta.max_seqlen_k, k_scale, v_scale,
+                                   window=w.window, softcap=self.attention_cap)
             attn = attn.reshape(T, self.q_size)
             h = linear(attn, w.o, w.o_bias)
             if lora is not None:

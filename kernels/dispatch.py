@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-CPU_LINEAR_MODES = ("cpp", "onednn", "torch")
+CPU_LINEAR_MODES = ("auto", "cpp", "onednn", "torch")
 
 
 @dataclass(frozen=True)
@@ -20,13 +20,13 @@ class KernelSettings:
     force_triton: bool = False       # TRELLM_FORCE_TRITON=1: Triton kernels on CPU tensors (with TRITON_INTERPRET=1)
     cpu_ops: bool = True             # TRELLM_CPU_OPS=0: no C++ CPU operators (the PyTorch path)
     cpu_ops_cache: str | None = None  # TRELLM_CPU_OPS_CACHE: where the C++ operators are built (cpu_ops.build_dir)
-    cpu_linear: str = "cpp"          # TRELLM_CPU_LINEAR: fp32 linear layers on a CPU: cpp, onednn or torch
+    cpu_linear: str = "auto"         # TRELLM_CPU_LINEAR: CPU linear layers: auto (timed at load), cpp, onednn, torch
     attn_splits: int | None = None   # TRELLM_ATTN_SPLITS: decode attention's key segments on a GPU (None: chosen)
     triton_interpret: bool = False   # TRITON_INTERPRET=1: Triton's interpreter (read by Triton itself too)
 
     @classmethod
     def from_env(cls, env=os.environ) -> "KernelSettings":
-        linear = env.get("TRELLM_CPU_LINEAR", "cpp")
+        linear = env.get("TRELLM_CPU_LINEAR", "auto")
         if linear not in CPU_LINEAR_MODES:
             raise ValueError(f"TRELLM_CPU_LINEAR={linear!r} is not one of {', '.join(CPU_LINEAR_MODES)}")
         splits = env.get("TRELLM_ATTN_SPLITS")

@@ -10,7 +10,9 @@ torch's `linear`, except where its half GEMM goes row by row (no bf16/fp16 dot p
 weight whose outputs fill the 32-output blocks is packed for the C++ operator (cpu/half_linear.cpp, fp32 arithmetic
 on weights widened in cache), others take `dense_linear`.
 On CUDA, `linear` is cuBLAS and the weight is used as it is.
-TRELLM_CPU_LINEAR chooses on a CPU: `cpp` (the default, as just said), `onednn`, or `torch` (torch's own path).
+That rule is one host's measurements; by default (TRELLM_CPU_LINEAR=auto) each shape's layout and calls are instead
+chosen by timing them on this host at load (linear_choice.py). TRELLM_CPU_LINEAR=cpp forces the rule above,
+`onednn` oneDNN's layout for fp32, `torch` torch's own path.
 
 Weight-only INT8 (`quantization="int8"`): each output row of W is scaled by its largest magnitude / 127 and rounded to
 int8 at load, so a decode step reads a quarter of the fp32 bytes. The reference dequantizes and multiplies; CUDA runs
@@ -38,6 +40,7 @@ import torch
 
 from trellm_kernels import cpu_ops
 from trellm_kernels import dispatch
+from trellm_kernels import linear_choice
 from trellm_kernels.dispatch import use_triton
 from trellm_kernels.int4 import Int4Weight, cpu_op_accepts, quantize_int4, to_cpu_int4pack
 
@@ -58,6 +61,7 @@ class Weight:
     qweight: torch.Tensor | None = None    # int8 [out, in], or packed [out/B, in, B] (B = CPU_BLOCK) on a CPU
     scales: torch.Tensor | None = None     # [out], in the activations' dtype: W ~= qweight * scales[:, None]
     int4: Int4Weight | None = None
+    calls: tuple[str, ...] | None = None   # on a CPU, timed: the call of each token-count range (linear_choice)
 
     def int8_rows(self) -> torch.Tensor:
         """qweight as [out, in] rows (a copy when it is held packed)."""
@@ -115,17 +119,36 @@ def prepare_weight(w: torch.Tensor, quantization: str = "none", typical_tokens: 
         return quantize_int8(w)
     if quantization in INT4_GROUPS:
         return prepare_int4(quantize_int4(w, INT4_GROUPS[quantization]))
-    if w.device.type == "cpu":
-        mode = dispatch.settings().cpu_linear
-        ops = cpu_ops.for_tensor(w) if mode == "cpp" else None
-        # The C++ operators' blocks: fp32 on AVX-512 (fp32_linear.cpp), bf16/fp16 with AVX2 alone where torch's half
-        # GEMM goes row by row (half_linear.cpp); for outputs that fill them.
-        cpp_tile = ops is not None and (ops.avx512 if w.dtype == torch.float32 else
-                                        ops.avx2 and half_gemm_is_row_by_row(w.dtype))
-        if cpp_tile and w.shape[0] % CPU_BLOCK == 0:
-            return Weight(None, packed=pack_blocks(w))
-        if w.dtype == torch.float32 and mode != "torch" and torch.backends.mkldnn.is_available():
-            return Weight(None, torch.ops.mkldnn._reorder_linear_weight(w, typical_tokens))
+    if w.device.type != "cpu" or not w.is_floating_point():
+        return Weight(w)
+    mode = dispatch.settings().cpu_linear
+    static = static_layout(w, mode)
+    if mode != "auto":
+        return hold(w, static, typical_tokens)
+    choice = linear_choice.choose(w, static)
+    held = hold(w, choice.layout, typical_tokens)
+    held.calls = choice.calls
+    return held
+
+
+def static_layout(w: torch.Tensor, mode: str) -> str:
+    """The layout the written-down rule (module docstring) gives a CPU weight: the C++ operators' blocks (fp32 on
+    AVX-512, bf16/fp16 with AVX2 alone where torch's half GEMM goes row by row) for outputs that fill them, else
+    oneDNN's for fp32, else torch's dense tensor."""
+    if mode in ("cpp", "auto") and linear_choice.cpp_holds(w.dtype, w.shape[0]) and (
+            w.dtype == torch.float32 or half_gemm_is_row_by_row(w.dtype)):
+        return "cpp"
+    if w.dtype == torch.float32 and mode != "torch" and torch.backends.mkldnn.is_available():
+        return "onednn"
+    return "torch"
+
+
+def hold(w: torch.Tensor, layout: str, typical_tokens: int = 64) -> Weight:
+    """W in one layout (linear_choice.LAYOUT_CALLS), the only copy kept."""
+    if layout == "cpp":
+        return Weight(None, packed=pack_blocks(w))
+    if layout == "onednn":
+        return Weight(None, torch.ops.mkldnn._reorder_linear_weight(w, typical_tokens))
     return Weight(w)
 
 
@@ -165,6 +188,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     tokens = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or tokens < HALF_AS_FP32_FROM_TOKENS or not half_gemm_is_row_by_row(x.dtype):
         return torch.nn.functional.linear(x, weight.to(x.dtype), bias)
+    return linear_in_fp32(x, weight, bias)
+
+
+def linear_in_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b computed in fp32 and rounded to x's dtype once, W widened WIDEN_ELEMENTS at a time."""
     xf, n = x.float(), weight.shape[0]
     rows = max(1, WIDEN_ELEMENTS // weight.shape[1])
     if rows >= n:
@@ -179,6 +207,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] -> [..., out]."""
+    if w.calls is not None:
+        return CALLS[w.calls[linear_choice.count_index(x.numel() // x.shape[-1])]](x, w, bias)
     if w.int4 is not None:
         return int4_linear(x, w.int4, bias)
     if w.qweight is not None:
@@ -192,9 +222,23 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return dense_linear(x, w.dense, bias)
 
 
+# The calls a CPU weight's timed choice can name (linear_choice.LAYOUT_CALLS), each f(x, weight, bias).
+CALLS = {
+    "cpp": lambda x, w, b: packed_linear(x, w.packed, b),
+    "cpp-unpacked": lambda x, w, b: dense_linear(x, unpack_blocks(w.packed), b),
+    "onednn": lambda x, w, b: torch.ops.mkldnn._linear_pointwise(x, w.prepared, b, "none", [], ""),
+    "torch": lambda x, w, b: torch.nn.functional.linear(x, w.dense.to(x.dtype), b),
+    "torch-fp32": lambda x, w, b: linear_in_fp32(x, w.dense, b),
+}
+
+
 def linear_path(w: Weight) -> str:
     """Which implementation `linear` runs for `w`, in words, for the load log: the same tests in the same order."""
     device = w.tensor_device()
+    if w.calls is not None:
+        layout = "cpp" if w.packed is not None else "onednn" if w.prepared is not None else "torch"
+        dtype = (w.packed if w.packed is not None else w.prepared if w.prepared is not None else w.dense).dtype
+        return f"{dtype_name(dtype)} timed, {linear_choice.describe(layout, w.calls)}"
     ops = cpu_ops.for_tensor(torch.empty(0, device=device))
     triton = device.type == "cuda" or dispatch.settings().force_triton   # as use_triton decides for the call
     if w.int4 is not None:

@@ -1,6 +1,7 @@
 """The C++ CPU operators (kernels/cpu/, built by kernels/cpu_ops.py) against the PyTorch references, and the CPU
 dispatch that chooses them. Unlike the Triton kernels' tests (test_kernels.py), these need no interpreter: they run
 in any session on a host with g++ and ninja (CI has both: a missing build is a failure, not a skip)."""
+import json
 import math
 import os
 import re
@@ -10,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from trellm_kernels import activation, attention, cpu_ops, dispatch, kv_cache, linear, lora, rmsnorm, rotary
+from trellm_kernels import (activation, attention, cpu_ops, dispatch, kv_cache, linear, linear_choice, lora, rmsnorm,
+                            rotary)
 from kernel_cases import paged_case, quantized, randn
 from rounding import (EPS32, assert_within_rounding, exact_linear, exact_lora_add, exact_rms_norm, exact_rotary,
                       exact_silu_and_mul)
@@ -431,10 +433,12 @@ def test_linear_prepared_weight(ops, monkeypatch, mode, dtype, out_f, kernel_set
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("out_f", [64, 40])     # whole 32-output blocks of the C++ operators, and not
-def test_the_logged_linear_path_is_the_one_linear_runs(ops, monkeypatch, quantization, dtype, out_f):
+def test_the_logged_linear_path_is_the_one_linear_runs(ops, monkeypatch, quantization, dtype, out_f, kernel_settings):
     """The load log's line per linear layer (linear_path) names the implementation `linear` calls for a decode
     step's token, on whatever this host supports: each candidate is spied on and exactly the named one runs; where
-    the line names a token count from which the call changes path, that many tokens run torch's linear in fp32."""
+    the line names a token count from which the call changes path, that many tokens run torch's linear in fp32.
+    (The written-down rule, TRELLM_CPU_LINEAR=cpp; the timed choice's line has its own test.)"""
+    kernel_settings(cpu_linear="cpp")
     real, called = ops, []
 
     class Spy:
@@ -468,18 +472,120 @@ def test_the_logged_linear_path_is_the_one_linear_runs(ops, monkeypatch, quantiz
         assert runs(int(switch.group(1))) == [f"torch linear on {F32}"], (path, called)
 
 
+def fake_timer(table):
+    """A timer that answers from table[call][i] (microseconds at linear_choice.COUNTS[i]) without running anything,
+    and records what it was asked."""
+    asked = []
+
+    def timer(call, tokens, fn):
+        asked.append((call, tokens))
+        return table[call][linear_choice.COUNTS.index(tokens)] * 1e-6
+    return timer, asked
+
+
+def test_the_linear_choice_follows_the_timings_and_is_cached_by_host_and_shape(ops, tmp_path, monkeypatch):
+    """A fake timing table proves the choice: the layout least slow against the best call at each count (today's
+    layout kept within the tie margin), then that layout's fastest call per count range; a hopeless call is not
+    timed at larger counts. The choice is written to the cache and read back without timing, under a key naming the
+    CPU, torch and the shape; a cache entry naming a call this host lacks, or a corrupt file, is timed again."""
+    cache = str(tmp_path / "linear-choice.json")
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    monkeypatch.setattr(linear_choice, "layouts_for", lambda dtype, n: ["cpp", "onednn", "torch"])
+    monkeypatch.setattr(linear, "hold", lambda w, layout, typical_tokens=64: linear.Weight(w))   # nothing runs
+    w = torch.zeros(64, 32, dtype=BF16)
+    table = {"cpp": [10, 20, 40, 100, 400], "cpp-unpacked": [50, 60, 70, 90, 200],
+             "onednn": [12, 22, 42, 95, 300], "torch": [100, 1000, 9000, 90000, 1e6], "torch-fp32": [90, 95, 99, 120, 210]}
+    timer, asked = fake_timer(table)
+    choice = linear_choice.choose(w, "torch", timer=timer, path=cache)
+    # scores: cpp 1 + 1 + 1 + 1 + 1 = 5.0 (its unpacked call wins from 129); onednn 1.2 + 1.1 + 1.05 + 1.06 + 1.5;
+    # torch, today's layout here, 9 + 4.75 + 2.5 + 1.33 + 1.05: too slow to keep
+    assert choice.layout == "cpp" and choice.calls == ("cpp", "cpp", "cpp", "cpp-unpacked", "cpp-unpacked")
+    assert ("torch", 1) in asked and ("torch", 4) not in asked, "10x the best at 1 token: not timed at more"
+    assert linear_choice.describe(choice.layout, choice.calls) == "cpp layout: cpp to 32 tokens, cpp-unpacked from 33"
+    near = {**table, "onednn": [10.2, 20.2, 40.5, 92, 205]}     # within the tie margin of cpp's 5.0
+    assert linear_choice.decide(near, ["cpp", "onednn", "torch"], BF16, "onednn").layout == "onednn"
+    assert linear_choice.decide(near, ["cpp", "onednn", "torch"], BF16, "cpp").layout == "cpp"
+
+    stored = json.load(open(cache))
+    key = linear_choice.cache_key(BF16, (64, 32))
+    assert list(stored) == [key] and cpu_ops.cpu_model() in key and torch.__version__ in key and "64x32" in key
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    untimed, asked = fake_timer({})
+    assert linear_choice.choose(w, "torch", timer=untimed, path=cache).calls == choice.calls and asked == []
+    # another host's or shape's entry is not this one's
+    assert linear_choice.choose(torch.zeros(96, 32, dtype=BF16), "torch", timer=timer, path=cache).layout == "cpp"
+    # an entry this host cannot run, and a corrupt file, are timed again
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    monkeypatch.setattr(linear_choice, "layouts_for", lambda dtype, n: ["onednn", "torch"])
+    timer, asked = fake_timer(table)
+    assert linear_choice.choose(w, "torch", timer=timer, path=cache).layout == "onednn" and asked
+    open(cache, "w").write("{not json")
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    timer, asked = fake_timer(table)
+    assert linear_choice.choose(w, "torch", timer=timer, path=cache).layout == "onednn" and asked
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_every_call_the_choice_can_pick_gives_the_linear(ops, dtype):
+    """Each layout this host can hold, through each of its calls, at the token counts of every range: torch's
+    linear within the rounding of the dtype, with and without a bias (the real run behind the fake table)."""
+    g = torch.Generator().manual_seed(5)
+    w, b = randn(g, 64, 72, dtype=dtype), randn(g, 64, dtype=dtype)
+    for layout in linear_choice.layouts_for(dtype, 64):
+        held = linear.hold(w, layout)
+        assert len([t for t in (held.dense, held.prepared, held.packed) if t is not None]) == 1
+        for call in linear_choice.calls_of(layout, dtype):
+            for tokens in (1, 5, 20, 100, 300):
+                x = randn(g, tokens, 72, dtype=dtype)
+                for bias in (b, None):
+                    got = linear.CALLS[call](x, held, bias)
+                    assert got.dtype == dtype, (layout, call)
+                    assert_within_rounding(got, exact_linear(x, w, bias), roundings=half(dtype))
+
+
+def test_auto_holds_the_timed_layout_and_runs_its_calls(ops, tmp_path, monkeypatch, kernel_settings):
+    """TRELLM_CPU_LINEAR=auto (the default): prepare_weight holds only the chosen layout, `linear` runs the chosen
+    call for each token count, and the load log's line says so; a forced mode still takes the written-down rule."""
+    monkeypatch.setenv("TRELLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    kernel_settings(cpu_linear="auto")
+    g = torch.Generator().manual_seed(6)
+    w = randn(g, 64, 40, dtype=BF16)
+    table = {c: [100.0] * 5 for c in ("cpp", "cpp-unpacked", "onednn", "torch", "torch-fp32")}
+    table["torch"] = [1, 100, 100, 100, 100]
+    table["torch-fp32"] = [100, 1, 1, 1, 1]
+    timer, _ = fake_timer(table)
+    monkeypatch.setattr(linear_choice, "time_call", timer)
+    prepared = linear.prepare_weight(w)
+    assert prepared.dense is not None and prepared.packed is None and prepared.prepared is None
+    assert prepared.calls == ("torch", "torch-fp32", "torch-fp32", "torch-fp32", "torch-fp32")
+    assert linear.linear_path(prepared) == "bfloat16 timed, torch layout: torch to 2 tokens, torch-fp32 from 3"
+    seen = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: seen.append(x.dtype) or real(x, *a))
+    for tokens, want in ((2, BF16), (3, F32)):
+        seen.clear()
+        x = randn(g, tokens, 40, dtype=BF16)
+        assert_within_rounding(linear.linear(x, prepared), exact_linear(x, w), roundings=2)
+        assert seen == [want]
+    kernel_settings(cpu_linear="torch")
+    assert linear.prepare_weight(w).calls is None
+
+
 @pytest.mark.parametrize("ops", isa_params("avx2"), indirect=True)
 @pytest.mark.parametrize("dtype", [BF16, F16])
 @pytest.mark.parametrize("tokens, out_f, in_f", [(1, 64, 80), (3, 96, 81), (7, 96, 81), (48, 64, 130), (113, 32, 200),
                                                  (300, 64, 40)])    # the last unpacked for torch's GEMM
 def test_cpu_half_linear_with_avx2_alone_multiplies_in_fp32_and_rows_do_not_depend_on_their_batch(ops, dtype, tokens,
-                                                                                                  out_f, in_f):
+                                                                                                  out_f, in_f,
+                                                                                                  kernel_settings):
     """With AVX2 alone (no bf16/fp16 dot products, torch's half GEMM row by row) a bf16/fp16 weight whose outputs
     fill the 32-output blocks is packed for the half operator, which multiplies in fp32 and rounds once: the answer
     is torch's fp32 linear on the widened weight, rounded to the dtype (within one step of it, as the sums' order
     differs), for tiles of 1 to 48 tokens, odd K and a bias, and a token's result does not depend on its batch
     (below the token count from which calls take torch's GEMM on the unpacked weight instead)."""
     assert ops.avx2, "the half operator is the AVX2 build's (AVX-512 builds keep torch's bf16/fp16 GEMM)"
+    kernel_settings(cpu_linear="cpp")
     g = torch.Generator().manual_seed(7)
     w, b = randn(g, out_f, in_f, dtype=dtype), randn(g, out_f, dtype=dtype)
     prepared = linear.prepare_weight(w)
@@ -496,10 +602,11 @@ def test_cpu_half_linear_with_avx2_alone_multiplies_in_fp32_and_rows_do_not_depe
 @pytest.mark.parametrize("dtype", [BF16, F16])
 @pytest.mark.parametrize("row_by_row, widen_rows", [(True, 48), (True, 10), (False, 48)])
 def test_half_linear_runs_in_fp32_from_four_tokens_where_torchs_half_gemm_is_slow(monkeypatch, dtype, row_by_row,
-                                                                                  widen_rows):
+                                                                                  widen_rows, kernel_settings):
     """On a CPU where torch's bf16/fp16 GEMM goes row by row (AVX2), a call of 4+ tokens widens to fp32 (what
     linear_path logs), a slice of `widen_rows` output rows at a time; elsewhere every call stays in the half type.
-    Either way the answer is torch's."""
+    Either way the answer is torch's. (The written-down rule; the timed choice times both calls.)"""
+    kernel_settings(cpu_linear="cpp")
     monkeypatch.setattr(linear, "half_gemm_is_row_by_row", lambda _: row_by_row)
     monkeypatch.setattr(linear, "WIDEN_ELEMENTS", widen_rows * 96)
     seen = []
@@ -528,7 +635,7 @@ def test_kernel_settings_are_checked_where_they_are_read():
     with pytest.raises(ValueError, match="TRELLM_ATTN_SPLITS='0'"):
         dispatch.KernelSettings.from_env({"TRELLM_ATTN_SPLITS": "0"})
     s = dispatch.KernelSettings.from_env({"TRELLM_FORCE_TRITON": "1", "TRELLM_CPU_OPS": "0", "TRELLM_ATTN_SPLITS": "3"})
-    assert s.force_triton and not s.cpu_ops and s.attn_splits == 3 and s.cpu_linear == "cpp"
+    assert s.force_triton and not s.cpu_ops and s.attn_splits == 3 and s.cpu_linear == "auto"
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 6, 16, 41])

@@ -1,0 +1,233 @@
+"""On a CPU, the layout and calls of each linear shape, chosen by timing the candidates on this host at load.
+
+Why: the fastest CPU GEMM depends on the host (AVX2, AVX-512, AMX), the dtype and the token count, so a rule
+written down from one host's measurements loses on another. For each weight shape and dtype, every layout this host
+can hold is timed at COUNTS tokens through each call that layout serves:
+  - cpp: the C++ operators' packed blocks (fp32 on AVX-512 builds, bf16/fp16 on AVX2 builds), called as they are
+    ("cpp") or unpacked for torch's GEMM ("cpp-unpacked", linear.dense_linear);
+  - onednn: oneDNN's prepacked layout (`mkldnn._reorder_linear_weight`, what torch's CPU freezing path uses);
+  - torch: the dense tensor for torch's `linear`, in the dtype ("torch") or, for bf16/fp16, widened to fp32 a slice
+    at a time ("torch-fp32").
+The weight is held in one layout only (one copy of each weight): the one whose best call is least slow relative to
+the best of all at each count, summed over the counts (today's static layout keeps ties within TIE). Each token-count
+range then runs that layout's fastest call.
+
+Choices are cached on disk (TRELLM_CACHE_DIR, default ~/.cache/trellm) keyed by CPU model, flags, torch version,
+threads, dtype and shape, so a restart reads them; within a process each shape is timed once. TRELLM_CPU_LINEAR=cpp,
+onednn or torch forces today's static rule or a layout instead of `auto`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from trellm_kernels import cpu_ops
+
+log = logging.getLogger("trellm.linear")
+
+COUNTS = (1, 4, 16, 64, 256)      # token counts timed
+EDGES = (2, 8, 32, 128)           # a call of t tokens runs the choice of COUNTS[i], i = the first edge >= t
+TIE = 0.03                        # another layout must be this much faster (relative score) to replace today's
+MAX_TIMED_ELEMENTS = 4 << 20      # a larger weight is timed on its first output rows (a multiple of CPU_BLOCK)
+HOPELESS = 4.0                    # a call this many times slower than the best so far is not timed at larger counts
+LAYOUT_CALLS = {"cpp": ("cpp", "cpp-unpacked"), "onednn": ("onednn",), "torch": ("torch", "torch-fp32")}
+
+
+def count_index(tokens: int) -> int:
+    return next((i for i, edge in enumerate(EDGES) if tokens <= edge), len(EDGES))
+
+
+@dataclass
+class Choice:
+    """A shape's layout, the call of each count range, and the timings behind them (microseconds per call, one
+    list of len(COUNTS) per call timed)."""
+    layout: str
+    calls: tuple[str, ...]
+    us: dict[str, list[float]] = field(default_factory=dict)
+    timed_rows: int = 0                # output rows the timing used (fewer than the weight's for large weights)
+
+    def describe(self) -> str:
+        return describe(self.layout, self.calls)
+
+
+def describe(layout: str, calls: tuple[str, ...]) -> str:
+    """e.g. "cpp layout: cpp to 128 tokens, cpp-unpacked from 129"."""
+    parts, start = [], 1
+    for i, call in enumerate(calls):
+        if i == len(calls) - 1 or calls[i + 1] != call:
+            end = EDGES[i] if i < len(EDGES) else None
+            parts.append(f"{call} " + ("at every count" if start == 1 and end is None else f"from {start}"
+                                       if end is None else f"to {end} tokens" if start == 1 else f"{start}-{end}"))
+            start = (end or 0) + 1
+    return f"{layout} layout: {', '.join(parts)}"
+
+
+def cpp_holds(dtype: torch.dtype, out_features: int) -> bool:
+    """Whether the C++ operators take a weight of this dtype and output count on this host's build."""
+    from trellm_kernels.linear import CPU_BLOCK
+    ops = cpu_ops.for_tensor(torch.empty(0))
+    if ops is None or out_features % CPU_BLOCK:
+        return False
+    return bool(ops.avx512) if dtype == torch.float32 else bool(ops.avx2) and dtype in (torch.bfloat16, torch.float16)
+
+
+def onednn_holds(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has a prepacked GEMM for `dtype` here (fp32 always; bf16/fp16 where the CPU has their dot
+    products)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return {torch.float32: lambda: True, torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+            torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}.get(dtype, lambda: False)()
+
+
+def layouts_for(dtype: torch.dtype, out_features: int) -> list[str]:
+    return [layout for layout, ok in (("cpp", cpp_holds(dtype, out_features)), ("onednn", onednn_holds(dtype)),
+                                      ("torch", True)) if ok]
+
+
+def calls_of(layout: str, dtype: torch.dtype) -> tuple[str, ...]:
+    return tuple(c for c in LAYOUT_CALLS[layout] if c != "torch-fp32" or dtype != torch.float32)
+
+
+def decide(us: dict[str, list[float]], layouts: list[str], dtype: torch.dtype, static: str) -> Choice:
+    """From the timings, the layout with the least summed slowdown against the best call at each count (`static`,
+    today's layout, kept unless another is better by more than TIE), and that layout's fastest call per count."""
+    def at(call: str, i: int) -> float:
+        t = us[call][i]
+        return float("inf") if t is None else t
+
+    best = [min(at(c, i) for c in us) for i in range(len(COUNTS))]
+
+    def score(layout: str) -> float:
+        return sum(min(at(c, i) for c in calls_of(layout, dtype)) / best[i] for i in range(len(COUNTS)))
+
+    chosen = min(layouts, key=score)
+    if static in layouts and score(static) <= score(chosen) * (1 + TIE):
+        chosen = static
+    calls = tuple(min(calls_of(chosen, dtype), key=lambda c: at(c, i)) for i in range(len(COUNTS)))
+    return Choice(chosen, calls, us)
+
+
+def time_call(call: str, tokens: int, fn: Callable[[], object], budget_s: float = 0.05) -> float:
+    """Median seconds of fn() after one warm-up call: up to 7 runs, fewer for a slow call."""
+    fn()
+    runs = []
+    start = time.perf_counter()
+    while len(runs) < 7 and (len(runs) < 2 or time.perf_counter() - start < budget_s):
+        t = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t)
+    return statistics.median(runs)
+
+
+def measure(w: torch.Tensor, layouts: list[str], timer=time_call) -> tuple[dict[str, list[float]], int]:
+    """Microseconds of every call of `layouts` at each of COUNTS tokens, on the first rows of `w` (all of them
+    unless the weight is larger than MAX_TIMED_ELEMENTS), and the rows timed. timer(call, tokens, fn) -> seconds.
+    A call HOPELESS times slower than the best so far is left untimed (None) at the larger counts."""
+    from trellm_kernels.linear import CPU_BLOCK, CALLS, hold
+    rows = w.shape[0]
+    if w.numel() > MAX_TIMED_ELEMENTS:
+        rows = min(rows, max(CPU_BLOCK, MAX_TIMED_ELEMENTS // w.shape[1] // CPU_BLOCK * CPU_BLOCK))
+    part = w[:rows].contiguous()
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(n, w.shape[1], generator=g).to(w.dtype) for n in COUNTS]
+    us: dict[str, list[float | None]] = {}
+    best = [float("inf")] * len(COUNTS)
+    for layout in layouts:
+        held = hold(part, layout)
+        for call in calls_of(layout, w.dtype):
+            fn, times = CALLS[call], []
+            for i, x in enumerate(inputs):
+                if times and times[-1] is not None and times[-1] > HOPELESS * best[i - 1]:
+                    times.append(None)
+                    continue
+                times.append(round(timer(call, COUNTS[i], lambda x=x: fn(x, held, None)) * 1e6, 1))
+                best[i] = min(best[i], times[-1])
+            us[call] = times
+    return us, rows
+
+
+# -- the disk cache -----------------------------------------------------------------------------------------------
+_lock = threading.Lock()
+_memo: dict[str, Choice] = {}
+
+
+def cache_file() -> str:
+    root = os.environ.get("TRELLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "trellm")
+    return os.path.join(root, "linear-choice.json")
+
+
+def cache_key(dtype: torch.dtype, shape: tuple[int, int]) -> str:
+    flags = hashlib.sha256((cpu_ops._cpuinfo("flags") or "").encode()).hexdigest()[:12]
+    return (f"{cpu_ops.cpu_model()}|flags {flags}|torch {torch.__version__}|threads {torch.get_num_threads()}|"
+            f"{str(dtype).removeprefix('torch.')}|{shape[0]}x{shape[1]}")
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: str, key: str, choice: Choice) -> None:
+    """Add one entry, atomically (several stubs may load models at once; a lost entry is only timed again)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data = _read(path)
+        data[key] = dict(layout=choice.layout, calls=list(choice.calls), us=choice.us, timed_rows=choice.timed_rows)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".linear-choice.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not cache the linear choice in %s: %s", path, e)
+
+
+def _from_cache(entry, layouts: list[str], dtype: torch.dtype) -> Choice | None:
+    """A cached entry, if it still names a layout and calls this process can run."""
+    try:
+        choice = Choice(entry["layout"], tuple(entry["calls"]), dict(entry["us"]), int(entry.get("timed_rows", 0)))
+    except (KeyError, TypeError, ValueError):
+        return None
+    ok = (choice.layout in layouts and len(choice.calls) == len(COUNTS)
+          and set(choice.calls) <= set(calls_of(choice.layout, dtype)))
+    return choice if ok else None
+
+
+def choose(w: torch.Tensor, static: str, timer=time_call, path: str | None = None) -> Choice:
+    """The choice for w's shape and dtype: this process's, else the disk cache's, else timed now (and cached)."""
+    layouts = layouts_for(w.dtype, w.shape[0])
+    key = cache_key(w.dtype, tuple(w.shape))
+    path = path or cache_file()
+    with _lock:
+        memo_key = f"{path}|{key}"
+        if memo_key in _memo:
+            return _memo[memo_key]
+        choice = _from_cache(_read(path).get(key), layouts, w.dtype)
+        if choice is None:
+            t = time.perf_counter()
+            us, rows = measure(w, layouts, timer)
+            choice = decide(us, layouts, w.dtype, static)
+            choice.timed_rows = rows
+            log.info("linear %dx%d %s timed in %.2f s (us at %s tokens%s): %s; holds %s",
+                     w.shape[1], w.shape[0], str(w.dtype).removeprefix("torch."), time.perf_counter() - t,
+                     "/".join(map(str, COUNTS)), "" if rows == w.shape[0] else f", first {rows} outputs",
+                     "; ".join(f"{c} {'/'.join('-' if v is None else f'{v:g}' for v in times)}"
+                               for c, times in us.items()),
+                     choice.describe())
+            _write(path, key, choice)
+        _memo[memo_key] = choice
+        return choice

@@ -39,7 +39,7 @@ COUNTS = (1, 4, 16, 64, 256)      # token counts timed
 EDGES = (2, 8, 32, 128)           # a call of t tokens runs the choice of COUNTS[i], i = the first edge >= t
 TIE = 0.03                        # another layout must be this much faster (relative score) to replace today's
 MAX_TIMED_ELEMENTS = 4 << 20      # a larger weight is timed on its first output rows (a multiple of CPU_BLOCK)
-HOPELESS = 4.0                    # a call this many times slower than the best so far is not timed at larger counts
+HOPELESS = 4.0                    # a call this many times slower than the best is timed once at the next count
 LAYOUT_CALLS = {"cpp": ("cpp", "cpp-unpacked"), "onednn": ("onednn",), "torch": ("torch", "torch-fp32")}
 
 
@@ -103,8 +103,7 @@ def decide(us: dict[str, list[float]], layouts: list[str], dtype: torch.dtype, s
     """From the timings, the layout with the least summed slowdown against the best call at each count (`static`,
     today's layout, kept unless another is better by more than TIE), and that layout's fastest call per count."""
     def at(call: str, i: int) -> float:
-        t = us[call][i]
-        return float("inf") if t is None else t
+        return us[call][i]
 
     best = [min(at(c, i) for c in us) for i in range(len(COUNTS))]
 
@@ -118,8 +117,12 @@ def decide(us: dict[str, list[float]], layouts: list[str], dtype: torch.dtype, s
     return Choice(chosen, calls, us)
 
 
-def time_call(call: str, tokens: int, fn: Callable[[], object], budget_s: float = 0.05) -> float:
-    """Median seconds of fn() after one warm-up call: up to 7 runs, fewer for a slow call."""
+def time_call(call: str, tokens: int, fn: Callable[[], object], quick: bool = False, budget_s: float = 0.05) -> float:
+    """Median seconds of fn() after one warm-up call: up to 7 runs, fewer for a slow call; `quick`: one run."""
+    if quick:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
     fn()
     runs = []
     start = time.perf_counter()
@@ -132,8 +135,9 @@ def time_call(call: str, tokens: int, fn: Callable[[], object], budget_s: float 
 
 def measure(w: torch.Tensor, layouts: list[str], timer=time_call) -> tuple[dict[str, list[float]], int]:
     """Microseconds of every call of `layouts` at each of COUNTS tokens, on the first rows of `w` (all of them
-    unless the weight is larger than MAX_TIMED_ELEMENTS), and the rows timed. timer(call, tokens, fn) -> seconds.
-    A call HOPELESS times slower than the best so far is left untimed (None) at the larger counts."""
+    unless the weight is larger than MAX_TIMED_ELEMENTS), and the rows timed. timer(call, tokens, fn, quick) ->
+    seconds. A call HOPELESS times slower than the best at one count is timed `quick` (one run) at the next: a
+    call may still win at larger counts (widening a weight costs the same at any count), so none is skipped."""
     from trellm_kernels.linear import CPU_BLOCK, CALLS, hold
     rows = w.shape[0]
     if w.numel() > MAX_TIMED_ELEMENTS:
@@ -141,17 +145,15 @@ def measure(w: torch.Tensor, layouts: list[str], timer=time_call) -> tuple[dict[
     part = w[:rows].contiguous()
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(n, w.shape[1], generator=g).to(w.dtype) for n in COUNTS]
-    us: dict[str, list[float | None]] = {}
+    us: dict[str, list[float]] = {}
     best = [float("inf")] * len(COUNTS)
     for layout in layouts:
         held = hold(part, layout)
         for call in calls_of(layout, w.dtype):
             fn, times = CALLS[call], []
             for i, x in enumerate(inputs):
-                if times and times[-1] is not None and times[-1] > HOPELESS * best[i - 1]:
-                    times.append(None)
-                    continue
-                times.append(round(timer(call, COUNTS[i], lambda x=x: fn(x, held, None)) * 1e6, 1))
+                quick = bool(times) and times[-1] > HOPELESS * best[i - 1]
+                times.append(round(timer(call, COUNTS[i], lambda x=x: fn(x, held, None), quick) * 1e6, 1))
                 best[i] = min(best[i], times[-1])
             us[call] = times
     return us, rows
@@ -225,8 +227,7 @@ def choose(w: torch.Tensor, static: str, timer=time_call, path: str | None = Non
             log.info("linear %dx%d %s timed in %.2f s (us at %s tokens%s): %s; holds %s",
                      w.shape[1], w.shape[0], str(w.dtype).removeprefix("torch."), time.perf_counter() - t,
                      "/".join(map(str, COUNTS)), "" if rows == w.shape[0] else f", first {rows} outputs",
-                     "; ".join(f"{c} {'/'.join('-' if v is None else f'{v:g}' for v in times)}"
-                               for c, times in us.items()),
+                     "; ".join(f"{c} {'/'.join(f'{v:g}' for v in times)}" for c, times in us.items()),
                      choice.describe())
             _write(path, key, choice)
         _memo[memo_key] = choice

@@ -477,16 +477,16 @@ def fake_timer(table):
     and records what it was asked."""
     asked = []
 
-    def timer(call, tokens, fn):
-        asked.append((call, tokens))
+    def timer(call, tokens, fn, quick):
+        asked.append((call, tokens, quick))
         return table[call][linear_choice.COUNTS.index(tokens)] * 1e-6
     return timer, asked
 
 
 def test_the_linear_choice_follows_the_timings_and_is_cached_by_host_and_shape(ops, tmp_path, monkeypatch):
     """A fake timing table proves the choice: the layout least slow against the best call at each count (today's
-    layout kept within the tie margin), then that layout's fastest call per count range; a hopeless call is not
-    timed at larger counts. The choice is written to the cache and read back without timing, under a key naming the
+    layout kept within the tie margin), then that layout's fastest call per count range; a call far behind at one
+    count is timed once (quick) at the next, never skipped, as it may still win at more tokens. The choice is written to the cache and read back without timing, under a key naming the
     CPU, torch and the shape; a cache entry naming a call this host lacks, or a corrupt file, is timed again."""
     cache = str(tmp_path / "linear-choice.json")
     monkeypatch.setattr(linear_choice, "_memo", {})
@@ -500,7 +500,8 @@ def test_the_linear_choice_follows_the_timings_and_is_cached_by_host_and_shape(o
     # scores: cpp 1 + 1 + 1 + 1 + 1 = 5.0 (its unpacked call wins from 129); onednn 1.2 + 1.1 + 1.05 + 1.06 + 1.5;
     # torch, today's layout here, 9 + 4.75 + 2.5 + 1.33 + 1.05: too slow to keep
     assert choice.layout == "cpp" and choice.calls == ("cpp", "cpp", "cpp", "cpp-unpacked", "cpp-unpacked")
-    assert ("torch", 1) in asked and ("torch", 4) not in asked, "10x the best at 1 token: not timed at more"
+    assert ("torch", 4, True) in asked and ("cpp-unpacked", 4, True) in asked and ("cpp", 4, False) in asked
+    assert ("cpp-unpacked", 256, False) in asked       # back within reach at 64 tokens
     assert linear_choice.describe(choice.layout, choice.calls) == "cpp layout: cpp to 32 tokens, cpp-unpacked from 33"
     near = {**table, "onednn": [10.2, 20.2, 40.5, 92, 205]}     # within the tie margin of cpp's 5.0
     assert linear_choice.decide(near, ["cpp", "onednn", "torch"], BF16, "onednn").layout == "onednn"

@@ -125,7 +125,7 @@ def prepare_weight(w: torch.Tensor, quantization: str = "none", typical_tokens: 
     static = static_layout(w, mode)
     if mode != "auto":
         return hold(w, static, typical_tokens)
-    choice = linear_choice.choose(w, static)
+    choice = linear_choice.choose(w, static, static_calls(static, w.dtype))
     held = hold(w, choice.layout, typical_tokens)
     held.calls = choice.calls
     return held
@@ -141,6 +141,20 @@ def static_layout(w: torch.Tensor, mode: str) -> str:
     if w.dtype == torch.float32 and mode != "torch" and torch.backends.mkldnn.is_available():
         return "onednn"
     return "torch"
+
+
+def static_calls(layout: str, dtype: torch.dtype) -> tuple[str, ...]:
+    """The written-down rule's call in `layout` at each of linear_choice.COUNTS tokens (linear() without a timed
+    choice): packed half weights unpacked from HALF_UNPACKED_FROM_TOKENS, dense half ones widened to fp32 from
+    HALF_AS_FP32_FROM_TOKENS where torch's half GEMM goes row by row."""
+    def at(tokens: int) -> str:
+        half = dtype != torch.float32
+        if layout == "cpp":
+            return "cpp-unpacked" if half and tokens >= HALF_UNPACKED_FROM_TOKENS else "cpp"
+        if layout == "torch" and half and half_gemm_is_row_by_row(dtype) and tokens >= HALF_AS_FP32_FROM_TOKENS:
+            return "torch-fp32"
+        return layout
+    return tuple(at(n) for n in linear_choice.COUNTS)
 
 
 def hold(w: torch.Tensor, layout: str, typical_tokens: int = 64) -> Weight:

@@ -9,8 +9,9 @@ can hold is timed at COUNTS tokens through each call that layout serves:
   - torch: the dense tensor for torch's `linear`, in the dtype ("torch") or, for bf16/fp16, widened to fp32 a slice
     at a time ("torch-fp32").
 The weight is held in one layout only (one copy of each weight): the one whose best call is least slow relative to
-the best of all at each count, summed over the counts (today's static layout keeps ties within TIE). Each token-count
-range then runs that layout's fastest call.
+the best of all at each count, summed over the counts. Each token-count range then runs that layout's fastest call.
+Where the written-down rule's layout or call (linear.static_layout) is within TIE of the fastest it is kept, so timing
+noise on a shared host does not move a weight off today's path.
 
 Choices are cached on disk (TRELLM_CACHE_DIR, default ~/.cache/trellm) keyed by CPU model, flags, torch version,
 threads, dtype and shape, so a restart reads them; within a process each shape is timed once. TRELLM_CPU_LINEAR=cpp,
@@ -37,7 +38,7 @@ log = logging.getLogger("trellm.linear")
 
 COUNTS = (1, 4, 16, 64, 256)      # token counts timed
 EDGES = (2, 8, 32, 128)           # a call of t tokens runs the choice of COUNTS[i], i = the first edge >= t
-TIE = 0.03                        # another layout must be this much faster (relative score) to replace today's
+TIE = 0.10                        # a layout or call must be this much faster to replace the written-down rule's
 MAX_TIMED_ELEMENTS = 4 << 20      # a larger weight is timed on its first output rows (a multiple of CPU_BLOCK)
 HOPELESS = 4.0                    # a call this many times slower than the best is timed once at the next count
 LAYOUT_CALLS = {"cpp": ("cpp", "cpp-unpacked"), "onednn": ("onednn",), "torch": ("torch", "torch-fp32")}
@@ -99,9 +100,11 @@ def calls_of(layout: str, dtype: torch.dtype) -> tuple[str, ...]:
     return tuple(c for c in LAYOUT_CALLS[layout] if c != "torch-fp32" or dtype != torch.float32)
 
 
-def decide(us: dict[str, list[float]], layouts: list[str], dtype: torch.dtype, static: str) -> Choice:
-    """From the timings, the layout with the least summed slowdown against the best call at each count (`static`,
-    today's layout, kept unless another is better by more than TIE), and that layout's fastest call per count."""
+def decide(us: dict[str, list[float]], layouts: list[str], dtype: torch.dtype, static: str,
+           static_calls: tuple[str, ...] = ()) -> Choice:
+    """From the timings, the layout with the least summed slowdown against the best call at each count, and that
+    layout's fastest call per count. `static` (today's layout) and `static_calls` (its call at each count) are kept
+    unless another is faster by more than TIE."""
     def at(call: str, i: int) -> float:
         return us[call][i]
 
@@ -113,8 +116,12 @@ def decide(us: dict[str, list[float]], layouts: list[str], dtype: torch.dtype, s
     chosen = min(layouts, key=score)
     if static in layouts and score(static) <= score(chosen) * (1 + TIE):
         chosen = static
-    calls = tuple(min(calls_of(chosen, dtype), key=lambda c: at(c, i)) for i in range(len(COUNTS)))
-    return Choice(chosen, calls, us)
+    calls = []
+    for i in range(len(COUNTS)):
+        fastest = min(calls_of(chosen, dtype), key=lambda c: at(c, i))
+        today = static_calls[i] if chosen == static and static_calls else None
+        calls.append(today if today in us and at(today, i) <= at(fastest, i) * (1 + TIE) else fastest)
+    return Choice(chosen, tuple(calls), us)
 
 
 def time_call(call: str, tokens: int, fn: Callable[[], object], quick: bool = False, budget_s: float = 0.05) -> float:
@@ -209,8 +216,10 @@ def _from_cache(entry, layouts: list[str], dtype: torch.dtype) -> Choice | None:
     return choice if ok else None
 
 
-def choose(w: torch.Tensor, static: str, timer=time_call, path: str | None = None) -> Choice:
-    """The choice for w's shape and dtype: this process's, else the disk cache's, else timed now (and cached)."""
+def choose(w: torch.Tensor, static: str, static_calls: tuple[str, ...] = (), timer=time_call,
+           path: str | None = None) -> Choice:
+    """The choice for w's shape and dtype: this process's, else the disk cache's, else timed now (and cached).
+    static, static_calls: the written-down rule's layout and its call at each of COUNTS (decide)."""
     layouts = layouts_for(w.dtype, w.shape[0])
     key = cache_key(w.dtype, tuple(w.shape))
     path = path or cache_file()
@@ -222,7 +231,7 @@ def choose(w: torch.Tensor, static: str, timer=time_call, path: str | None = Non
         if choice is None:
             t = time.perf_counter()
             us, rows = measure(w, layouts, timer)
-            choice = decide(us, layouts, w.dtype, static)
+            choice = decide(us, layouts, w.dtype, static, static_calls)
             choice.timed_rows = rows
             log.info("linear %dx%d %s timed in %.2f s (us at %s tokens%s): %s; holds %s",
                      w.shape[1], w.shape[0], str(w.dtype).removeprefix("torch."), time.perf_counter() - t,

@@ -493,7 +493,7 @@ def test_the_linear_choice_follows_the_timings_and_is_cached_by_host_and_shape(o
     monkeypatch.setattr(linear_choice, "layouts_for", lambda dtype, n: ["cpp", "onednn", "torch"])
     monkeypatch.setattr(linear, "hold", lambda w, layout, typical_tokens=64: linear.Weight(w))   # nothing runs
     w = torch.zeros(64, 32, dtype=BF16)
-    table = {"cpp": [10, 20, 40, 100, 400], "cpp-unpacked": [50, 60, 70, 90, 200],
+    table = {"cpp": [10, 20, 40, 100, 400], "cpp-unpacked": [50, 60, 70, 92, 200],
              "onednn": [12, 22, 42, 95, 300], "torch": [100, 1000, 9000, 90000, 1e6], "torch-fp32": [90, 95, 99, 120, 210]}
     timer, asked = fake_timer(table)
     choice = linear_choice.choose(w, "torch", timer=timer, path=cache)
@@ -506,6 +506,10 @@ def test_the_linear_choice_follows_the_timings_and_is_cached_by_host_and_shape(o
     near = {**table, "onednn": [10.2, 20.2, 40.5, 92, 205]}     # within the tie margin of cpp's 5.0
     assert linear_choice.decide(near, ["cpp", "onednn", "torch"], BF16, "onednn").layout == "onednn"
     assert linear_choice.decide(near, ["cpp", "onednn", "torch"], BF16, "cpp").layout == "cpp"
+    # today's call at a count is kept within the margin (cpp at 64 tokens: 100 against 92), not beyond (400 at 256)
+    today = ("cpp",) * 5
+    assert linear_choice.decide(table, ["cpp", "onednn", "torch"], BF16, "cpp", today).calls == \
+        ("cpp", "cpp", "cpp", "cpp", "cpp-unpacked")
 
     stored = json.load(open(cache))
     key = linear_choice.cache_key(BF16, (64, 32))

@@ -140,7 +140,7 @@ def time_call(call: str, tokens: int, fn: Callable[[], object], quick: bool = Fa
     return statistics.median(runs)
 
 
-def measure(w: torch.Tensor, layouts: list[str], timer=time_call) -> tuple[dict[str, list[float]], int]:
+def measure(w: torch.Tensor, layouts: list[str], timer) -> tuple[dict[str, list[float]], int]:
     """Microseconds of every call of `layouts` at each of COUNTS tokens, on the first rows of `w` (all of them
     unless the weight is larger than MAX_TIMED_ELEMENTS), and the rows timed. timer(call, tokens, fn, quick) ->
     seconds. A call HOPELESS times slower than the best at one count is timed `quick` (one run) at the next: a
@@ -216,7 +216,7 @@ def _from_cache(entry, layouts: list[str], dtype: torch.dtype) -> Choice | None:
     return choice if ok else None
 
 
-def choose(w: torch.Tensor, static: str, static_calls: tuple[str, ...] = (), timer=time_call,
+def choose(w: torch.Tensor, static: str, static_calls: tuple[str, ...] = (), timer=None,
            path: str | None = None) -> Choice:
     """The choice for w's shape and dtype: this process's, else the disk cache's, else timed now (and cached).
     static, static_calls: the written-down rule's layout and its call at each of COUNTS (decide)."""
@@ -230,7 +230,7 @@ def choose(w: torch.Tensor, static: str, static_calls: tuple[str, ...] = (), tim
         choice = _from_cache(_read(path).get(key), layouts, w.dtype)
         if choice is None:
             t = time.perf_counter()
-            us, rows = measure(w, layouts, timer)
+            us, rows = measure(w, layouts, timer or time_call)
             choice = decide(us, layouts, w.dtype, static, static_calls)
             choice.timed_rows = rows
             log.info("linear %dx%d %s timed in %.2f s (us at %s tokens%s): %s; holds %s",

@@ -9,11 +9,13 @@ VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 
 # Debian packages: libb64 for perf_analyzer; nginx and docker-compose for tests/test_deploy.py (the balancer on
-# loopback, and `docker-compose config` validating docker-compose.yml; no Docker engine is needed or installed).
+# loopback, and `docker-compose config` validating docker-compose.yml; no Docker engine is needed or installed);
+# Prometheus for tests/test_dashboard.py (the Grafana dashboard's queries against a live server).
 apt_missing=()
 ldconfig -p 2>/dev/null | grep -q 'libb64.so.0d' || apt_missing+=(libb64-0d)
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || apt_missing+=(nginx)
 command -v docker-compose >/dev/null || apt_missing+=(docker-compose)
+command -v prometheus >/dev/null || apt_missing+=(prometheus)
 if [ ${#apt_missing[@]} -gt 0 ]; then
   echo "[setup] installing ${apt_missing[*]} with apt-get"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

@@ -8,7 +8,7 @@ gRPC streaming, and HTTP generate / generate_stream.
     async with AsyncLLMClient("localhost:8001") as c:
         print(await c.generate("Hello", max_tokens=32))
 
-Request fields are the ensemble's inputs (README: "The ensemble contract"); `stop_words` and `bad_words` take a
+Request fields are the ensemble's inputs (docs/requests.md); `stop_words` and `bad_words` take a
 list of strings, `messages` a list of {"role", "content"} dicts, `tools` (with messages) a list of OpenAI-shaped
 function tools for the chat template.
 """

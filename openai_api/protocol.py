@@ -19,7 +19,7 @@ from trellm_openai.tools import ToolChoice, ToolError, parse_tool_choice
 
 # OpenAI keys accepted and ignored (they change nothing this server does), and keys refused with a reason.
 IGNORED = {"user", "service_tier", "store", "metadata", "modalities", "reasoning_effort", "verbosity"}
-# Keys a router in front adds to every body it forwards (SGLang's router: README, "Routing across replicas"),
+# Keys a router in front adds to every body it forwards (SGLang's router: docs/deployment.md, "Routing"),
 # accepted at the value this server behaves as anyway and refused by name at any other.
 AT_DEFAULT = {"skip_special_tokens": True, "no_stop_trim": False, "return_hidden_states": False,
               "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True}

@@ -4,7 +4,7 @@ alternating between the ensemble over gRPC and the front door, on one server, so
     .venv/bin/python perf/openai_overhead.py [--model-dir hf_models/anchor] [--requests 40]
 
 Prints the p50 and mean TTFT of each path and their difference. Throughput at 48 streams comes from
-perf/benchmark.py --model ensemble,openai:ensemble (README: the OpenAI API).
+perf/benchmark.py --model ensemble,openai:ensemble (docs/openai.md).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """One table of request fields (backend/triton/fields.py FIELDS) against everything that lists them: the config.pbtxt input
-lists, the client's types, the README's field table; and the parsing rules of both contracts."""
+lists, the client's types, the field table of docs/requests.md; and the parsing rules of both contracts."""
 import json
 import os
 
@@ -119,10 +119,10 @@ def test_client_types_match_the_ensemble():
     assert JSON_INPUTS - {"tools"} == {t for t, f in ens.items() if f.kind == "json"}   # tools: a prompt input
 
 
-def test_readme_documents_every_field():
-    with open(os.path.join(ROOT, "README.md")) as f:
+def test_the_docs_document_every_field():
+    with open(os.path.join(ROOT, "docs", "requests.md")) as f:
         readme = f.read()
-    assert fields.fields_markdown() in readme, "regenerate the README's field table: fields.fields_markdown()"
+    assert fields.fields_markdown() in readme, "regenerate docs/requests.md's field table: fields.fields_markdown()"
     for name in fields.VLLM_INPUTS:
         assert f"`{name}`" in readme
 

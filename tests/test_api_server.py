@@ -92,7 +92,7 @@ def test_vllm_model_over_http(triton_server, greedy_text):
     ('{"top_p": "none"}', "sampling_parameters.top_p must be a number"),
     ('{"n": 3, "logprobs": 99}', r"sampling_parameters.logprobs must be in [0, 20]"),
     ("{max_tokens: 3}", "sampling_parameters is not valid JSON"),
-    # What HTTP generate cannot check on the ensemble's INT32 inputs (README), vllm_model checks from the JSON.
+    # What HTTP generate cannot check on the ensemble's INT32 inputs (docs/requests.md), vllm_model checks from the JSON.
     ('{"max_tokens": 4294967301}', r"sampling_parameters.max_tokens must be in [1, 1048576], got 4294967301"),
     ('{"max_tokens": 1.5}', "sampling_parameters.max_tokens must be an integer, got 1.5"),
 ])
@@ -130,8 +130,8 @@ def _post(server, path: str, body: dict) -> tuple[int, dict]:
 
 
 def test_http_generate_answers_triton_decides_before_the_models(triton_server):
-    """The README's table of what Triton 2.51's HTTP generate front end answers on the ensemble before (or after)
-    any model of ours runs. None of these is ours to change (see the README); if one fails after a Triton upgrade,
+    """docs/requests.md's table of what Triton 2.51's HTTP generate front end answers on the ensemble before (or after)
+    any model of ours runs. None of these is ours to change (see docs/requests.md); if one fails after a Triton upgrade,
     the front end changed: update the table."""
     path = "/v2/models/ensemble/generate"
     # The JSON integer is cast to the declared INT32: 2**32 + 5 arrives as 5 (and min_tokens makes it 5 tokens).
@@ -230,7 +230,7 @@ def test_perf_analyzer_with_genai_perf_shaped_inputs(triton_server, tmp_path, mo
 
 
 def test_perf_analyzer_exports_exact_values_for_switched_on_outputs(triton_server, tmp_path):
-    """perf_analyzer 2.51 exports garbage for a declared output a response does not carry (README, Outputs); the
+    """perf_analyzer 2.51 exports garbage for a declared output a response does not carry (docs/requests.md); the
     outputs a request switches on come in every response, so their exported values are exact."""
     data = {"data": [{"text_input": ["Lists are mutable sequences"], "max_tokens": [8], "min_length": [8],
                       "stream": [True], "return_num_output_tokens": [True], "return_log_probs": [True],

@@ -1,4 +1,4 @@
-"""Engine settings. In Triton they come from the `llm` model's config.pbtxt parameters (see README's table)."""
+"""Engine settings. In Triton they come from the `llm` model's config.pbtxt parameters (docs/operating.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields

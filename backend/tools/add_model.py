@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="replace NAME's entries if they exist")
     known = [f.name for f in fields(EngineConfig) if f.name != "model_path"]
     for key in known:   # one option per engine setting: --dtype, --kv-cache-bytes, --max-model-len, ...
-        ap.add_argument("--" + key.replace("_", "-"), dest=key, metavar="VALUE", help="llm parameter (README table)")
+        ap.add_argument("--" + key.replace("_", "-"), dest=key, metavar="VALUE", help="llm parameter (docs/operating.md)")
     ap.add_argument("--lora", action="append", default=[], metavar="NAME=FOLDER",
                     help="a LoRA adapter served beside the model (PEFT folder; repeat for more): lora_adapters")
     args = ap.parse_args(argv)

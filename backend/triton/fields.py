@@ -2,7 +2,7 @@
 
 `FIELDS` is the single source: the `ensemble` (TRT-LLM tensor names), `llm` and `vllm_model` config.pbtxt input
 lists, the `sampling_parameters` JSON keys of the vLLM contract, the client's input types, the allowed ranges and
-the README's field table are all checked against it (tests/test_api.py).
+the field table of docs/requests.md are all checked against it (tests/test_api.py).
 """
 from __future__ import annotations
 
@@ -380,11 +380,11 @@ def request_parameters_error(parameters_json: str) -> str | None:
     if not unknown:
         return None
     return (f"unknown request field(s) {', '.join(unknown)}; this model's inputs are listed by "
-            "GET /v2/models/<model>/config (see the README's field tables)")
+            "GET /v2/models/<model>/config (see docs/requests.md's field tables)")
 
 
 def fields_markdown() -> str:
-    """The README's table of request fields (tests/test_api.py checks the README holds exactly this)."""
+    """The table of request fields in docs/requests.md (tests/test_api.py checks it holds exactly this)."""
     rows = ["| field | `ensemble` input(s) | `sampling_parameters` key | type | default | allowed | meaning |",
             "|---|---|---|---|---|---|---|"]
     for f in FIELDS:

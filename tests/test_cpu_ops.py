@@ -68,6 +68,17 @@ def test_cpu_attention_operator_matches_reference(ops, case, group, d, bs, dtype
     attention_close(out, args)
 
 
+@pytest.mark.parametrize("d", [64, 128, 8])
+@pytest.mark.parametrize("case", range(len(CPU_OP_CASES)))
+def test_cpu_attention_operator_reads_a_float16_cache(ops, case, d):
+    """A float16 model's cache: with AVX2 its values are widened 8 at a time as they are summed (head sizes 64 and
+    128), others through the per-block float copy; the reference's answer either way."""
+    args = paged_case(*CPU_OP_CASES[case], 8, 2, d, 16, F16, seed=case)
+    out = torch.empty_like(args[0])
+    ops.paged_attention(out, *args[:7], 1 << 30, 0, 0.0)
+    attention_close(out, args)
+
+
 @pytest.mark.parametrize("cache_dtype", KV_QUANT)
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("bs", [16, 128])

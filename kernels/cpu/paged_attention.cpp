@@ -169,7 +169,13 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
   constexpr bool kQuant = std::is_same_v<kv_t, int8_t> || std::is_same_v<kv_t, fp8_e4m3>;
   // Quantized values with D 64 or 128 are read straight from the cache, the value scale folded into p; other
   // non-float caches are converted into vb per block first.
-  const bool direct_values = kFloat || (kQuant && (D == 64 || D == 128));
+#if defined(TRELLM_AVX2)
+  // bf16/fp16 values too, widened 8 at a time as they are summed (vec_math.h's load8x2)
+  constexpr bool kHalf = std::is_same_v<kv_t, c10::BFloat16> || std::is_same_v<kv_t, c10::Half>;
+#else
+  constexpr bool kHalf = false;
+#endif
+  const bool direct_values = kFloat || ((kQuant || kHalf) && (D == 64 || D == 128));
 
   thread_local std::vector<v16> part_buf;          // [rows][16] partial dot products (slot_scores_16)
   if (part_buf.size() < static_cast<size_t>(rows * 16)) part_buf.resize(rows * 16);
@@ -286,6 +292,12 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
       if (correction != 1.f) {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
+      }
+      if (kHalf && direct_values) {
+        const kv_t* vfirst = vblk + first * slot_stride + h * D;
+        if (D == 64) accumulate_values<4>(ar, sr, n, vfirst, slot_stride);
+        else accumulate_values<8>(ar, sr, n, vfirst, slot_stride);
+        continue;
       }
       if (kQuant && direct_values) {
         const float* vh = vsc + h * BS + first;

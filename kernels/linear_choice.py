@@ -19,6 +19,7 @@ onednn or torch forces today's static rule or a layout instead of `auto`.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -56,9 +57,6 @@ class Choice:
     calls: tuple[str, ...]
     us: dict[str, list[float]] = field(default_factory=dict)
     timed_rows: int = 0                # output rows the timing used (fewer than the weight's for large weights)
-
-    def describe(self) -> str:
-        return describe(self.layout, self.calls)
 
 
 def describe(layout: str, calls: tuple[str, ...]) -> str:
@@ -105,22 +103,19 @@ def decide(us: dict[str, list[float]], layouts: list[str], dtype: torch.dtype, s
     """From the timings, the layout with the least summed slowdown against the best call at each count, and that
     layout's fastest call per count. `static` (today's layout) and `static_calls` (its call at each count) are kept
     unless another is faster by more than TIE."""
-    def at(call: str, i: int) -> float:
-        return us[call][i]
-
-    best = [min(at(c, i) for c in us) for i in range(len(COUNTS))]
+    best = [min(times[i] for times in us.values()) for i in range(len(COUNTS))]
 
     def score(layout: str) -> float:
-        return sum(min(at(c, i) for c in calls_of(layout, dtype)) / best[i] for i in range(len(COUNTS)))
+        return sum(min(us[c][i] for c in calls_of(layout, dtype)) / best[i] for i in range(len(COUNTS)))
 
     chosen = min(layouts, key=score)
     if static in layouts and score(static) <= score(chosen) * (1 + TIE):
         chosen = static
     calls = []
     for i in range(len(COUNTS)):
-        fastest = min(calls_of(chosen, dtype), key=lambda c: at(c, i))
+        fastest = min(calls_of(chosen, dtype), key=lambda c: us[c][i])
         today = static_calls[i] if chosen == static and static_calls else None
-        calls.append(today if today in us and at(today, i) <= at(fastest, i) * (1 + TIE) else fastest)
+        calls.append(today if today in us and us[today][i] <= us[fastest][i] * (1 + TIE) else fastest)
     return Choice(chosen, tuple(calls), us)
 
 
@@ -176,10 +171,17 @@ def cache_file() -> str:
     return os.path.join(root, "linear-choice.json")
 
 
+@functools.cache
+def _host() -> str:
+    """The cache key's host part, read once: /proc/cpuinfo is long on a large machine, and a mixture-of-experts model
+    prepares thousands of weights."""
+    flags = hashlib.sha256(cpu_ops._cpu_flags().encode()).hexdigest()[:12]
+    return f"{cpu_ops.cpu_model()}|flags {flags}|torch {torch.__version__}"
+
+
 def cache_key(dtype: torch.dtype, shape: tuple[int, int]) -> str:
-    flags = hashlib.sha256((cpu_ops._cpuinfo("flags") or "").encode()).hexdigest()[:12]
-    return (f"{cpu_ops.cpu_model()}|flags {flags}|torch {torch.__version__}|threads {torch.get_num_threads()}|"
-            f"{str(dtype).removeprefix('torch.')}|{shape[0]}x{shape[1]}")
+    return (f"{_host()}|threads {torch.get_num_threads()}|{str(dtype).removeprefix('torch.')}|"
+            f"{shape[0]}x{shape[1]}")
 
 
 def _read(path: str) -> dict:
@@ -220,13 +222,13 @@ def choose(w: torch.Tensor, static: str, static_calls: tuple[str, ...] = (), tim
            path: str | None = None) -> Choice:
     """The choice for w's shape and dtype: this process's, else the disk cache's, else timed now (and cached).
     static, static_calls: the written-down rule's layout and its call at each of COUNTS (decide)."""
-    layouts = layouts_for(w.dtype, w.shape[0])
     key = cache_key(w.dtype, tuple(w.shape))
     path = path or cache_file()
     with _lock:
         memo_key = f"{path}|{key}"
         if memo_key in _memo:
             return _memo[memo_key]
+        layouts = layouts_for(w.dtype, w.shape[0])
         choice = _from_cache(_read(path).get(key), layouts, w.dtype)
         if choice is None:
             t = time.perf_counter()
@@ -237,7 +239,7 @@ def choose(w: torch.Tensor, static: str, static_calls: tuple[str, ...] = (), tim
                      w.shape[1], w.shape[0], str(w.dtype).removeprefix("torch."), time.perf_counter() - t,
                      "/".join(map(str, COUNTS)), "" if rows == w.shape[0] else f", first {rows} outputs",
                      "; ".join(f"{c} {'/'.join(f'{v:g}' for v in times)}" for c, times in us.items()),
-                     choice.describe())
+                     describe(choice.layout, choice.calls))
             _write(path, key, choice)
         _memo[memo_key] = choice
         return choice

@@ -8,8 +8,9 @@ while the request runs and is released whole when it finishes, is aborted or pre
 Sliding windows: when every layer attends only within the last `window` keys (Mistral v0.1, Phi-3), a block whose
 keys all fell out of a request's window is never read again. It goes back to the pool as the request advances and
 its table entry becomes NULL_BLOCK, so a long generation holds about window / block_size blocks, as vLLM's
-sliding-window manager does. Such a block keeps its hash, like any freed one, until it is taken. Looking up a cached prefix
-changes nothing; request progress (`num_computed_tokens`) is the scheduler's alone.
+sliding-window manager does. Such a block keeps its hash, like any freed one, until it is taken.
+
+Looking up a cached prefix changes nothing; request progress (`num_computed_tokens`) is the scheduler's alone.
 
 Prefix caching: a block whose tokens are all known is registered under a chained hash of (parent block's hash,
 its tokens, the request's cache salt for the first block). A block is shared by reference count; when the count
@@ -170,9 +171,8 @@ class KVCacheManager:
         table = self.req_to_blocks.get(req.request_id, [])
         while len(table) > max(blocks_for(num_tokens, self.block_size), self.num_dropped.get(req.request_id, 0)):
             bid = table.pop()
-            self.ref_count[bid] -= 1
+            self._release(bid)
             if self.ref_count[bid] == 0:
-                self.free_ids[bid] = None
                 self.free_ids.move_to_end(bid, last=False)
 
     def _evict(self, bid: int) -> None:

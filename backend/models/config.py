@@ -237,7 +237,6 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict | None
     partial_rotary_factor: float
-    sliding_window: int | None                      # the window of the layers that slide
     dtype: str                                      # config.json's: one of DTYPES
     eos_token_ids: list[int] = field(default_factory=list)
     quant: QuantFormat | None = None   # a GPTQ/AWQ checkpoint: config.json's quantization_config
@@ -299,7 +298,8 @@ def load_model_config(path: str) -> ModelConfig:
     if family is None:
         raise ModelConfigError(
             f"{cfg_file}: architectures={archs} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-    act_key, want_act = ("hidden_activation", "gelu_pytorch_tanh") if family in GEMMA_FAMILIES else ("hidden_act", "silu")
+    gemma_family = family in GEMMA_FAMILIES
+    act_key, want_act = ("hidden_activation", "gelu_pytorch_tanh") if gemma_family else ("hidden_act", "silu")
     act = c.get(act_key, want_act)
     if act != want_act:
         raise ModelConfigError(f"{cfg_file}: {act_key}={act!r} is not supported (only {want_act!r})")
@@ -384,7 +384,6 @@ def load_model_config(path: str) -> ModelConfig:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         partial_rotary_factor=partial,
-        sliding_window=sliding,
         dtype=dtype_name,
         eos_token_ids=eos,
         quant=quant,

@@ -12,11 +12,11 @@
 // Layouts (all contiguous): q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
 // cu_seqlens_q [B+1], seq_lens [B], block_tables [B, max_blocks] (int32). Query row i of sequence b sits at
 // position seq_lens[b] - q_len + i and sees keys 0..that position, or with a sliding window (window > 0) the last
-// `window` of them. softcap > 0 caps each scaled score s at softcap * tanh(s / softcap) (Gemma 2). The G = H / KVH query heads of a KV head are
-// processed together, so each K/V block is converted and read once for all of them. Sequences with more than
-// max_q_len query rows are skipped (their output rows are left as they are): long prefill chunks are
-// compute-bound and run faster in torch's fused attention (kernels/attention.py), whose gather is small next to
-// their work.
+// `window` of them. softcap > 0 caps each scaled score s at softcap * tanh(s / softcap) (Gemma 2). The G = H / KVH
+// query heads of a KV head are processed together, so each K/V block is converted and read once for all of them.
+// Sequences with more than max_q_len query rows are skipped (their output rows are left as they are): long prefill
+// chunks are compute-bound and run faster in torch's fused attention (kernels/attention.py), whose gather is small
+// next to their work.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -293,19 +293,17 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
       }
-      if (kHalf && direct_values) {
-        const kv_t* vfirst = vblk + first * slot_stride + h * D;
-        if (D == 64) accumulate_values<4>(ar, sr, n, vfirst, slot_stride);
-        else accumulate_values<8>(ar, sr, n, vfirst, slot_stride);
-        continue;
-      }
-      if (kQuant && direct_values) {
-        const float* vh = vsc + h * BS + first;
+      if ((kHalf || kQuant) && direct_values) {   // values read where they lie; a quantized one's scale into p
+        const float* p = sr;
+        if constexpr (kQuant) {
+          const float* vh = vsc + h * BS + first;
 #pragma omp simd
-        for (int64_t j = 0; j < n; ++j) pv[j] = sr[j] * vh[j];
+          for (int64_t j = 0; j < n; ++j) pv[j] = sr[j] * vh[j];
+          p = pv;
+        }
         const kv_t* vfirst = vblk + first * slot_stride + h * D;
-        if (D == 64) accumulate_values<4>(ar, pv, n, vfirst, slot_stride);
-        else accumulate_values<8>(ar, pv, n, vfirst, slot_stride);
+        if (D == 64) accumulate_values<4>(ar, p, n, vfirst, slot_stride);
+        else accumulate_values<8>(ar, p, n, vfirst, slot_stride);
         continue;
       }
       const float* v0;

@@ -594,13 +594,16 @@ def test_auto_holds_the_timed_layout_and_runs_its_calls(ops, tmp_path, monkeypat
                                                  (300, 64, 40)])    # the last unpacked for torch's GEMM
 def test_cpu_half_linear_with_avx2_alone_multiplies_in_fp32_and_rows_do_not_depend_on_their_batch(ops, dtype, tokens,
                                                                                                   out_f, in_f,
-                                                                                                  kernel_settings):
+                                                                                                  kernel_settings,
+                                                                                                  monkeypatch):
     """With AVX2 alone (no bf16/fp16 dot products, torch's half GEMM row by row) a bf16/fp16 weight whose outputs
     fill the 32-output blocks is packed for the half operator, which multiplies in fp32 and rounds once: the answer
     is torch's fp32 linear on the widened weight, rounded to the dtype (within one step of it, as the sums' order
     differs), for tiles of 1 to 48 tokens, odd K and a bias, and a token's result does not depend on its batch
-    (below the token count from which calls take torch's GEMM on the unpacked weight instead)."""
+    (below the token count from which calls take torch's GEMM on the unpacked weight instead). On a host whose torch
+    has bf16/fp16 dot products (AVX512-BF16, AMX) the AVX2 build is still tested, under the rule's condition."""
     assert ops.avx2, "the half operator is the AVX2 build's (AVX-512 builds keep torch's bf16/fp16 GEMM)"
+    monkeypatch.setattr(linear, "half_gemm_is_row_by_row", lambda dtype: True)
     kernel_settings(cpu_linear="cpp")
     g = torch.Generator().manual_seed(7)
     w, b = randn(g, out_f, in_f, dtype=dtype), randn(g, out_f, dtype=dtype)

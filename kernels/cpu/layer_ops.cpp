@@ -229,9 +229,7 @@ void gather_dequantize_rows(out_t* out, const kv_t* cache, const at::Half* scale
       out_t* o = out + r * D;
       if (D % 16 == 0) {
         for (int64_t d = 0; d < D; d += 16) {
-          const trellm::v16 y = trellm::load16(x + d) * s;
-          if constexpr (std::is_same_v<out_t, float>) trellm::store16(o + d, y);
-          else for (int j = 0; j < 16; ++j) o[d + j] = round_to<out_t>(y[j]);
+          trellm::store16(o + d, trellm::load16(x + d) * s);
         }
       } else {
         for (int64_t d = 0; d < D; ++d) o[d] = round_to<out_t>(static_cast<float>(x[d]) * s);

@@ -327,7 +327,10 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
     for (int64_t i = 0; i < heads; ++i) {
       const int64_t r = p * heads + i;
       const float inv = 1.f / l[r];
-      for (int64_t d = 0; d < D; ++d) orow[i * D + d] = trellm::round_to<scalar_t>(acc[r * D + d] * inv);
+      if (D % 16 == 0)
+        for (int64_t d = 0; d < D; d += 16) trellm::store16(orow + i * D + d, load16(acc + r * D + d) * inv);
+      else
+        for (int64_t d = 0; d < D; ++d) orow[i * D + d] = trellm::round_to<scalar_t>(acc[r * D + d] * inv);
     }
   }
 }

@@ -142,9 +142,75 @@ inline v16 load16(const fp8_e4m3* p) {
   std::memcpy(&out, &r, sizeof(out));
   return out;
 }
+
+// bfloat16 and float16 (a bf16/fp16 model's KV cache and activations) widened 16 at a time: bf16's bits are a
+// float's upper half (a zero-extension and a shift); float16 takes the hardware conversion. The generic loop above
+// converted them one by one, which kept bf16 decode attention slower than fp32's on AVX-512 hosts though it reads
+// half the bytes.
+inline v16 load16(const c10::BFloat16* p) {
+  const __m512 r = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  v16 out;
+  std::memcpy(&out, &r, sizeof(out));
+  return out;
+}
+
+inline v16 load16(const c10::Half* p) {
+  const __m512 r = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  v16 out;
+  std::memcpy(&out, &r, sizeof(out));
+  return out;
+}
 #endif
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// 16 floats rounded to bf16 or fp16 and stored, as round_to rounds each (bf16: nearest even, NaN 0x7FC0; fp16: the
+// hardware's nearest even), in vector instructions where the build has them; element by element otherwise.
+template <typename T>
+inline void store16(T* p, v16 v) {
+  for (int i = 0; i < 16; ++i) p[i] = round_to<T>(v[i]);
+}
+
+#if defined(__AVX512F__)
+inline void store16(c10::BFloat16* p, v16 v) {
+  __m512 f;
+  std::memcpy(&f, &v, sizeof(f));
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+inline void store16(c10::Half* p, v16 v) {
+  __m512 f;
+  std::memcpy(&f, &v, sizeof(f));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+inline __m256i bf16_bits8(__m256 f) {   // 8 floats' bf16 bits, nearest even, NaN 0x7FC0, in 32-bit lanes
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+}
+
+inline void store16(c10::BFloat16* p, v16 v) {
+  __m256 h[2];
+  std::memcpy(h, &v, sizeof(h));
+  // packus interleaves the two inputs' 128-bit halves; the permute puts the 16 values back in order.
+  const __m256i packed = _mm256_packus_epi32(bf16_bits8(h[0]), bf16_bits8(h[1]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
+}
+
+inline void store16(c10::Half* p, v16 v) {
+  __m256 h[2];
+  std::memcpy(h, &v, sizeof(h));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(h[0], _MM_FROUND_TO_NEAREST_INT));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(h[1], _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // AVX2 without AVX-512 (Zen 3, Zen 2, many Intel servers): GCC lowers the 16-lane type above badly there (scalar

@@ -24,6 +24,13 @@ the activations' rounding is ~256x finer than the weights'; perf/RESULTS.md, "IN
 (torch's own `_weight_int8pack_mm` was slower than fp32 oneDNN even for one token, perf/RESULTS.md, "Weight-only INT8
 on a CPU"; its bf16 form crashed on rows not a multiple of its vector.)
 
+W8A8 (`quantization="w8a8"`, as vLLM's CPU backend runs INT8 checkpoints): the weights as INT8's, and each call's
+activations rounded per token to int8 too (scale max |x| / 127), so the products are integer dot products (VNNI,
+AMX-INT8) with exact sums, then scaled by the token's and the weight row's scales. On a CPU with int8 dot products
+it runs oneDNN's quantized GEMM on the weight prepacked at load; elsewhere (and on CUDA) the same rounding through a
+float GEMM of the rounded integers. It is a mode of its own, not a candidate of INT8's: rounding the activations
+moves greedy tokens further from the float model's than weight-only INT8 does (tests/test_quantization.py).
+
 Weight-only INT4 (`quantization="int4"`, or "int4-g64"/"int4-g32" for smaller groups; GPTQ and AWQ checkpoints):
 group-wise with zero points (int4.py says why and how it is laid out). CUDA runs the Triton kernel
 (triton_linear.py), which unpacks the nibbles in registers; a CPU runs torch's `_weight_int4pack_mm_for_cpu` on bf16
@@ -47,7 +54,7 @@ from trellm_kernels.int4 import Int4Weight, cpu_op_accepts, quantize_int4, to_cp
 
 # int4 is int4-g128: 128 inputs per scale, what most GPTQ/AWQ checkpoints use.
 INT4_GROUPS = {"int4": 128, "int4-g64": 64, "int4-g32": 32}
-QUANTIZATIONS = ("none", "int8", *INT4_GROUPS)
+QUANTIZATIONS = ("none", "int8", "w8a8", *INT4_GROUPS)
 
 
 @dataclass
@@ -55,16 +62,20 @@ class Weight:
     """A linear layer's weight [out, in], held once: dense, only in its prepared layout (keeping both would
     double the memory of every linear layer), as int8 rows with one scale each, or as group-wise INT4."""
     dense: torch.Tensor | None
-    prepared: torch.Tensor | None = None   # oneDNN's layout on a CPU
+    prepared: torch.Tensor | None = None   # oneDNN's layout on a CPU (W8A8: its quantized GEMM's, int8)
     packed: torch.Tensor | None = None     # [out/B, in, B] (B = CPU_BLOCK): fp32 for cpu/fp32_linear.cpp, bf16/fp16
     #                                        for cpu/half_linear.cpp
     qweight: torch.Tensor | None = None    # int8 [out, in], or packed [out/B, in, B] (B = CPU_BLOCK) on a CPU
     scales: torch.Tensor | None = None     # [out], in the activations' dtype: W ~= qweight * scales[:, None]
     int4: Int4Weight | None = None
+    w8a8: bool = False                     # INT8 (qweight rows, or oneDNN's prepacked in `prepared`) with int8
+    #                                        activations
     calls: tuple[str, ...] | None = None   # on a CPU, timed: the call of each token-count range (linear_choice)
 
     def int8_rows(self) -> torch.Tensor:
-        """qweight as [out, in] rows (a copy when it is held packed)."""
+        """The INT8 weight as [out, in] rows (a copy when it is held packed, for the C++ operator or oneDNN)."""
+        if self.qweight is None:
+            return self.prepared.to_dense().t()
         return self.qweight if self.qweight.dim() == 2 else unpack_blocks(self.qweight)
 
     def tensor_device(self) -> torch.device:
@@ -80,7 +91,7 @@ class Weight:
         """The weight as a dense [out, in] tensor (a copy when only the prepared or quantized form is held)."""
         if self.int4 is not None:
             return self.int4.tensor()
-        if self.qweight is not None:
+        if self.scales is not None:
             return self.int8_fp32().to(self.scales.dtype)
         if self.packed is not None:
             return unpack_blocks(self.packed)
@@ -101,14 +112,37 @@ def unpack_blocks(q: torch.Tensor) -> torch.Tensor:
     return q.permute(0, 2, 1).reshape(q.shape[0] * q.shape[2], q.shape[1])
 
 
-def quantize_int8(w: torch.Tensor) -> Weight:
-    """Symmetric per-output-row INT8: scale = max |w| of the row / 127 (rows of zeros get scale 1)."""
+def quantize_int8(w: torch.Tensor, packed: bool | None = None) -> Weight:
+    """Symmetric per-output-row INT8: scale = max |w| of the row / 127 (rows of zeros get scale 1). Packed for the
+    C++ operator (by default on a CPU where the outputs fill its blocks), else [out, in] rows."""
     amax = w.detach().float().abs().amax(dim=1)
     scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w.float() / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-    if w.device.type == "cpu" and q.shape[0] % CPU_BLOCK == 0:
-        q = pack_blocks(q)
-    return Weight(None, qweight=q, scales=scales.to(w.dtype).contiguous())
+    if packed is None:
+        packed = w.device.type == "cpu" and q.shape[0] % CPU_BLOCK == 0
+    return Weight(None, qweight=pack_blocks(q) if packed else q, scales=scales.to(w.dtype).contiguous())
+
+
+def quantize_w8a8(w: torch.Tensor, typical_tokens: int = 64) -> Weight:
+    """INT8 weights (quantize_int8's rounding) for W8A8: prepacked for oneDNN's quantized GEMM where this CPU runs
+    it (onednn_runs_w8a8), else the rows."""
+    q = quantize_int8(w, packed=False)
+    q.w8a8 = True
+    if w.device.type == "cpu" and onednn_runs_w8a8():
+        q.prepared = torch.ops.onednn.qlinear_prepack(q.qweight, [typical_tokens, w.shape[1]])
+        q.qweight = None
+    return q
+
+
+# Without VNNI or AMX-INT8, oneDNN's int8 GEMM on x86 adds pairs of u8 x s8 products in int16, which can saturate.
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+@functools.cache
+def onednn_runs_w8a8() -> bool:
+    """Whether oneDNN's quantized GEMM runs here with exact sums: an x86 CPU with VNNI or AMX-INT8."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+            and bool(set(INT8_DOT_FLAGS) & set(cpu_ops._cpu_flags().split())))
 
 
 def prepare_weight(w: torch.Tensor, quantization: str = "none", typical_tokens: int = 64) -> Weight:
@@ -117,6 +151,8 @@ def prepare_weight(w: torch.Tensor, quantization: str = "none", typical_tokens: 
         raise ValueError(f"quantization={quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
     if quantization == "int8":
         return quantize_int8(w)
+    if quantization == "w8a8":
+        return quantize_w8a8(w, typical_tokens)
     if quantization in INT4_GROUPS:
         return prepare_int4(quantize_int4(w, INT4_GROUPS[quantization]))
     if w.device.type != "cpu" or not w.is_floating_point():
@@ -225,8 +261,8 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return CALLS[w.calls[linear_choice.count_index(x.numel() // x.shape[-1])]](x, w, bias)
     if w.int4 is not None:
         return int4_linear(x, w.int4, bias)
-    if w.qweight is not None:
-        return int8_linear(x, w, bias)
+    if w.scales is not None:
+        return w8a8_linear(x, w, bias) if w.w8a8 else int8_linear(x, w, bias)
     if w.packed is not None:
         if w.packed.dtype != torch.float32 and x.numel() // x.shape[-1] >= HALF_UNPACKED_FROM_TOKENS:
             return dense_linear(x, w.tensor(), bias)
@@ -261,6 +297,9 @@ def linear_path(w: Weight) -> str:
         if w.int4.cpu_scales_zeros is not None:
             return "INT4 torch _weight_int4pack_mm_for_cpu (bf16 activations)"
         return f"INT4 dequantized, then {dense_path(w.int4.scales.dtype)}"
+    if w.w8a8:
+        return ("W8A8 oneDNN (int8 activations per token)" if w.prepared is not None else
+                f"W8A8 as {dense_path(torch.float32)} on the rounded integers")
     if w.qweight is not None:
         if triton:
             return "INT8 Triton kernel"
@@ -326,17 +365,65 @@ def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
+_ONE, _ZERO = torch.tensor(1.0), torch.tensor(0)    # oneDNN's activation scale and zero point: the ints as they are
+
+
+def w8a8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8: x rounded per token to int8 (int8_activations); oneDNN's exact int32 sums times the weight rows' scales
+    where it holds the weight, else a float32 GEMM of the rounded integers (exact below 2^24, rounded above, as a
+    float GEMM is); then times the tokens' scales; the bias is added before the result is rounded to x's dtype."""
+    xq, x_scale = int8_activations(x)
+    if w.prepared is not None:
+        y = torch.ops.onednn.qlinear_pointwise.tensor(xq, _ONE, _ZERO, w.prepared, w.scales.float(), _ZERO, None, 1.0,
+                                                      0, torch.float32, "none", [None], "")
+    else:
+        y = torch.nn.functional.linear(xq.float(), w.qweight.float()) * w.scales.float()
+    y *= x_scale
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def w8a8_reference(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """What w8a8_linear computes, without a bias, from exact integer sums: the float32 rounding of
+    (sum * weight scale) * token scale."""
+    xq, x_scale = int8_activations(x)
+    sums = (xq.to(torch.int64) @ w.int8_rows().to(torch.int64).T).to(torch.float32)
+    return sums * w.scales.float() * x_scale
+
+
+def int8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's activations rounded to int8 with the float32 scale max |x| / 127: xq [tokens, in] int8 and
+    the scale [tokens, 1]. The C++ operator's one pass where it is built, else torch's (bit for bit the same)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    ops = cpu_ops.for_tensor(x)
+    if ops is None:
+        xq, x_scale = per_token_rounding(x2, 127)
+        return xq.to(torch.int8), x_scale
+    xq = torch.empty(x2.shape, dtype=torch.int8)
+    x_scale = torch.empty(x2.shape[0], 1)
+    ops.quantize_rows_int8(xq, x_scale, x2.contiguous())
+    return xq, x_scale
+
+
+def per_token_rounding(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, in] rounded per token to integers in [-qmax, qmax] (as float32) with the float32 scale
+    max |x| / qmax (1 for a row of zeros): x is about the result times the scale."""
+    x = x.float()
+    amax = x.abs().amax(dim=1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(float(qmax)) / amax, torch.ones_like(amax))
+    x_scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    return torch.round(x * inv).clamp_(-qmax, qmax), x_scale
+
+
 INT16_ACTIVATION_CHUNK = 256   # k per exact int32 partial sum in cpu/int8_linear.cpp's AVX2 tile (KC there)
 
 
 def int16_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The AVX2 INT8 tile's rounding of activations: each token's to int16 (int64 here) with the fp32 scale
     max |x| / 32767; x is about xq * scale."""
-    x = x.reshape(-1, x.shape[-1]).float()
-    amax = x.abs().amax(dim=1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.ones_like(amax))
-    x_scale = torch.where(amax > 0, amax / 32767.0, torch.ones_like(amax))
-    return torch.round(x * inv).to(torch.int64), x_scale
+    xq, x_scale = per_token_rounding(x.reshape(-1, x.shape[-1]), 32767)
+    return xq.to(torch.int64), x_scale
 
 
 def int8_linear_int16_reference(x: torch.Tensor, w: Weight) -> torch.Tensor:

@@ -40,7 +40,7 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool size (default: the engine's)")
     ap.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
-    ap.add_argument("--quantization", default=None, help="the llm parameter: none, int8, int4, int4-g64 or int4-g32 (default: the engine's)")
+    ap.add_argument("--quantization", default=None, help="the llm parameter: none, int8, w8a8, int4, int4-g64 or int4-g32 (default: the engine's)")
     ap.add_argument("--dtype", default=None, help="the llm parameter: auto, float32, float16 or bfloat16 (default: "
                     "the engine's, float32 on a CPU)")
     ap.add_argument("--kv-cache-dtype", default=None, help="the llm parameter: auto, int8 or fp8_e4m3 (default: the "

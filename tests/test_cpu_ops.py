@@ -411,6 +411,48 @@ def test_cpu_int8_linear_with_avx2_alone_is_its_int16_reference_bit_for_bit(ops,
     assert_within_rounding(got, exact_linear(grid, q.int8_rows().double() * q.scales.double()[:, None]))
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_int8_activations_of_the_operator_are_torchs_bit_for_bit(ops, dtype):
+    """W8A8's per-token rounding of activations to int8 in one C++ pass gives the bits of the PyTorch steps it
+    replaces (linear.per_token_rounding), for rows of zeros, a huge and a tiny row, and odd widths; every value
+    lies within half a step of its grid point."""
+    g = torch.Generator().manual_seed(8)
+    for tokens, k in ((1, 16), (7, 81), (40, 512)):
+        x = (randn(g, tokens, k) * torch.rand(tokens, 1, generator=g) * 8).to(dtype)
+        x[tokens // 2] = 0
+        x[-1] *= 1e4 if dtype != F16 else 100
+        xq, x_scale = linear.int8_activations(x)
+        want, want_scale = linear.per_token_rounding(x, 127)
+        assert xq.dtype == torch.int8 and torch.equal(xq.float(), want) and torch.equal(x_scale, want_scale)
+        amax = x.float().abs().amax(dim=1, keepdim=True)
+        assert ((xq.float() * x_scale - x.float()).abs() <= x_scale / 2 + 2 * EPS32 * amax).all()
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "rows"])
+def test_w8a8_is_exact_integer_sums_scaled_on_every_path(ops, monkeypatch, dtype, onednn):
+    """quantization=w8a8: where the CPU has int8 dot products oneDNN's quantized GEMM runs on the weight prepacked at
+    load (one copy, read back exactly); elsewhere a float GEMM of the rounded integers. Either gives the exact integer
+    sums times the weight's and the token's scales (w8a8_reference, which sums in int64), the bias added before the
+    one rounding to the dtype, at every token count; the load log names the path."""
+    if onednn and not linear.onednn_runs_w8a8():
+        pytest.skip(f"this CPU ({cpu_ops.cpu_model()}) has no int8 dot products ({', '.join(linear.INT8_DOT_FLAGS)}):"
+                    " oneDNN's int8 GEMM could saturate, so W8A8 takes the float GEMM of the rounded integers")
+    monkeypatch.setattr(linear, "onednn_runs_w8a8", lambda: onednn)
+    g = torch.Generator().manual_seed(9)
+    w, b = randn(g, 96, 200, dtype=dtype), randn(g, 96, dtype=dtype)
+    q = linear.prepare_weight(w, "w8a8")
+    assert q.w8a8 and ((q.prepared is not None) == onednn) and ((q.qweight is not None) != onednn)
+    assert torch.equal(q.int8_rows(), linear.quantize_int8(w, packed=False).qweight)
+    assert linear.linear_path(q).startswith("W8A8 oneDNN" if onednn else "W8A8 as torch linear")
+    for tokens in (1, 3, 16, 65, 300):
+        x = randn(g, tokens, 200, dtype=dtype)
+        want = linear.w8a8_reference(x, q)
+        # oneDNN's int32 sums are exact; the float GEMM's are too at these sizes (below 2^24)
+        assert torch.equal(linear.linear(x, q), want.to(dtype))
+        assert torch.equal(linear.linear(x, q, b), (want + b).to(dtype))
+
+
 @pytest.mark.parametrize("mode", ["cpp", "onednn", "torch"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("out_f", [300, 320])

@@ -718,7 +718,8 @@ def test_align_by_expert_gives_every_pair_once_in_blocks_of_one_expert(seed):
 
 
 def test_quantization_is_checked():
-    with pytest.raises(ValueError, match="quantization='int2' is not one of none, int8, int4, int4-g64, int4-g32"):
+    with pytest.raises(ValueError,
+                       match="quantization='int2' is not one of none, int8, w8a8, int4, int4-g64, int4-g32"):
         linear.prepare_weight(torch.zeros(2, 2), "int2")
 
 

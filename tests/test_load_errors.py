@@ -75,8 +75,8 @@ def larger_than_memory(folder):
 
 
 def unsupported_quantization(folder):
-    return {"quantization": "int3"}, ["config.pbtxt: quantization='int3' is not one of none, int8, int4, int4-g64, "
-                                      "int4-g32"]
+    return {"quantization": "int3"}, ["config.pbtxt: quantization='int3' is not one of none, int8, w8a8, int4, "
+                                      "int4-g64, int4-g32"]
 
 
 CASES = [missing_weights, truncated_weights, unsupported_architecture, tokenizer_larger_than_vocabulary,

@@ -20,7 +20,7 @@ class EngineConfig:
     model_path: str
     device: str = "auto"                  # auto: cuda when available, else cpu
     dtype: str = "auto"                   # auto: the checkpoint's dtype on GPU, float32 on CPU
-    quantization: str = "none"            # int8: weight-only INT8 of the layers' linears (kernels/linear.py)
+    quantization: str = "none"            # int8 (weight-only), w8a8, int4: the layers' linears (kernels/linear.py)
     kv_cache_dtype: str = "auto"          # auto (the model's dtype), int8 or fp8_e4m3: the KV cache's values
     block_size: int = 0                   # tokens per KV block; 0: 128 on CPU, 16 on CUDA (limits.resolve_block_size)
     kv_cache_bytes: int = 512 << 20       # KV pool on CPU

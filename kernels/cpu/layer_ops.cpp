@@ -102,7 +102,39 @@ void silu_and_mul_rows(const scalar_t* x, scalar_t* out, int64_t N, int64_t I) {
   });
 }
 
+// Each row of x rounded to int8 with its own scale, max |x[m, :]| / 127 (1 for a row of zeros): the activations
+// of oneDNN's W8A8 GEMM (kernels/linear.py, w8a8_linear), in one pass over x where torch takes five. The same
+// float32 steps as linear.per_token_rounding (127 / amax, x * that, nearest even), so the two agree bit for bit.
+template <typename scalar_t>
+void quantize_rows_int8_rows(const scalar_t* x, int8_t* q, float* scales, int64_t M, int64_t K) {
+  at::parallel_for(0, M, grain_rows(K), [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      const scalar_t* row = x + m * K;
+      int8_t* out = q + m * K;
+      float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(f32(row[k])));
+      const float inv = amax > 0 ? 127.f / amax : 1.f;
+      scales[m] = amax > 0 ? amax / 127.f : 1.f;
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k)
+        out[k] = static_cast<int8_t>(std::min(std::max(std::nearbyint(f32(row[k]) * inv), -127.f), 127.f));
+    }
+  });
+}
+
 }  // namespace
+
+void quantize_rows_int8_cpu(at::Tensor q, at::Tensor scales, at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && q.is_contiguous() && q.scalar_type() == at::kChar &&
+                  q.sizes() == x.sizes() && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == x.size(0),
+              "quantize_rows_int8: x contiguous [M, K], q int8 [M, K], scales float32 [M]");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows_int8", [&] {
+    quantize_rows_int8_rows(x.data_ptr<scalar_t>(), q.data_ptr<int8_t>(), scales.data_ptr<float>(), x.size(0),
+                            x.size(1));
+  });
+}
 
 // out[n, :] = rms_norm(x[n, :]) * weight. x, out: [N, C] contiguous; weight [C] of x's dtype.
 void rms_norm_cpu(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {

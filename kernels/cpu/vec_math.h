@@ -165,6 +165,28 @@ inline v16 load16(const c10::Half* p) {
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// exp_approx on 16 lanes: the same clamp and polynomial, the power of two found by adding and subtracting 1.5 * 2^23
+// (nearest, ties to even, where exp_approx's floor(t + 0.5) rounds ties up: either leaves f within [-0.5, 0.5]).
+// GCC keeps exp_approx's loops scalar on AVX-512 builds, which left SiLU-and-mul at a quarter of torch's speed.
+inline v16 exp16(v16 x) {
+  x = x < -87.0f ? v16{} - 87.0f : x;
+  x = x > 88.0f ? v16{} + 88.0f : x;
+  const v16 t = x * 1.4426950408889634f;
+  const v16 fi = (t + 12582912.0f) - 12582912.0f;
+  const v16 f = t - fi;
+  v16 p = v16{} + 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const vi16 bits = (__builtin_convertvector(fi, vi16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 // 16 floats rounded to bf16 or fp16 and stored, as round_to rounds each (bf16: nearest even, NaN 0x7FC0; fp16: the
 // hardware's nearest even), in vector instructions where the build has them; element by element otherwise.
 template <typename T>
@@ -300,6 +322,18 @@ inline v16 sum_lanes_16(const v16* p) {
   return TRELLM_SHUFFLE(u[0], u[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
          TRELLM_SHUFFLE(u[0], u[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 #endif
+}
+
+// v rounded to scalar_t and widened back (the rounding an intermediate of that dtype gets), 16 lanes at a time.
+template <typename scalar_t>
+inline v16 rounded16(v16 v) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return v;
+  } else {
+    alignas(64) scalar_t tmp[16];
+    store16(tmp, v);
+    return load16(tmp);
+  }
 }
 
 }  // namespace trellm

@@ -169,13 +169,11 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
   constexpr bool kQuant = std::is_same_v<kv_t, int8_t> || std::is_same_v<kv_t, fp8_e4m3>;
   // Quantized values with D 64 or 128 are read straight from the cache, the value scale folded into p; other
   // non-float caches are converted into vb per block first.
-#if defined(TRELLM_AVX2)
-  // bf16/fp16 values too, widened 8 at a time as they are summed (vec_math.h's load8x2)
+  // bf16/fp16 values too, widened as they are summed (vec_math.h: 8 at a time with AVX2, 16 with AVX-512), where few
+  // rows share a head (decodes: converting each block into float first was a second pass over every value); where
+  // many do (transposed keys, prefill chunks) each value is converted once into vb instead of once per row.
   constexpr bool kHalf = std::is_same_v<kv_t, c10::BFloat16> || std::is_same_v<kv_t, c10::Half>;
-#else
-  constexpr bool kHalf = false;
-#endif
-  const bool direct_values = kFloat || ((kQuant || kHalf) && (D == 64 || D == 128));
+  const bool direct_values = kFloat || ((kQuant || (kHalf && !transposed)) && (D == 64 || D == 128));
 
   thread_local std::vector<v16> part_buf;          // [rows][16] partial dot products (slot_scores_16)
   if (part_buf.size() < static_cast<size_t>(rows * 16)) part_buf.resize(rows * 16);
@@ -280,9 +278,17 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
       for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sr[j]);
       const float new_max = std::max(m[r], block_max);
       const float correction = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : exp_approx(m[r] - new_max);
+      // 16 lanes at a time (exp16): GCC leaves exp_approx's loop scalar on AVX-512 builds.
+      v16 sum16 = {};
+      int64_t j = 0;
+      for (; j + 16 <= n; j += 16) {
+        const v16 e = trellm::exp16(load16(sr + j) - new_max);
+        trellm::store16(sr + j, e);
+        sum16 += e;
+      }
       float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
+      for (int i = 0; i < 16; ++i) sum += sum16[i];
+      for (; j < n; ++j) {
         sr[j] = exp_approx(sr[j] - new_max);
         sum += sr[j];
       }

@@ -140,8 +140,15 @@ def main() -> int:
             finally:
                 router.terminate()
                 router.wait(10)
-            after = [counters(s.metrics_port) for s in servers]
-            d = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before)]
+            # A replica counts a request as it finishes, which can come just after its last response reaches the
+            # client: read the counters until every request is in them (or 10 s have passed).
+            deadline = time.monotonic() + 10
+            while True:
+                after = [counters(s.metrics_port) for s in servers]
+                d = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before)]
+                if sum(x["vllm:request_success_total"] for x in d) >= len(prompts) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
             queries = sum(x["vllm:prefix_cache_queries_total"] for x in d)
             hits = sum(x["vllm:prefix_cache_hits_total"] for x in d)
             load = [int(x["vllm:request_success_total"]) for x in d]

@@ -16,6 +16,18 @@
 
 namespace trellm {
 
+// 2^f for f in [-0.5, 0.5]: the degree-6 Taylor polynomial of exp_approx and exp16, for a float or 16 lanes.
+template <typename T>
+inline T exp2_fraction(T f) {
+  T p = T{} + 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  return p * f + 1.0f;
+}
+
 // exp(x) for x <= 88: 2^(x log2 e) split into an integer power, set in the exponent bits, and a degree-6 Taylor
 // polynomial for the fraction (relative error below 2e-7, about one float ulp). Plain arithmetic, so `omp simd`
 // loops over it vectorize; std::exp would leave them scalar.
@@ -23,14 +35,7 @@ inline float exp_approx(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float t = x * 1.4426950408889634f;
   const float fi = std::floor(t + 0.5f);  // f in [-0.5, 0.5): the Taylor terms below suffice there
-  const float f = t - fi;
-  float p = 1.5403530393381606e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
+  const float p = exp2_fraction(t - fi);
   int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -173,14 +178,7 @@ inline v16 exp16(v16 x) {
   x = x > 88.0f ? v16{} + 88.0f : x;
   const v16 t = x * 1.4426950408889634f;
   const v16 fi = (t + 12582912.0f) - 12582912.0f;
-  const v16 f = t - fi;
-  v16 p = v16{} + 1.5403530393381606e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
+  const v16 p = exp2_fraction(t - fi);
   const vi16 bits = (__builtin_convertvector(fi, vi16) + 127) << 23;
   v16 scale;
   std::memcpy(&scale, &bits, sizeof(scale));

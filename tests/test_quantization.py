@@ -1,6 +1,6 @@
 """Weight-only INT8 and INT4 (`quantization: int8 / int4`), W8A8 (`w8a8`), GPTQ/AWQ checkpoints and the INT8/FP8 KV
-cache (`kv_cache_dtype`): what quantization costs in quality on the default model, measured against the float model; that
-the GPTQ and AWQ files the packer writes hold the bits where those formats put them and read back exactly; and that
+cache (`kv_cache_dtype`): what quantization costs in quality on the default model, measured against the float model;
+that the GPTQ and AWQ files the packer writes hold the bits where those formats put them and read back exactly; and that
 quantized models serve through tritonserver. The kernels themselves are checked against their reference in
 test_kernels.py."""
 from __future__ import annotations
@@ -394,8 +394,8 @@ def test_the_engine_reads_each_linear_of_an_awq_and_a_gptq_checkpoint_into_its_p
 
 @pytest.mark.server
 def test_quantized_models_added_with_the_command_serve_what_the_engine_generates(default_model_path, tmp_path):
-    """INT8 weights made at load, a GPTQ act-order checkpoint (read as stored: its config.json says so) and an INT8
-    KV cache, each an entry written by `add_model` with its parameter, in one tritonserver: each streams, for every
+    """INT8 weights made at load, W8A8, a GPTQ act-order checkpoint (read as stored: its config.json says so) and an
+    INT8 KV cache, each an entry written by `add_model` with its parameter, in one tritonserver: each streams, for every
     prompt, the tokens the engine makes with the same setting (themselves close to the float model's: above). INT4
     made at load takes the INT8 path through the server: the same parameter, checked by checks.py against the same
     list."""
@@ -410,8 +410,9 @@ def test_quantized_models_added_with_the_command_serve_what_the_engine_generates
                                                                                     zero_offset=1))
     repo = tmp_path / "repository"
     repo.mkdir()
-    models = {"q8": (default_model_path, "int8", "auto", 32 << 20), "gptq": (gptq, "none", "auto", 32 << 20),
-              "kv8": (default_model_path, "none", "int8", 8 << 20)}
+    models = {"q8": (default_model_path, "int8", "auto", 32 << 20),
+              "w8a8": (default_model_path, "w8a8", "auto", 32 << 20),
+              "gptq": (gptq, "none", "auto", 32 << 20), "kv8": (default_model_path, "none", "int8", 8 << 20)}
     tok = AutoTokenizer.from_pretrained(default_model_path)
     want = {}
     for name, (path, quantization, kv_dtype, kv_bytes) in models.items():

@@ -172,7 +172,7 @@ inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // exp_approx on 16 lanes: the same clamp and polynomial, the power of two found by adding and subtracting 1.5 * 2^23
 // (nearest, ties to even, where exp_approx's floor(t + 0.5) rounds ties up: either leaves f within [-0.5, 0.5]).
-// GCC keeps exp_approx's loops scalar on AVX-512 builds, which left SiLU-and-mul at a quarter of torch's speed.
+// GCC keeps exp_approx's loops scalar on AVX-512 builds, which left SiLU-and-mul well behind torch's silu * up.
 inline v16 exp16(v16 x) {
   x = x < -87.0f ? v16{} - 87.0f : x;
   x = x > 88.0f ? v16{} + 88.0f : x;

@@ -72,8 +72,8 @@ def run_closed_loop(engine: LLMEngine, reqs, concurrency: int) -> dict:
 class WrongGuesses:
     """k guesses of token 0 (<unk>, which the models never make): every one is rejected."""
 
-    def propose(self, chunks, requests, num_tokens):
-        return [[0] * k for k in num_tokens]
+    def propose(self, seqs):
+        return [[0] * s.num_tokens for s in seqs]
 
     def forget(self, request_id):
         pass
@@ -119,7 +119,7 @@ def main():
             kw["speculative_disable_batch_size"] = args.speculative_disable_batch_size
         engines[mode] = LLMEngine(EngineConfig(args.model, **kw))
         if mode == "wrong-always":
-            engines[mode].scheduler.proposer = WrongGuesses()
+            engines[mode].runner.proposer = WrongGuesses()
         engines[mode].generate([[1, 2, 3]], SamplingParams(max_tokens=4))     # warm-up
     print(f"model {args.model}, draft {args.draft_model}, k={args.num_speculative_tokens}, greedy; engine alone")
     print("| workload | concurrency | mode | out tok/s | vs off | mean ITL ms | accepted / guessed |")

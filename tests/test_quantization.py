@@ -147,7 +147,8 @@ def engine_perplexity(model_path: str, kv_cache_dtype: str, chunk: int = 256, **
     chunks before it, with the logits of every row."""
     from transformers import AutoTokenizer
     from trellm_backend.engine.limits import context_limit
-    from trellm_backend.engine.runner import ModelRunner, attention_metadata
+    from trellm_backend.engine.forward_inputs import attention_metadata
+    from trellm_backend.engine.runner import ModelRunner
     from trellm_backend.models.config import load_model_config
     ids = held_text_ids(AutoTokenizer.from_pretrained(model_path))
     mc = load_model_config(model_path)

@@ -113,8 +113,8 @@ class WrongGuesses:
     def __init__(self, token: int):
         self.token = token
 
-    def propose(self, chunks, requests, num_tokens):
-        return [[self.token] * k for k in num_tokens]
+    def propose(self, seqs):
+        return [[self.token] * s.num_tokens for s in seqs]
 
     def forget(self, request_id):
         pass
@@ -127,11 +127,11 @@ class WrongThenRight:
     def __init__(self, answer: list[int], wrong_calls: int):
         self.answer, self.wrong_calls, self.calls = answer, wrong_calls, 0
 
-    def propose(self, chunks, requests, num_tokens):
+    def propose(self, seqs):
         self.calls += 1
         out = []
-        for r, k in zip(requests, num_tokens):
-            n = r.num_tokens
+        for s in seqs:
+            n, k = len(s.token_ids), s.num_tokens
             out.append([0] * k if self.calls <= self.wrong_calls else self.answer[n:n + k])
         return out
 
@@ -147,7 +147,7 @@ def test_a_request_whose_guesses_fail_stops_guessing_and_resumes_when_they_pay(d
     greedy = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     (answer,) = engine(default_model_path, method="none").generate([prompt], greedy)
     eng = engine(default_model_path, num_speculative_tokens=4)
-    eng.scheduler.proposer = WrongThenRight(prompt + answer, wrong_calls=40)
+    eng.runner.proposer = WrongThenRight(prompt + answer, wrong_calls=40)
     assert eng.generate([prompt], greedy) == [answer]
     s = eng.stats()
     # 40 failing steps: full guesses only until the acceptance decays under the threshold, then probes of one.
@@ -189,7 +189,7 @@ def test_sampling_keeps_the_target_distribution_with_bad_guesses(default_model_p
 
     n = 3000
     eng = engine(default_model_path, num_speculative_tokens=2, max_num_seqs=64, max_num_batched_tokens=4096)
-    eng.scheduler.proposer = WrongGuesses(guess)
+    eng.runner.proposer = WrongGuesses(guess)
     outs = eng.generate([prompt] * n, SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k))
     counts: dict[tuple[int, int], int] = {}
     for o in outs:
@@ -210,15 +210,18 @@ def test_sampling_keeps_the_target_distribution_with_bad_guesses(default_model_p
 
 
 def test_ngram_proposer_guesses_from_the_latest_match_and_repeats_loops():
-    from trellm_backend.engine.request import Request
+    from trellm_backend.engine.proposers import ProposalInput
     p = NgramProposer(1, 3)
-    req = Request("r", [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7], SamplingParams(), max_len=100)
-    assert p.propose([None], [req], [3]) == [[1, 2, 5]], "the latest earlier occurrence of [5, 6, 7] continues 1, 2, 5"
-    req.token_ids += [1, 2, 5, 6]
-    assert p.propose([None], [req], [2]) == [[7, 1]], "the index grew with the new tokens"
-    loop = Request("l", [3, 4, 3, 4, 3], SamplingParams(), max_len=100)
-    assert p.propose([None], [loop], [5]) == [[4, 3, 4, 3, 4]], "a match near the end is read as a repeating span"
-    assert p.propose([None], [loop], [0]) == [[]]
+
+    def seq(rid, tokens, k):
+        return ProposalInput(rid, tokens, len(tokens) - 1, [], k)
+    tokens = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7]
+    assert p.propose([seq("r", tokens, 3)]) == [[1, 2, 5]], "the latest earlier occurrence of [5, 6, 7] continues 1, 2, 5"
+    tokens += [1, 2, 5, 6]
+    assert p.propose([seq("r", tokens, 2)]) == [[7, 1]], "the index grew with the new tokens"
+    loop = [3, 4, 3, 4, 3]
+    assert p.propose([seq("l", loop, 5)]) == [[4, 3, 4, 3, 4]], "a match near the end is read as a repeating span"
+    assert p.propose([seq("l", loop, 0)]) == [[]]
     p.forget("l")
     assert "l" not in p.index
     with pytest.raises(ValueError, match="prompt_lookup_min"):
@@ -347,5 +350,7 @@ def test_abort_between_verified_steps_returns_every_block(default_model_path, to
         out = eng.abort(str(i))
         assert out.finished and out.finish_reason == "abort"
     assert eng.kv_blocks_used() == 0 and not eng.has_unfinished()
-    proposer = eng.scheduler.proposer
+    assert eng.step() == []     # the next step tells the runner
+    proposer = eng.runner.proposer
     assert not (proposer.index if method == "ngram" else proposer.computed), "the proposer must forget them"
+    assert not eng.runner.token_ids, "the runner must drop their records"

@@ -5,16 +5,18 @@ Its KV cache is a second tensor indexed by the target's block ids: a request's d
 its target K/V, so they are taken, shared through the prefix cache, freed and dropped on preemption together, by
 the one KV cache manager, with no bookkeeping of their own. The pool's blocks are sized for both (runner.py).
 
-Keeping in step: the first pass of a step that guesses runs every chunk the target runs (prefill chunks
-included), each from where the draft's K/V of that request end: the chunk's start, except after a step that
-accepted every guess (the draft has not yet seen the last guess: one token behind), after steps that guessed
-nothing (a batch past `speculative_disable_batch_size` costs the draft nothing; it catches up in one chunk when
-guessing resumes), or on a preempted request, which starts over with the target. A request's first chunk trusts
-the draft K/V of the prefix-cache blocks it reuses; blocks computed while the draft was behind hold none, which
-makes guesses over such a prefix worse, never the output wrong. The guesses are the draft's argmax: a point-mass
-proposal, which verification (scheduler.verify, sampler.py) turns into exactly the target's distribution. An EAGLE-style
-head would be another proposer with the same two methods, reading the target's hidden states instead of running a
-model of its own.
+Keeping in step: the runner calls it after every target step (proposers.py). When some chunk wants guesses, the
+first pass runs every chunk of the step (prefill chunks included), each from where the draft's K/V of that request
+end up to the request's last known token: the token the target just sampled, whose logits give the first guess.
+Later passes feed each guess to get the next. A guess's K/V are written at the position it would take, in the
+lookahead slots the scheduler gave the request (the pool's blocks, counted in its budget); positions without a slot
+are not guessed. They stand once the target accepts the guesses; the next call checks which did. A step in which no
+chunk wants guesses (a batch past `speculative_disable_batch_size`) costs the draft nothing; it catches up in one
+chunk when guessing resumes. A request's first chunk trusts the draft K/V of the prefix-cache blocks it reuses;
+blocks computed while the draft was behind hold none, which makes guesses over such a prefix worse, never the output
+wrong. The guesses are the draft's argmax: a point-mass proposal, which verification (sampler.py) turns into exactly
+the target's distribution. An EAGLE-style head would be another proposer with the same two methods, reading the
+target's hidden states instead of running a model of its own.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import os
 import torch
 
 from trellm_backend.engine.config import EngineConfig
-from trellm_backend.engine.runner import allocate_kv_cache, attention_metadata
+from trellm_backend.engine.forward_inputs import allocate_kv_cache, attention_metadata
+from trellm_backend.engine.proposers import ProposalInput
 from trellm_backend.models.config import ModelConfig, ModelConfigError, load_model_config
 from trellm_backend.models.llama import LlamaModel
 from trellm_backend.models.weights import load_state_dict
@@ -40,41 +43,64 @@ class DraftModelProposer:
         self.kv_cache, self.kv_scales = allocate_kv_cache(draft_cfg, num_blocks, block_size, kv_dtype or dtype,
                                                           device)
         self.computed: dict[str, int] = {}     # request id -> positions whose draft K/V are written
+        # request id -> (position of the first guess fed last time, the guesses fed): those the target accepted
+        # extend `computed` at the next call.
+        self.fed: dict[str, tuple[int, list[int]]] = {}
 
     @torch.inference_mode()
-    def propose(self, chunks: list, requests: list, num_tokens: list[int]) -> list[list[int]]:
-        guesses: list[list[int]] = [[] for _ in chunks]
-        if not any(num_tokens):
-            # A step without guesses (a large batch) costs the draft nothing: it only notes where a request it has
-            # not seen starts (the cached prefix before its first chunk), and catches up later.
-            for c in chunks:
-                self.computed.setdefault(c.request_id, c.start)
+    def propose(self, seqs: list[ProposalInput]) -> list[list[int]]:
+        guesses: list[list[int]] = [[] for _ in seqs]
+        for s in seqs:   # a request not seen yet starts after its cached prefix
+            self.computed.setdefault(s.request_id, s.start)
+        if not any(s.num_tokens for s in seqs):
             return guesses
-        # Pass 1: every chunk, from where its draft K/V end; logits of the last row of those that guess.
-        starts, tokens, tables, guessing = [], [], [], []
-        for i, (c, req, k) in enumerate(zip(chunks, requests, num_tokens)):
-            start = min(self.computed.get(c.request_id, c.start), c.start)
-            starts.append(start)
-            tokens.append(req.token_ids[start:c.start] + c.token_ids)
-            tables.append(c.block_ids)
-            self.computed[c.request_id] = c.start + c.num_new_tokens
-            if k > 0:
+        # Pass 1: each sequence from where its draft K/V end to its last token with a slot; the logits of the last
+        # token of those that guess.
+        starts, tokens, tables, rows, guessing = [], [], [], [], []
+        for i, s in enumerate(seqs):
+            start = self._accepted(s)
+            end = min(len(s.token_ids), len(s.block_ids) * self.block_size)
+            if end <= start:
+                continue
+            if s.num_tokens > 0 and end == len(s.token_ids):
                 guessing.append(i)
-        last = self._forward(starts, tokens, tables, guessing)
-        for i, t in zip(guessing, last):
+                rows.append(len(starts))
+            starts.append(start)
+            tokens.append(s.token_ids[start:end])
+            tables.append(s.block_ids)
+            self.computed[s.request_id] = end
+        if not guessing:
+            return guesses
+        for i, t in zip(guessing, self._forward(starts, tokens, tables, rows)):
             guesses[i].append(t)
-        # Passes 2..k: each guessing sequence feeds its latest guess, while it wants more.
-        for j in range(1, max(num_tokens, default=0)):
-            rows = [i for i in guessing if num_tokens[i] > j]
-            if not rows:
+        # Passes 2..k: each guessing sequence feeds its latest guess at the position it would take, while it wants
+        # more and that position has a slot.
+        for j in range(1, max(seqs[i].num_tokens for i in guessing)):
+            more = [i for i in guessing if seqs[i].num_tokens > j
+                    and len(seqs[i].token_ids) + j - 1 < len(seqs[i].block_ids) * self.block_size]
+            if not more:
                 break
-            pos = [chunks[i].start + chunks[i].num_new_tokens + j - 1 for i in rows]
-            last = self._forward(pos, [[guesses[i][-1]] for i in rows], [chunks[i].block_ids for i in rows],
-                                 list(range(len(rows))))
-            for i, p, t in zip(rows, pos, last):
+            pos = [len(seqs[i].token_ids) + j - 1 for i in more]
+            last = self._forward(pos, [[guesses[i][-1]] for i in more], [seqs[i].block_ids for i in more],
+                                 list(range(len(more))))
+            for i, t in zip(more, last):
                 guesses[i].append(t)
-                self.computed[chunks[i].request_id] = p + 1
+        for i in guessing:
+            s = seqs[i]
+            self.fed[s.request_id] = (len(s.token_ids), guesses[i][:-1])   # the last guess was never fed
         return guesses
+
+    def _accepted(self, s: ProposalInput) -> int:
+        """Where `s`'s draft K/V end: its computed positions, then the guesses fed last time that the target
+        accepted (the same tokens at the same positions)."""
+        done = self.computed[s.request_id]
+        at, fed = self.fed.pop(s.request_id, (-1, []))
+        if at == done:
+            n = 0
+            while n < len(fed) and at + n < len(s.token_ids) and s.token_ids[at + n] == fed[n]:
+                n += 1
+            done += n
+        return done
 
     def _forward(self, starts, tokens, tables, sample_rows) -> list[int]:
         """One draft forward over sequences given as (start, tokens, block table); returns the argmax token after
@@ -87,6 +113,7 @@ class DraftModelProposer:
 
     def forget(self, request_id: str) -> None:
         self.computed.pop(request_id, None)
+        self.fed.pop(request_id, None)
 
 
 def load_draft_config(config: EngineConfig, target: ModelConfig, max_model_len: int) -> ModelConfig | None:

@@ -16,8 +16,7 @@ from trellm_backend.models.rope import long_rope_from
 from trellm_backend.engine.runner import ModelRunner
 from trellm_backend.engine.output_processor import OutputProcessor, bad_words_ids
 from trellm_backend.engine.request import Request, RequestOutput, SamplingParams, Status
-from trellm_backend.engine.draft import DraftModelProposer, load_draft_config
-from trellm_backend.engine.proposers import NgramProposer
+from trellm_backend.engine.draft import load_draft_config
 from trellm_backend.engine.sampler import SampledToken
 from trellm_backend.engine.scheduler import ScheduledChunk, Scheduler
 from trellm_backend.engine.stats import SchedulerStats
@@ -44,7 +43,9 @@ class LLMEngine:
                                  window=kv_window(mc, draft_cfg))
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.long_prefill_token_threshold,
-                                   *self._speculation(config, draft_cfg), max_loras=config.max_loras,
+                                   num_speculative_tokens=config.num_speculative_tokens if self.runner.proposer else 0,
+                                   speculative_disable_batch_size=config.speculative_disable_batch_size,
+                                   lookahead_slots=draft_cfg is not None, max_loras=config.max_loras,
                                    long_rope_from=long_rope_from(mc))
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(mc.eos_token_ids)
@@ -64,19 +65,6 @@ class LLMEngine:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
             return self._grammars
-
-    def _speculation(self, config: EngineConfig, draft_cfg: ModelConfig | None):
-        """(proposer, tokens per guess, batch size past which no step guesses) from the settings."""
-        method = config.speculative_method      # checked by EngineConfig
-        if method == "none":
-            return None, 0, 0
-        if method == "ngram":
-            proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        else:
-            r = self.runner
-            proposer = DraftModelProposer(draft_cfg, r.num_blocks, r.block_size, r.device, r.dtype,
-                                          self.max_model_len, kv_dtype=r.kv_dtype)
-        return proposer, config.num_speculative_tokens, config.speculative_disable_batch_size
 
     # -- requests in ---------------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
@@ -150,16 +138,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample; returns an output for each request that got a token."""
         sched = self.scheduler.schedule()
-        if not sched.chunks:
+        if not sched.chunks and not sched.reset_ids:
             return []
-        sampled = iter(self.runner.execute(sched, self._grammar_masks(sched)))
-        outputs = []
-        for chunk in sched.chunks:
-            if not chunk.samples:
-                continue
-            rows = [next(sampled) for _ in range(len(chunk.draft_token_ids) + 1)]
-            outputs.append(self._advance(chunk, rows))
-        return outputs
+        result = self.runner.execute(sched, self._grammar_masks(sched))
+        sampled = iter(result.sampled)
+        return [self._advance(chunk, next(sampled), result.guesses.get(chunk.request_id, []))
+                for chunk in sched.chunks if chunk.samples]
 
     def _grammar_masks(self, sched):
         """The step's token bitmask for the guided requests' rows (structured_output.py), or None."""
@@ -173,14 +157,15 @@ class LLMEngine:
                          for j in range(len(c.draft_token_ids) + 1)]
         return fill_masks(self._grammars, rows)
 
-    def _advance(self, chunk: ScheduledChunk, rows: list[SampledToken]) -> RequestOutput:
+    def _advance(self, chunk: ScheduledChunk, rows: list[SampledToken], guesses: list[int]) -> RequestOutput:
         """Append the step's tokens to the chunk's request: the guesses the target sampled the same token for,
         then the target's token at the first disagreement (or after the last guess); stop at the first token that
         finishes the request (the rest are dropped, so max_tokens and stops are never overshot). The output carries the
-        tokens whose text is settled (output_processor.py); the rest wait in `req.unsent`."""
+        tokens whose text is settled (output_processor.py); the rest wait in `req.unsent`. `guesses`: those
+        proposed for the request's next step."""
         req, drafts = self.requests[chunk.request_id], chunk.draft_token_ids
-        accepted = self.scheduler.verify(req, drafts, [r.token_id for r in rows]) if drafts else 0
-        rows = rows[:accepted + 1]
+        if drafts:
+            self.scheduler.verify(req, len(drafts), len(rows) - 1)
         if req.generator is not None and rows[-1].rng_state is not None:
             req.generator.set_state(rows[-1].rng_state)
         now = time.time_ns()
@@ -216,6 +201,8 @@ class LLMEngine:
         if reason:
             self.scheduler.finish(req, reason)
             del self.requests[req.request_id]
+        else:
+            req.spec_token_ids = guesses
         return self._output(req, released, "".join(texts), context, cut)
 
     def _finish_reason(self, req: Request, token: int) -> str | None:

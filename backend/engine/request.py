@@ -221,6 +221,8 @@ class Request:
     num_cached_tokens: int = 0                    # prompt tokens found in the prefix cache at first admission
     spec_acceptance: float = 1.0                  # speculative guesses: recent acceptance rate (the scheduler's)
     spec_steps_since_probe: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)   # guesses proposed after its last step, for the next
+    spec_lookahead: int = 0                       # slots held past its computed tokens for the proposer's K/V
     grammar_future: object | None = None          # a guided request's compiled grammar (concurrent.futures.Future)
     grammar: object | None = None                 # its xgrammar matcher, made when the engine takes the request
     lora: object | None = None                    # its LoRA adapter (models/lora.LoraAdapter), or None

@@ -1,34 +1,50 @@
-"""Owns the model weights and the KV cache tensor; turns a scheduler output into one forward pass and samples.
+"""Owns the model work of a step: the weights, the KV cache tensor, the forward pass, sampling, the verdict on
+speculative guesses and the proposer of the next ones (vLLM v1's shape: the scheduler plans, the runner runs, the
+engine applies the outcome in one place).
 
-Batch preparation works on whole tensors: Python touches each scheduled sequence once, never each token.
+Batch preparation works on whole tensors: Python touches each scheduled sequence once, never each token. With
+speculation the runner keeps a record of each running request's tokens, updated from each step's chunks and
+samples, which is what its proposer reads; the scheduler's `reset_ids` say which records are void.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.draft import DraftModelProposer
+from trellm_backend.engine.forward_inputs import allocate_kv_cache, attention_metadata
 from trellm_backend.engine.limits import kv_budget, kv_bytes_per_block, resolve_device_dtype, resolve_kv_cache_dtype
 from trellm_backend.models.config import ModelConfig
-from trellm_backend.models.llama import AttentionMetadata, LlamaModel
-from trellm_backend.engine.sampler import SampledToken, sample
+from trellm_backend.models.llama import LlamaModel
+from trellm_backend.engine.proposers import NgramProposer, ProposalInput, Proposer
+from trellm_backend.engine.sampler import SampledToken, num_accepted, sample
 from trellm_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
 from trellm_backend.engine.structured_output import apply_masks
 from trellm_backend.models.lora import AdapterStack, LoraStep, stack_adapters, step_rows
 from trellm_backend.models.weights import load_state_dict
 from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
-from trellm_kernels.kv_cache import QMAX, SCALE_DTYPE
 
 log = logging.getLogger("trellm")
+
+
+@dataclass
+class RunnerOutput:
+    """What one step yields, for the engine to apply: for each chunk that samples (in chunk order) its tokens, the
+    guesses the target agreed with and the target's own token after them; and the guesses proposed for the next step,
+    by request id."""
+    sampled: list[list[SampledToken]] = field(default_factory=list)
+    guesses: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
                  draft_cfg: ModelConfig | None = None):
         """`draft_cfg`: a speculative draft model whose K/V share the pool's blocks (draft.py): each block is sized
-        for both, so the same budget holds fewer blocks."""
+        for both, so the same budget holds fewer blocks. It proposes when speculative_method is draft."""
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.draft_cfg = draft_cfg
@@ -50,6 +66,17 @@ class ModelRunner:
                      model_cfg, self.block_size, self.kv_dtype) / 2**20,
                  str(self.kv_dtype).removeprefix("torch.") + (" (float16 scale per token and head)"
                                                               if self.kv_scales is not None else ""), self.device)
+        self.proposer = self._proposer(max_model_len)
+        self.token_ids: dict[str, list[int]] = {}   # with a proposer: each running request's tokens
+
+    def _proposer(self, max_model_len: int) -> Proposer | None:
+        cfg = self.cfg
+        if cfg.speculative_method == "ngram":
+            return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if cfg.speculative_method == "draft":
+            return DraftModelProposer(self.draft_cfg, self.num_blocks, self.block_size, self.device, self.dtype,
+                                      max_model_len, kv_dtype=self.kv_dtype)
+        return None
 
     def _num_kv_blocks(self) -> int:
         per_block = kv_bytes_per_block(self.model_cfg, self.block_size, self.kv_dtype, self.draft_cfg)
@@ -82,11 +109,29 @@ class ModelRunner:
         return LoraStep(stack=stack, slots=slots.to(self.device))
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None) -> list[SampledToken]:
-        """Run the scheduled chunks; return the sampled tokens of each chunk that samples, in chunk order: one,
-        or with guesses one per guess and one after them (the target's own choice at each of those positions).
+    def execute(self, sched: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None) -> RunnerOutput:
+        """Run the scheduled chunks, sample, keep the guesses the target agrees with, and propose the next ones.
         `grammar_bitmask` (structured_output.py) masks the sampled rows' logits before any sampling control."""
+        for rid in sched.reset_ids:
+            self.token_ids.pop(rid, None)
+            if self.proposer is not None:
+                self.proposer.forget(rid)
         chunks = sched.chunks
+        if not chunks:
+            return RunnerOutput()
+        sampled = self._forward_and_sample(chunks, grammar_bitmask)
+        out = RunnerOutput()
+        for c in chunks:
+            if c.samples:
+                rows = [next(sampled) for _ in range(len(c.draft_token_ids) + 1)]
+                out.sampled.append(rows[:num_accepted(c.draft_token_ids, rows) + 1])
+        if self.proposer is not None:
+            out.guesses = self._propose(chunks, out.sampled)
+        return out
+
+    def _forward_and_sample(self, chunks: list[ScheduledChunk], grammar_bitmask: torch.Tensor | None):
+        """The sampled tokens of each chunk that samples, in chunk order: one, or with guesses one per guess and
+        one after them (the target's own choice at each of those positions)."""
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
@@ -105,10 +150,29 @@ class ModelRunner:
         logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices.to(self.device), self.kv_scales,
                                     self._lora_step(chunks, cu))
         if not sampling:
-            return []
+            return iter(())
         if grammar_bitmask is not None:
             apply_masks(logits, grammar_bitmask, self.model_cfg.vocab_size)
-        return sample(logits, [r for c in chunks for r in c.sampling], self.model_cfg.eos_token_ids)
+        return iter(sample(logits, [r for c in chunks for r in c.sampling], self.model_cfg.eos_token_ids))
+
+    def _propose(self, chunks: list[ScheduledChunk], sampled: list[list[SampledToken]]) -> dict[str, list[int]]:
+        """Bring each chunk's request record up to date (its chunk's tokens, less the rejected guesses, plus the
+        target's token) and ask the proposer for the next step's guesses."""
+        seqs, kept = [], iter(sampled)
+        for c in chunks:
+            tokens = self.token_ids.get(c.request_id)
+            if tokens is None:     # its first chunk: the scheduler sent the prefix before it
+                tokens = self.token_ids[c.request_id] = list(c.prefix_ids or ())
+            del tokens[c.start:]
+            tokens += c.token_ids
+            wanted = 0
+            if c.samples:
+                rows = next(kept)
+                del tokens[len(tokens) - len(c.draft_token_ids) + len(rows) - 1:]
+                tokens.append(rows[-1].token_id)
+                wanted = c.guesses_wanted[len(rows) - 1]
+            seqs.append(ProposalInput(c.request_id, tokens, c.start, c.block_ids, wanted))
+        return {s.request_id: g for s, g in zip(seqs, self.proposer.propose(seqs)) if g}
 
 
 def _lora_rows(chunks: list[ScheduledChunk], cu: torch.Tensor) -> list[tuple[object, list[tuple[int, int]]]]:
@@ -121,39 +185,3 @@ def _lora_rows(chunks: list[ScheduledChunk], cu: torch.Tensor) -> list[tuple[obj
         if adapter is not None:
             groups.setdefault(id(adapter), (adapter, []))[1].append((bounds[i], bounds[i + 1]))
     return list(groups.values())
-
-
-def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The pool [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] in kv_dtype and, for an INT8/FP8
-    cache, its scales [num_layers, 2, num_blocks, block_size, num_kv_heads] (float16), else None."""
-    shape = (mc.num_layers, 2, num_blocks, block_size, mc.num_kv_heads)
-    cache = torch.zeros(*shape, mc.head_dim, dtype=kv_dtype, device=device)
-    scales = torch.zeros(*shape, dtype=SCALE_DTYPE, device=device) if kv_dtype in QMAX else None
-    return cache, scales
-
-
-def attention_metadata(starts: list[int], q_lens: list[int], tables: list[list[int]], block_size: int,
-                       device: torch.device, rope_long: list[bool] | None = None
-                       ) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Where each token of a flat batch sits: sequence b runs q_lens[b] tokens from position starts[b], through
-    block table tables[b] (with longrope, rotated with the long factors where rope_long[b]). Returns the metadata
-    (on `device`) and cu_seqlens_q on the CPU."""
-    B, T = len(starts), sum(q_lens)
-    max_blocks = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [-1] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-    q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
-    starts_t = torch.tensor(starts, dtype=torch.int32)
-    cu = torch.zeros(B + 1, dtype=torch.int32)
-    torch.cumsum(q_lens_t, 0, out=cu[1:])
-    seq_of_tok = torch.repeat_interleave(torch.arange(B), q_lens_t, output_size=T)
-    positions = torch.arange(T, dtype=torch.int32) - cu[:-1][seq_of_tok] + starts_t[seq_of_tok]
-    slots = block_tables[seq_of_tok, positions // block_size] * block_size + positions % block_size
-    seq_lens = starts_t + q_lens_t
-    meta = AttentionMetadata(
-        positions=positions.to(device), slot_mapping=slots.to(device), cu_seqlens_q=cu.to(device),
-        seq_lens=seq_lens.to(device), block_tables=block_tables.to(device),
-        max_seqlen_q=max(q_lens), max_seqlen_k=int(seq_lens.max()),
-        rope_long=None if rope_long is None else torch.tensor(rope_long, dtype=torch.bool)[seq_of_tok].to(device))
-    return meta, cu
-

@@ -8,7 +8,7 @@ its own tokens, so its output does not depend on which other requests share the 
 log-softmax of the final processed logits, computed only for the rows that asked.
 
 Speculative decoding needs nothing else here: each guessed position is sampled as it would be without guesses,
-and verification (scheduler.verify) keeps a guess only if the sampled token equals it. For a guess proposed with
+and verification (`num_accepted`) keeps a guess only if the sampled token equals it. For a guess proposed with
 certainty (a point mass q, which both proposers give) that is exactly the standard rejection rule: the guess is
 accepted with probability p(guess) = min(1, p/q), and a rejected one is replaced by a draw from p without the
 guess, renormalised, i.e. from (p - q)+ normalised. Greedy and seeded outputs are therefore the same token for token with
@@ -55,6 +55,15 @@ class SampledToken:
     # this row's draw. When the later rows are thrown away (rejected guesses), the generator goes back to the state
     # after the last row kept, so a seeded request gives the same tokens with and without speculation.
     rng_state: torch.Tensor | None = None
+
+
+def num_accepted(draft_token_ids: list[int], sampled: list[SampledToken]) -> int:
+    """How many of a chunk's guesses stand: those the target sampled the same token for, up to the first
+    disagreement (`sampled`: the target's token at each guess's position, then one more)."""
+    n = 0
+    while n < len(draft_token_ids) and sampled[n].token_id == draft_token_ids[n]:
+        n += 1
+    return n
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids=()) -> list[SampledToken]:

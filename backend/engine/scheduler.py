@@ -9,19 +9,23 @@ waiting queue; it is recomputed when readmitted (mostly from the prefix cache, w
 Waiting requests are not admitted in a step that preempted. A waiting request starts after the longest cached
 prefix of its tokens (kv_cache_manager.py).
 
-Speculative decoding: once the step is planned, the budget it left over goes to guessed tokens (proposers.py)
-appended to decode chunks, while no more than `speculative_disable_batch_size` sequences run (past that, a step
-is no longer bound by reading the weights, and verifying guesses costs more than it saves: perf/RESULTS.md), and
-only for requests whose guesses have been paying: one whose recent acceptance fell below `MIN_ACCEPTANCE` guesses a
-single token every `PROBE_EVERY` steps until its guesses are right again (failed guesses cost a CPU step about as
-much as extra sequences do). The guesses get KV slots like any token and count as computed; after the forward
-pass, `verify` takes back the rejected ones (vLLM v1 does the same) and returns blocks that only they needed.
+Speculative decoding: the guesses a request gets in a step were proposed after its previous step, by the model
+runner's proposer (proposers.py, draft.py), as vLLM v1's drafter does. Once the step is planned, the budget it
+left over goes to those guesses, appended to decode chunks, while no more than `speculative_disable_batch_size`
+sequences run (past that, a step is no longer bound by reading the weights, and verifying guesses costs more than it
+saves: perf/RESULTS.md), and only for requests whose guesses have been paying: one whose recent acceptance fell
+below `MIN_ACCEPTANCE` asks for a single token every `PROBE_EVERY` steps until its guesses are right again (failed
+guesses cost a CPU step about as much as extra sequences do). Each sampling chunk says how many guesses to propose
+for the next step; a draft model writes its K/V at those positions while guessing, so it gets slots for them now
+(lookahead slots, while free blocks allow). The guesses get KV slots like any token and count as computed; after
+the forward pass, `verify` takes back the rejected ones (vLLM v1 does the same) and returns blocks that only they
+needed.
 
 The scheduler alone advances request progress: once a step is planned, each scheduled request's
 `num_computed_tokens` already counts that step's tokens (vLLM v1 does the same), and the output is plain data fixed
 at planning time (where each chunk starts, its tokens, its block table, what sampling its rows reads, its adapter),
 so the model runner and the sampler read facts that no later update can change and never see a live `Request`.
-Only the scheduler, its proposers and the engine (which applies a step's outcome) hold those.
+Only the scheduler and the engine (which applies a step's outcome) hold those.
 """
 from __future__ import annotations
 
@@ -31,7 +35,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from trellm_backend.engine.kv_cache_manager import KVCacheManager
-from trellm_backend.engine.proposers import Proposer
 from trellm_backend.engine.request import Request, Status
 from trellm_backend.engine.sampler import SamplingRow
 from trellm_backend.engine.stats import SchedulerStats
@@ -49,6 +52,12 @@ class ScheduledChunk:
     draft_token_ids: list[int] = field(default_factory=list)   # guesses at the end of token_ids, to verify
     adapter: object | None = None   # the request's LoRA adapter (models/lora.LoraAdapter), or None
     rope_long: bool = False   # longrope: rotate with the long factors (the sequence is past the pretraining length)
+    # Speculation: guesses to propose after this step for the next one, by how many of this step's guesses the
+    # target accepts (what the scheduler will allow the request then: scheduler._guesses_wanted).
+    guesses_wanted: tuple[int, ...] = (0,)
+    # With speculation, on the first chunk of a request's run on its blocks (admitted, or again after a preemption):
+    # its tokens before `start` (the cached prefix), so the runner's record of its tokens is whole.
+    prefix_ids: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -63,6 +72,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # Requests whose per-request state in the runner is void: finished or aborted since the last step, preempted,
+    # or restarted from their first token (longrope). The runner drops it before running the step.
+    reset_ids: list[str] = field(default_factory=list)
 
 
 def sampling_row(req: Request) -> SamplingRow:
@@ -80,6 +92,11 @@ PROBE_EVERY = 8
 ACCEPTANCE_DECAY = 0.7
 
 
+def decayed(acceptance: float, latest: float) -> float:
+    """A request's acceptance rate after a step whose guesses were accepted at the rate `latest`."""
+    return ACCEPTANCE_DECAY * acceptance + (1 - ACCEPTANCE_DECAY) * latest
+
+
 @dataclass
 class SpecCounters:
     """Speculative decoding since start, with vLLM's meanings: drafts (a chunk with guesses), guessed tokens,
@@ -93,13 +110,15 @@ class SpecCounters:
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 proposer: Proposer | None = None, num_speculative_tokens: int = 0,
-                 speculative_disable_batch_size: int = 0, max_loras: int = 0, long_rope_from: int | None = None):
+                 num_speculative_tokens: int = 0, speculative_disable_batch_size: int = 0,
+                 lookahead_slots: bool = False, max_loras: int = 0, long_rope_from: int | None = None):
+        """`lookahead_slots`: the proposer writes K/V at the positions it guesses (a draft model), so a request
+        that asks for guesses gets slots for them in the step before."""
         self.kv = kv_cache_manager
         self.long_rope_from = long_rope_from   # longrope's pretraining length (models/rope.py), or None
         self.max_loras = max_loras      # most LoRA adapters among the running requests (0: no limit)
-        self.proposer = proposer if num_speculative_tokens > 0 else None
         self.num_speculative_tokens = num_speculative_tokens
+        self.lookahead_slots = lookahead_slots
         self.speculative_disable_batch_size = speculative_disable_batch_size
         self.spec = SpecCounters(accepted_per_pos=[0] * num_speculative_tokens)
         self.max_num_seqs = max_num_seqs
@@ -112,6 +131,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.reset_ids: list[str] = []     # for the next step's output
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -119,16 +139,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _schedule(self, out: SchedulerOutput, planned: list[Request], req: Request, n: int) -> None:
-        """Plan `n` tokens of `req` for this step and count them as computed."""
+    def _schedule(self, out: SchedulerOutput, planned: list[Request], req: Request, n: int,
+                  first: bool = False) -> None:
+        """Plan `n` tokens of `req` for this step and count them as computed (`first`: its run on its blocks starts
+        with this chunk)."""
         start = req.num_computed_tokens
         self.kv.drop_outside_window(req, start)
         req.num_computed_tokens = start + n
         samples = req.num_computed_tokens == req.num_tokens
+        prefix = req.token_ids[:start] if first and self.num_speculative_tokens else None
         out.chunks.append(ScheduledChunk(req.request_id, start, req.token_ids[start:start + n],
                                          list(self.kv.block_ids(req.request_id)),
                                          (sampling_row(req),) if samples else (), adapter=req.lora,
-                                         rope_long=req.rope_long))
+                                         rope_long=req.rope_long, prefix_ids=prefix))
         planned.append(req)
 
     def schedule(self) -> SchedulerOutput:
@@ -140,7 +163,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            self._rope_regime(req)
+            restarted = self._rope_regime(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget, self.prefill_cap)
             target = req.num_computed_tokens + n
             while not self.kv.can_allocate_slots(req, target):
@@ -152,7 +175,7 @@ class Scheduler:
             if req.status is not Status.RUNNING:   # it preempted itself
                 break
             self.kv.allocate_slots(req, target)
-            self._schedule(out, planned, req, n)
+            self._schedule(out, planned, req, n, first=restarted)
             budget -= n
             i += 1
 
@@ -188,60 +211,63 @@ class Scheduler:
                 req.times.first_scheduled_ns = time.time_ns()
             req.status = Status.RUNNING
             self.running.append(req)
-            self._schedule(out, planned, req, n)
+            self._schedule(out, planned, req, n, first=True)
             budget -= n
         self.waiting.extendleft(reversed(passed_over))
-        if self.proposer is not None and out.chunks:
-            self._add_drafts(out, planned, budget)
+        if self.num_speculative_tokens and out.chunks:
+            self._add_guesses(out, planned, budget)
         if any(c.adapter is not None for c in out.chunks):
             # Each adapter's chunks side by side (the base's first): its tokens are then one slice of the step's
             # batch, which its LoRA term reads and writes in place (models/lora.py).
             out.chunks.sort(key=lambda c: ("", 0) if c.adapter is None else ("+" + c.adapter.name, id(c.adapter)))
+        out.reset_ids, self.reset_ids = self.reset_ids, []
         return out
 
-    def _add_drafts(self, out: SchedulerOutput, planned: list[Request], budget: int) -> None:
-        """Give decode chunks guessed tokens from the budget and free blocks the step left over. The guesses never
-        take a sampled token past max_tokens or the context (a step yields at most its guesses plus one)."""
+    def _add_guesses(self, out: SchedulerOutput, planned: list[Request], budget: int) -> None:
+        """Give decode chunks the guesses proposed for them after the last step, from the budget and free blocks
+        the step left over, and ask each sampling chunk for the next step's guesses. The guesses never take a
+        sampled token past max_tokens or the context (a step yields at most its guesses plus one)."""
         speculate = len(self.running) <= self.speculative_disable_batch_size
         free = self.kv.num_free
-        wanted = []
-        for c, req in zip(out.chunks, planned):
+        for i, (c, req) in enumerate(zip(out.chunks, planned)):
+            guesses, req.spec_token_ids = req.spec_token_ids, []
+            if not c.samples:
+                continue
+            room = min(req.params.max_tokens - req.num_output_tokens - 1, req.max_len - req.num_tokens - 1)
             k = 0
-            if speculate and c.samples and c.num_new_tokens == 1 and req.params.speculative_decoding:
-                k = min(self._guesses_for(req), budget, req.params.max_tokens - req.num_output_tokens - 1,
-                        req.max_len - req.num_tokens - 1)
+            if speculate and c.num_new_tokens == 1 and req.params.speculative_decoding:
+                k = min(self._guesses_for(req), len(guesses), budget, room)
                 while k > 0 and self.kv.blocks_missing(req, req.num_computed_tokens + k) > free:
                     k -= 1
-                k = max(k, 0)
+            drafts = guesses[:k]
+            if drafts:
                 budget -= k
                 free -= self.kv.blocks_missing(req, req.num_computed_tokens + k)
-            wanted.append(k)
-        # Slots for the most guesses first (a draft model writes its K/V there while guessing), then back to what
-        # the guesses used.
-        asked = []
-        for c, req, k in zip(out.chunks, planned, wanted):
-            if k:
                 self.kv.allocate_slots(req, req.num_computed_tokens + k)
-                c = dataclasses.replace(c, block_ids=list(self.kv.block_ids(req.request_id)))
-            asked.append(c)
-        proposals = self.proposer.propose(asked, planned, wanted)
-        for i, (c, req, k, drafts) in enumerate(zip(out.chunks, planned, wanted, proposals)):
-            if not k:
-                continue
-            drafts = drafts[:k]
-            req.num_computed_tokens += len(drafts)
-            self.kv.trim(req, req.num_computed_tokens)
-            if drafts:
+                req.num_computed_tokens += k
+            # The next step's guesses: this step yields at least one token, so at most room - 1 are of use.
+            wanted_by_verdict = (0,)
+            if speculate and req.params.speculative_decoding:
+                wanted_by_verdict = tuple(max(0, min(w, room - 1)) for w in self._guesses_wanted(req, len(drafts)))
+            wanted = max(wanted_by_verdict)
+            if wanted and self.lookahead_slots:
+                while wanted > 0 and self.kv.blocks_missing(req, req.num_computed_tokens + wanted) > free:
+                    wanted -= 1
+                free -= self.kv.blocks_missing(req, req.num_computed_tokens + wanted)
+                self.kv.allocate_slots(req, req.num_computed_tokens + wanted)
+                wanted_by_verdict = tuple(min(w, wanted) for w in wanted_by_verdict)
+            req.spec_lookahead = wanted if self.lookahead_slots else 0
+            if drafts or wanted:
                 # Row j follows the first j guesses, so penalties, bad words and min_tokens see the sequence as it
                 # would be had they been generated.
                 rows = tuple(c.sampling[0].after(drafts[:j]) for j in range(len(drafts) + 1))
                 out.chunks[i] = dataclasses.replace(c, token_ids=c.token_ids + drafts, sampling=rows,
                                                     block_ids=list(self.kv.block_ids(req.request_id)),
-                                                    draft_token_ids=drafts)
+                                                    draft_token_ids=drafts, guesses_wanted=wanted_by_verdict)
 
     def _guesses_for(self, req: Request) -> int:
         """How many tokens `req` may guess this step: all, or while its guesses keep failing a probe of one now and
-        then (so a request whose text turns repetitive starts guessing again)."""
+        then (so a request whose text turns repetitive starts guessing again). Called once per decode step."""
         if req.spec_acceptance >= MIN_ACCEPTANCE:
             return self.num_speculative_tokens
         req.spec_steps_since_probe += 1
@@ -250,41 +276,49 @@ class Scheduler:
         req.spec_steps_since_probe = 0
         return 1
 
-    def verify(self, req: Request, draft_token_ids: list[int], sampled_token_ids: list[int]) -> int:
-        """Speculative acceptance, all of it: the guesses the target sampled the same token for are accepted, up to
-        the first disagreement (`sampled_token_ids`: the target's token at each guess's position, then one more).
-        The rejected ones were not computed after all, and blocks only they used go back. Returns how many were
-        accepted."""
-        num_drafts, num_accepted = len(draft_token_ids), 0
-        while num_accepted < num_drafts and sampled_token_ids[num_accepted] == draft_token_ids[num_accepted]:
-            num_accepted += 1
+    def _guesses_wanted(self, req: Request, num_drafts: int) -> tuple[int, ...]:
+        """How many guesses to propose for `req`'s next step, by how many of this step's `num_drafts` guesses the
+        target accepts: what `_guesses_for` will allow then, with that verdict in."""
+        due = req.spec_steps_since_probe + 1 >= PROBE_EVERY
+        acceptance = [req.spec_acceptance] if not num_drafts else \
+            [decayed(req.spec_acceptance, a / num_drafts) for a in range(num_drafts + 1)]
+        return tuple(self.num_speculative_tokens if a >= MIN_ACCEPTANCE else int(due) for a in acceptance)
+
+    def verify(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Apply the runner's verdict on a chunk's guesses (sampler.num_accepted): the rejected ones were not
+        computed after all, and blocks only they used go back; lookahead slots for the next guesses stay."""
         req.num_computed_tokens -= num_drafts - num_accepted
-        self.kv.trim(req, req.num_computed_tokens)
-        latest = num_accepted / num_drafts
-        req.spec_acceptance = ACCEPTANCE_DECAY * req.spec_acceptance + (1 - ACCEPTANCE_DECAY) * latest
+        self.kv.trim(req, req.num_computed_tokens + req.spec_lookahead)
+        req.spec_acceptance = decayed(req.spec_acceptance, num_accepted / num_drafts)
         s = self.spec
         s.num_drafts += 1
         s.num_draft_tokens += num_drafts
         s.num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
             s.accepted_per_pos[pos] += 1
-        return num_accepted
 
     def _rope_regime(self, req: Request) -> None:
         """Longrope, as transformers runs it: a sequence longer than the pretraining length has every token rotated
         with the long factors, so the step at which one grows past it recomputes all its tokens (what it holds was
         rotated with the short ones). Its blocks and their prefix-cache hashes go; the new salt keeps the two
-        rotations' blocks apart in the cache."""
+        rotations' blocks apart in the cache. Returns whether it started over."""
         if self.long_rope_from is None or req.rope_long or req.num_tokens <= self.long_rope_from:
-            return
+            return False
         req.rope_long = True
         req.cache_salt = f"{req.cache_salt or ''}|rope:long"
         self.kv.free(req)
+        self._void(req)
+        return True
+
+    def _void(self, req: Request) -> None:
+        """`req` holds no blocks now: nothing of its computed state stands, in the runner either."""
         req.num_computed_tokens = 0
+        req.spec_token_ids, req.spec_lookahead = [], 0
+        self.reset_ids.append(req.request_id)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req, keep_hashes=True)
-        req.num_computed_tokens = 0
+        self._void(req)
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -297,8 +331,7 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         self.kv.free(req)
-        if self.proposer is not None:
-            self.proposer.forget(req.request_id)
+        self.reset_ids.append(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason = reason
 

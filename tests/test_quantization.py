@@ -160,7 +160,8 @@ def engine_perplexity(model_path: str, kv_cache_dtype: str, chunk: int = 256, **
     with torch.inference_mode():
         for start in range(0, len(ids), chunk):
             part = ids[start:start + chunk]
-            meta, _ = attention_metadata([start], [len(part)], [table], 16, runner.device)
+            meta, _ = attention_metadata([start], [len(part)], torch.tensor([table], dtype=torch.int32), 16,
+                                         runner.device)
             logits = runner.model.forward(torch.tensor(part), meta, runner.kv_cache, torch.arange(len(part)),
                                           runner.kv_scales)
             targets = torch.tensor(ids[start + 1:start + 1 + len(part)])

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import pytest
 
+from trellm_backend.engine.block_tables import BlockTables
 from trellm_backend.engine.kv_cache_manager import NULL_BLOCK, KVCacheManager, blocks_for
 from trellm_backend.engine.request import Request, SamplingParams, Status
 from trellm_backend.engine.scheduler import ScheduledChunk, Scheduler
@@ -29,18 +30,34 @@ def next_token(tokens: list[int]) -> int:
     return (sum(tokens[-3:]) * 31 + len(tokens)) % 50
 
 
-def fake_forward(kv: list[list[int]], block_size: int, chunk: ScheduledChunk, window: int = 0) -> list[int]:
+class FakeRunner:
+    """The runner's side of a step's plain data: block tables rebuilt from each chunk's delta (engine/block_tables.py,
+    started small so that it grows), void rows dropped on reset_ids."""
+
+    def __init__(self):
+        self.tables = BlockTables(1, 1)
+
+    def tables_of(self, out) -> dict[str, list[int]]:
+        for rid in out.reset_ids:
+            self.tables.release(rid)
+        for c in out.chunks:
+            self.tables.update(c.request_id, c.new_block_ids, c.num_blocks, c.num_dropped)
+        return {c.request_id: self.tables.table(c.request_id).tolist() for c in out.chunks}
+
+
+def fake_forward(kv: list[list[int]], block_size: int, chunk: ScheduledChunk, table: list[int],
+                 window: int = 0) -> list[int]:
     """Write the chunk's tokens at the slots of its block table, then read back every position it attends to: from
     the first query's window on (window > 0), else from 0."""
     end = chunk.start + chunk.num_new_tokens
-    assert len(chunk.block_ids) * block_size >= end
+    assert len(table) * block_size >= end
     for pos, token in enumerate(chunk.token_ids, chunk.start):
-        assert chunk.block_ids[pos // block_size] != NULL_BLOCK, "a new token's slot was dropped"
-        kv[chunk.block_ids[pos // block_size]][pos % block_size] = token
+        assert table[pos // block_size] != NULL_BLOCK, "a new token's slot was dropped"
+        kv[table[pos // block_size]][pos % block_size] = token
     first = max(0, chunk.start - window + 1) if window else 0
-    assert all(chunk.block_ids[pos // block_size] != NULL_BLOCK for pos in range(first, end)), \
+    assert all(table[pos // block_size] != NULL_BLOCK for pos in range(first, end)), \
         "a block still inside a query's window was dropped"
-    return [kv[chunk.block_ids[pos // block_size]][pos % block_size] for pos in range(first, end)]
+    return [kv[table[pos // block_size]][pos % block_size] for pos in range(first, end)]
 
 
 @st.composite
@@ -109,6 +126,7 @@ def test_scheduler_and_kv_cache_manager_invariants(w):
     sched = Scheduler(bm, w["max_num_seqs"], w["budget"], w["chunked"], w["cap"], num_speculative_tokens=w["spec_k"],
                       speculative_disable_batch_size=4, lookahead_slots=w["lookahead"])
     proposer = FakeGuesses(w["spec_seed"])
+    runner = FakeRunner()
     pool_tokens = w["num_blocks"] * bs
     kv = [[-1] * bs for _ in range(w["num_blocks"])]
     pending = sorted(enumerate(w["reqs"]), key=lambda x: x[1][0])
@@ -134,15 +152,18 @@ def test_scheduler_and_kv_cache_manager_invariants(w):
         if w["chunked"] and w["cap"]:
             assert all(c.num_new_tokens - len(c.draft_token_ids) <= w["cap"] for c in out.chunks), "a prefill chunk exceeded the cap"
         by_id = {r.request_id: r for r in live.values()}
+        tables = runner.tables_of(out)
         for c in out.chunks:            # the fake forward pass
             req = by_id[c.request_id]
             assert c.start + c.num_new_tokens == req.num_computed_tokens, "planned progress is the request's"
-            seen = fake_forward(kv, bs, c, w["window"])
+            assert tables[c.request_id] == bm.block_ids(c.request_id), "the runner's table is not the request's"
+            seen = fake_forward(kv, bs, c, tables[c.request_id], w["window"])
             first = max(0, c.start - w["window"] + 1) if w["window"] else 0
             assert seen == (req.token_ids + c.draft_token_ids)[first:first + len(seen)], \
                 "attention must read this request's own tokens"
             if w["window"]:     # blocks wholly before the window went back to the pool
-                assert all(b == NULL_BLOCK for b in c.block_ids[:first // bs]), "a block outside the window is held"
+                assert all(b == NULL_BLOCK for b in tables[c.request_id][:first // bs]), \
+                    "a block outside the window is held"
         for c in out.chunks:
             req = by_id[c.request_id]
             if c.samples:       # the target's token after each accepted guess; stop at the first disagreement
@@ -196,9 +217,12 @@ def run_fake_model(manager_cls, prefix_caching: bool, num_blocks: int):
     for r in reqs:
         sched.add(r)
     by_id = {r.request_id: r for r in reqs}
+    runner = FakeRunner()
     while sched.has_work():
-        for c in sched.schedule().chunks:
-            seen = fake_forward(kv, 4, c)
+        out = sched.schedule()
+        tables = runner.tables_of(out)
+        for c in out.chunks:
+            seen = fake_forward(kv, 4, c, tables[c.request_id])
             if c.samples:
                 req = by_id[c.request_id]
                 req.token_ids.append(next_token(seen))
@@ -229,7 +253,7 @@ def test_a_lookup_changes_nothing_and_planning_fixes_the_step():
     (chunk,) = sched.schedule().chunks
     assert (chunk.start, chunk.num_new_tokens, chunk.samples) == (0, 10, True) and first.num_computed_tokens == 10
     first.token_ids.append(7)
-    assert chunk.token_ids == list(range(10)) and chunk.samples and len(chunk.block_ids) == 3
+    assert chunk.token_ids == list(range(10)) and chunk.samples and chunk.num_blocks == 3
     assert chunk.sampling[0].num_output_tokens == 0, "what the sampler reads is the request as planned"
     second = Request("b", list(range(10)), SamplingParams(), max_len=32)
     used, free, queries = bm.num_used, list(bm.free_ids), bm.num_queries

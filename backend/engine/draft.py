@@ -23,9 +23,11 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.forward_inputs import allocate_kv_cache, attention_metadata
+from trellm_backend.engine.kv_cache_manager import NULL_BLOCK
 from trellm_backend.engine.proposers import ProposalInput
 from trellm_backend.models.config import ModelConfig, ModelConfigError, load_model_config
 from trellm_backend.models.llama import LlamaModel
@@ -59,7 +61,7 @@ class DraftModelProposer:
         starts, tokens, tables, rows, guessing = [], [], [], [], []
         for i, s in enumerate(seqs):
             start = self._accepted(s)
-            end = min(len(s.token_ids), len(s.block_ids) * self.block_size)
+            end = min(len(s.token_ids), len(s.block_table) * self.block_size)
             if end <= start:
                 continue
             if s.num_tokens > 0 and end == len(s.token_ids):
@@ -67,7 +69,7 @@ class DraftModelProposer:
                 rows.append(len(starts))
             starts.append(start)
             tokens.append(s.token_ids[start:end])
-            tables.append(s.block_ids)
+            tables.append(s.block_table)
             self.computed[s.request_id] = end
         if not guessing:
             return guesses
@@ -77,11 +79,11 @@ class DraftModelProposer:
         # more and that position has a slot.
         for j in range(1, max(seqs[i].num_tokens for i in guessing)):
             more = [i for i in guessing if seqs[i].num_tokens > j
-                    and len(seqs[i].token_ids) + j - 1 < len(seqs[i].block_ids) * self.block_size]
+                    and len(seqs[i].token_ids) + j - 1 < len(seqs[i].block_table) * self.block_size]
             if not more:
                 break
             pos = [len(seqs[i].token_ids) + j - 1 for i in more]
-            last = self._forward(pos, [[guesses[i][-1]] for i in more], [seqs[i].block_ids for i in more],
+            last = self._forward(pos, [[guesses[i][-1]] for i in more], [seqs[i].block_table for i in more],
                                  list(range(len(more))))
             for i, t in zip(more, last):
                 guesses[i].append(t)
@@ -105,7 +107,9 @@ class DraftModelProposer:
     def _forward(self, starts, tokens, tables, sample_rows) -> list[int]:
         """One draft forward over sequences given as (start, tokens, block table); returns the argmax token after
         the last row of each sequence in `sample_rows`."""
-        meta, cu = attention_metadata(starts, [len(t) for t in tokens], tables, self.block_size, self.device)
+        meta, cu = attention_metadata(starts, [len(t) for t in tokens],
+                                      pad_sequence(tables, batch_first=True, padding_value=NULL_BLOCK),
+                                      self.block_size, self.device)
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=self.device)
         logits_indices = (cu[1:] - 1)[sample_rows].to(self.device)
         logits = self.model.forward(ids, meta, self.kv_cache, logits_indices, self.kv_scales)

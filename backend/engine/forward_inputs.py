@@ -19,15 +19,13 @@ def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int, kv_dtyp
     return cache, scales
 
 
-def attention_metadata(starts: list[int], q_lens: list[int], tables: list[list[int]], block_size: int,
+def attention_metadata(starts: list[int], q_lens: list[int], block_tables: torch.Tensor, block_size: int,
                        device: torch.device, rope_long: list[bool] | None = None
                        ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Where each token of a flat batch sits: sequence b runs q_lens[b] tokens from position starts[b], through
-    block table tables[b] (with longrope, rotated with the long factors where rope_long[b]). Returns the metadata
-    (on `device`) and cu_seqlens_q on the CPU."""
+    block table block_tables[b] ([B, max_blocks] int32 on the CPU, -1 padded; with longrope, rotated with the long
+    factors where rope_long[b]). Returns the metadata (on `device`) and cu_seqlens_q on the CPU."""
     B, T = len(starts), sum(q_lens)
-    max_blocks = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [-1] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
     q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
     starts_t = torch.tensor(starts, dtype=torch.int32)
     cu = torch.zeros(B + 1, dtype=torch.int32)
@@ -42,4 +40,3 @@ def attention_metadata(starts: list[int], q_lens: list[int], tables: list[list[i
         max_seqlen_q=max(q_lens), max_seqlen_k=int(seq_lens.max()),
         rope_long=None if rope_long is None else torch.tensor(rope_long, dtype=torch.bool)[seq_of_tok].to(device))
     return meta, cu
-

@@ -145,6 +145,10 @@ class KVCacheManager:
                     self.cached[h] = bid
             self.num_registered[req.request_id] = max(done, full)
 
+    def dropped(self, request_id: str) -> int:
+        """How many leading entries of the request's table the window has set to NULL_BLOCK."""
+        return self.num_dropped.get(request_id, 0)
+
     def drop_outside_window(self, req: Request, first_query: int) -> None:
         """With a window, return the blocks of `req` whose keys all sit at positions <= first_query - window:
         `first_query` is the position of the step's first query, later ones sit further on, so nothing reads them

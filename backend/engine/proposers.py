@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from trellm_backend.engine.config import check_prompt_lookup
 
 
@@ -29,7 +31,7 @@ class ProposalInput:
     request_id: str
     token_ids: list[int]   # the request's tokens known after the step (the runner's record: read only)
     start: int             # where the step's chunk began
-    block_ids: list[int]   # the chunk's block table: slots for every position the step may write, lookahead too
+    block_table: torch.Tensor   # [num_blocks] int32: slots for every position the step may write, lookahead too
     num_tokens: int        # guesses wanted after the last token (0: none, but the chunk ran this step)
 
 

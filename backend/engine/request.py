@@ -223,6 +223,7 @@ class Request:
     spec_steps_since_probe: int = 0
     spec_token_ids: list[int] = field(default_factory=list)   # guesses proposed after its last step, for the next
     spec_lookahead: int = 0                       # slots held past its computed tokens for the proposer's K/V
+    num_blocks_sent: int = 0                      # entries of its block table the runner has (the scheduler's)
     grammar_future: object | None = None          # a guided request's compiled grammar (concurrent.futures.Future)
     grammar: object | None = None                 # its xgrammar matcher, made when the engine takes the request
     lora: object | None = None                    # its LoRA adapter (models/lora.LoraAdapter), or None

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trellm_backend.engine.block_tables import BlockTables
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.draft import DraftModelProposer
 from trellm_backend.engine.forward_inputs import allocate_kv_cache, attention_metadata
+from trellm_backend.engine.kv_cache_manager import blocks_for
 from trellm_backend.engine.limits import kv_budget, kv_bytes_per_block, resolve_device_dtype, resolve_kv_cache_dtype
 from trellm_backend.models.config import ModelConfig
 from trellm_backend.models.llama import LlamaModel
@@ -68,6 +70,7 @@ class ModelRunner:
                                                               if self.kv_scales is not None else ""), self.device)
         self.proposer = self._proposer(max_model_len)
         self.token_ids: dict[str, list[int]] = {}   # with a proposer: each running request's tokens
+        self.block_tables = BlockTables(cfg.max_num_seqs, blocks_for(max_model_len, self.block_size))
 
     def _proposer(self, max_model_len: int) -> Proposer | None:
         cfg = self.cfg
@@ -114,12 +117,14 @@ class ModelRunner:
         `grammar_bitmask` (structured_output.py) masks the sampled rows' logits before any sampling control."""
         for rid in sched.reset_ids:
             self.token_ids.pop(rid, None)
+            self.block_tables.release(rid)
             if self.proposer is not None:
                 self.proposer.forget(rid)
         chunks = sched.chunks
         if not chunks:
             return RunnerOutput()
-        sampled = self._forward_and_sample(chunks, grammar_bitmask)
+        rows = [self.block_tables.update(c.request_id, c.new_block_ids, c.num_blocks, c.num_dropped) for c in chunks]
+        sampled = self._forward_and_sample(chunks, self.block_tables.gather(rows), grammar_bitmask)
         out = RunnerOutput()
         for c in chunks:
             if c.samples:
@@ -129,14 +134,15 @@ class ModelRunner:
             out.guesses = self._propose(chunks, out.sampled)
         return out
 
-    def _forward_and_sample(self, chunks: list[ScheduledChunk], grammar_bitmask: torch.Tensor | None):
+    def _forward_and_sample(self, chunks: list[ScheduledChunk], block_tables: torch.Tensor,
+                            grammar_bitmask: torch.Tensor | None):
         """The sampled tokens of each chunk that samples, in chunk order: one, or with guesses one per guess and
         one after them (the target's own choice at each of those positions)."""
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
         meta, cu = attention_metadata([c.start for c in chunks], [c.num_new_tokens for c in chunks],
-                                      [c.block_ids for c in chunks], self.block_size, self.device,
+                                      block_tables, self.block_size, self.device,
                                       [c.rope_long for c in chunks] if self.model.long_rope_from is not None else None)
         # Logits of each sampling chunk's last row, and with guesses of one row per guess before it too.
         sampling = [i for i, c in enumerate(chunks) if c.samples]
@@ -171,7 +177,7 @@ class ModelRunner:
                 del tokens[len(tokens) - len(c.draft_token_ids) + len(rows) - 1:]
                 tokens.append(rows[-1].token_id)
                 wanted = c.guesses_wanted[len(rows) - 1]
-            seqs.append(ProposalInput(c.request_id, tokens, c.start, c.block_ids, wanted))
+            seqs.append(ProposalInput(c.request_id, tokens, c.start, self.block_tables.table(c.request_id), wanted))
         return {s.request_id: g for s, g in zip(seqs, self.proposer.propose(seqs)) if g}
 
 

@@ -45,7 +45,11 @@ class ScheduledChunk:
     request_id: str
     start: int                # position of the first new token (the request's computed tokens before this step)
     token_ids: list[int]      # the tokens run this step: token_ids[start:start + num_new_tokens]
-    block_ids: list[int]      # the request's block table for this step
+    # The request's block table for this step, as what changed since its previous chunk (engine/block_tables.py):
+    # its length, the blocks appended at its end, and how many leading blocks a sliding window has dropped.
+    num_blocks: int = 0
+    new_block_ids: list[int] = field(default_factory=list)
+    num_dropped: int = 0
     # One row per sampled position: none when the chunk ends before the known tokens do (a prefill chunk), one
     # after the last token, and with guesses one at each guess's position before that.
     sampling: tuple[SamplingRow, ...] = ()
@@ -149,8 +153,7 @@ class Scheduler:
         samples = req.num_computed_tokens == req.num_tokens
         prefix = req.token_ids[:start] if first and self.num_speculative_tokens else None
         out.chunks.append(ScheduledChunk(req.request_id, start, req.token_ids[start:start + n],
-                                         list(self.kv.block_ids(req.request_id)),
-                                         (sampling_row(req),) if samples else (), adapter=req.lora,
+                                         sampling=(sampling_row(req),) if samples else (), adapter=req.lora,
                                          rope_long=req.rope_long, prefix_ids=prefix))
         planned.append(req)
 
@@ -216,6 +219,11 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed_over))
         if self.num_speculative_tokens and out.chunks:
             self._add_guesses(out, planned, budget)
+        for i, (c, req) in enumerate(zip(out.chunks, planned)):
+            table = self.kv.block_ids(req.request_id)
+            out.chunks[i] = dataclasses.replace(c, num_blocks=len(table), new_block_ids=table[req.num_blocks_sent:],
+                                                num_dropped=self.kv.dropped(req.request_id))
+            req.num_blocks_sent = len(table)
         if any(c.adapter is not None for c in out.chunks):
             # Each adapter's chunks side by side (the base's first): its tokens are then one slice of the step's
             # batch, which its LoRA term reads and writes in place (models/lora.py).
@@ -262,7 +270,6 @@ class Scheduler:
                 # would be had they been generated.
                 rows = tuple(c.sampling[0].after(drafts[:j]) for j in range(len(drafts) + 1))
                 out.chunks[i] = dataclasses.replace(c, token_ids=c.token_ids + drafts, sampling=rows,
-                                                    block_ids=list(self.kv.block_ids(req.request_id)),
                                                     draft_token_ids=drafts, guesses_wanted=wanted_by_verdict)
 
     def _guesses_for(self, req: Request) -> int:
@@ -289,6 +296,7 @@ class Scheduler:
         computed after all, and blocks only they used go back; lookahead slots for the next guesses stay."""
         req.num_computed_tokens -= num_drafts - num_accepted
         self.kv.trim(req, req.num_computed_tokens + req.spec_lookahead)
+        req.num_blocks_sent = min(req.num_blocks_sent, len(self.kv.block_ids(req.request_id)))
         req.spec_acceptance = decayed(req.spec_acceptance, num_accepted / num_drafts)
         s = self.spec
         s.num_drafts += 1
@@ -312,7 +320,7 @@ class Scheduler:
 
     def _void(self, req: Request) -> None:
         """`req` holds no blocks now: nothing of its computed state stands, in the runner either."""
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_blocks_sent = 0
         req.spec_token_ids, req.spec_lookahead = [], 0
         self.reset_ids.append(req.request_id)
 

@@ -74,7 +74,7 @@ else
     KERNEL_SELECT=(-k "not linear_prepared")
     # pytest-xdist, when installed, compiles the kernels' many variants on several cores
     if "$PY" -c "import xdist" 2>/dev/null; then KERNEL_SELECT+=(-n 8); fi
-    PARITY=(tests/test_engine.py tests/test_prefix_cache.py tests/test_spec_decode.py
+    PARITY=(tests/test_engine.py tests/test_prefix_cache.py tests/test_spec_decode.py tests/test_padded_decode.py
             -m "not server" -k "not in_their_own_process")
     BENCH=()
     BENCH_ENV=(env TRELLM_CPU_OPS=0)

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from trellm_backend.engine.block_tables import BlockTables
-from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from trellm_backend.engine.draft import DraftModelProposer
 from trellm_backend.engine.forward_inputs import allocate_kv_cache, attention_metadata
 from trellm_backend.engine.kv_cache_manager import blocks_for
+from trellm_backend.engine.padded_decode import PaddedDecode
 from trellm_backend.engine.limits import kv_budget, kv_bytes_per_block, resolve_device_dtype, resolve_kv_cache_dtype
 from trellm_backend.models.config import ModelConfig
 from trellm_backend.models.llama import LlamaModel
@@ -61,8 +62,10 @@ class ModelRunner:
         self._lora_stacks: dict[tuple[int, ...], tuple[tuple, AdapterStack]] = {}
         self.block_size = cfg.block_size
         self.num_blocks = self._num_kv_blocks()
-        self.kv_cache, self.kv_scales = allocate_kv_cache(model_cfg, self.num_blocks, self.block_size, self.kv_dtype,
-                                                          self.device)
+        # Padded decode steps write their padding rows into a scratch block past the managed ones.
+        scratch = 0 if cfg.enforce_eager else 1
+        self.kv_cache, self.kv_scales = allocate_kv_cache(model_cfg, self.num_blocks + scratch, self.block_size,
+                                                          self.kv_dtype, self.device)
         log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB, %s on %s", self.num_blocks,
                  self.block_size, self.num_blocks * self.block_size, self.num_blocks * kv_bytes_per_block(
                      model_cfg, self.block_size, self.kv_dtype) / 2**20,
@@ -71,6 +74,9 @@ class ModelRunner:
         self.proposer = self._proposer(max_model_len)
         self.token_ids: dict[str, list[int]] = {}   # with a proposer: each running request's tokens
         self.block_tables = BlockTables(cfg.max_num_seqs, blocks_for(max_model_len, self.block_size))
+        self.padded = None if cfg.enforce_eager or self.model.long_rope_from is not None else PaddedDecode(
+            cfg.max_num_seqs, blocks_for(max_model_len + MAX_SPECULATIVE_TOKENS, self.block_size) + 1,
+            self.num_blocks, self.block_size, self.device)
 
     def _proposer(self, max_model_len: int) -> Proposer | None:
         cfg = self.cfg
@@ -138,13 +144,32 @@ class ModelRunner:
                             grammar_bitmask: torch.Tensor | None):
         """The sampled tokens of each chunk that samples, in chunk order: one, or with guesses one per guess and
         one after them (the target's own choice at each of those positions)."""
+        q_lens = [c.num_new_tokens for c in chunks]
+        decode = all(n == 1 and c.samples for n, c in zip(q_lens, chunks))
+        size = decode and self.padded is not None and self.padded.bucket(len(chunks), block_tables.shape[1])
+        if size:
+            input_ids, meta = self.padded.prepare([c.token_ids[0] for c in chunks], [c.start for c in chunks],
+                                                  block_tables, self.block_size, size)
+            cu = torch.arange(size + 1, dtype=torch.int32)
+            logits = self.model.forward(input_ids, meta, self.kv_cache, self.padded.cu_seqlens_q[:size],
+                                        self.kv_scales, self._lora_step(chunks, cu))[:len(chunks)]
+        else:
+            logits = self._forward_as_scheduled(chunks, q_lens, block_tables)
+        if logits is None:
+            return iter(())
+        if grammar_bitmask is not None:
+            apply_masks(logits, grammar_bitmask, self.model_cfg.vocab_size)
+        return iter(sample(logits, [r for c in chunks for r in c.sampling], self.model_cfg.eos_token_ids))
+
+    def _forward_as_scheduled(self, chunks: list[ScheduledChunk], q_lens: list[int],
+                              block_tables: torch.Tensor) -> torch.Tensor | None:
+        """The logits of each sampling chunk's last row, and with guesses of one row per guess before it too
+        (None when no chunk samples)."""
         ids: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
-        meta, cu = attention_metadata([c.start for c in chunks], [c.num_new_tokens for c in chunks],
-                                      block_tables, self.block_size, self.device,
+        meta, cu = attention_metadata([c.start for c in chunks], q_lens, block_tables, self.block_size, self.device,
                                       [c.rope_long for c in chunks] if self.model.long_rope_from is not None else None)
-        # Logits of each sampling chunk's last row, and with guesses of one row per guess before it too.
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         rows = [len(chunks[i].sampling) for i in sampling]
         ends = cu[1:][sampling]
@@ -155,11 +180,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device)
         logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices.to(self.device), self.kv_scales,
                                     self._lora_step(chunks, cu))
-        if not sampling:
-            return iter(())
-        if grammar_bitmask is not None:
-            apply_masks(logits, grammar_bitmask, self.model_cfg.vocab_size)
-        return iter(sample(logits, [r for c in chunks for r in c.sampling], self.model_cfg.eos_token_ids))
+        return logits if sampling else None
 
     def _propose(self, chunks: list[ScheduledChunk], sampled: list[list[SampledToken]]) -> dict[str, list[int]]:
         """Bring each chunk's request record up to date (its chunk's tokens, less the rejected guesses, plus the

@@ -8,7 +8,9 @@ recorded there and does not stop the next, so a run cut short by its time limit 
 Sections:
 - copy: device-to-device copy bandwidth (bytes read + bytes written per second): the card's practical peak.
 - decode: engine decode-step time at 1, 8 and 64 sequences against the floor (weight bytes + KV bytes read once,
-  at the copy bandwidth), with a profile of one step at batch 1 (profile_decode.txt) saying where the time goes.
+  at the copy bandwidth), as scheduled and padded to its batch-size bucket (CUDA graphs on a GPU), with a profile
+  of one step at batch 1 of each (profile_decode_batches.txt, profile_decode_padded.txt) saying where the time
+  goes and how many launches the host makes.
 - attention: the paged decode attention kernel at 64 sequences x 2k tokens (bandwidth achieved), beside torch's
   SDPA over the same keys laid out contiguously (and flash_attn's paged kernel when it is installed).
 - prefill: engine prompt tokens per second (16 prompts of 1k tokens, max_tokens 1).
@@ -101,10 +103,34 @@ def _prompts(vocab, n, length, seed=0):
 
 
 def section_decode(dev, dry, clock, model_dir, dtype, copy_GBps, out_dir) -> dict:
+    """The decode step as scheduled (`batches`) and padded to its bucket (`padded`: CUDA graphs replayed on a GPU,
+    the same inputs run eagerly on a CPU), each against its floor, with a profile of a batch-1 step of each."""
+    batches = (1, 2, 4) if dry else (1, 8, 64)
+    figures = {}
+    for mode, eager in (("batches", True), ("padded", False)):
+        t = clock.now()
+        engine = _engine(model_dir, dev, dtype, max_num_seqs=max(batches), max_num_batched_tokens=8192,
+                         enforce_eager=eager)
+        load_s = clock.now() - t
+        steps = decode_steps(engine, dev, dry, clock, batches, copy_GBps, out_dir, f"profile_decode_{mode}.txt")
+        if eager:
+            figures.update(steps)
+        else:
+            graphs = engine.runner.graphs
+            figures["padded"] = {"batches": steps["batches"], "profile": steps.get("profile", {}), "load_s": load_s,
+                                 "graphs": graphs is not None, "buckets": engine.runner.padded.buckets,
+                                 "replays": graphs.replays if graphs else 0,
+                                 "capture_s": graphs.capture_s if graphs else None,
+                                 "capture_MiB": graphs.capture_mib if graphs else None}
+        del engine
+    return figures
+
+
+def decode_steps(engine, dev, dry, clock, batches, copy_GBps, out_dir, profile_name) -> dict:
     from trellm_backend.engine.request import SamplingParams
-    batches, context, timed = ((1, 2, 4), 32, 2) if dry else ((1, 8, 64), 512, 20)
-    engine = _engine(model_dir, dev, dtype, max_num_seqs=max(batches), max_num_batched_tokens=8192)
+    context, timed = (32, 2) if dry else (512, 20)
     mc = engine.model_config
+    dtype = engine.runner.dtype
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
     weights = weight_bytes_per_step(mc, dtype)
     figures = {"model": {k: getattr(mc, k) for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -127,7 +153,7 @@ def section_decode(dev, dry, clock, model_dir, dtype, copy_GBps, out_dir) -> dic
                                       "tok_per_s": b / step}
         if b == batches[0]:
             try:
-                figures["profile"] = profile_step(engine, dev, out_dir, step)
+                figures["profile"] = profile_step(engine, dev, out_dir, step, profile_name)
             except Exception:   # noqa: BLE001 -- the profile explains the figures; losing it must not lose them
                 figures["profile"] = {"error": traceback.format_exc()}
         for i in range(b):
@@ -135,9 +161,10 @@ def section_decode(dev, dry, clock, model_dir, dtype, copy_GBps, out_dir) -> dic
     return figures
 
 
-def profile_step(engine, dev, out_dir, step_s) -> dict:
+def profile_step(engine, dev, out_dir, step_s, name: str) -> dict:
     """Profile one decode step: the kernels' summed GPU time against the step's wall time says whether the step
-    waits on the GPU or on the host (Python, launches, the sampler's copy back)."""
+    waits on the GPU or on the host (Python, launches, the sampler's copy back); launches counts the host's kernel
+    and graph launch calls."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
@@ -152,14 +179,17 @@ def profile_step(engine, dev, out_dir, step_s) -> dict:
     host.runcall(engine.step)
     text = io.StringIO()
     pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(25)
-    with open(os.path.join(out_dir, "profile_decode.txt"), "w") as f:
+    with open(os.path.join(out_dir, name), "w") as f:
         f.write(avg.table(sort_by=sort, row_limit=25))
         f.write("\n\nOne more step under cProfile (host time by Python function, by own time):\n" + text.getvalue())
     if dev.type != "cuda":
         return {}
     gpu_us = sum(e.self_device_time_total for e in avg if e.device_type == torch.autograd.DeviceType.CUDA)
     kernels = sum(e.count for e in avg if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"gpu_busy_ms": gpu_us / 1e3, "gpu_busy_share": gpu_us / 1e6 / step_s, "kernels_per_step": kernels}
+    launches = sum(e.count for e in avg if e.device_type == torch.autograd.DeviceType.CPU
+                   and ("LaunchKernel" in e.key or "GraphLaunch" in e.key))
+    return {"gpu_busy_ms": gpu_us / 1e3, "gpu_busy_share": gpu_us / 1e6 / step_s, "kernels_per_step": kernels,
+            "launches_per_step": launches}
 
 
 def section_attention(dev, dry, clock, copy_GBps) -> dict:
@@ -232,6 +262,15 @@ def section_anchor(dev, dry, model_dir, dtype) -> dict:
             "out_tok_per_s": run.output_tokens / run.wall_s, "ttft_mean_s": sum(ttft) / len(ttft)}
 
 
+def profile_lines(p: dict, name: str) -> list[str]:
+    if "error" in p:
+        return [f"  - batch-1 step profile FAILED: {p['error'].strip().splitlines()[-1]}"]
+    if not p:
+        return []
+    return [f"  - batch-1 step profile: GPU busy {p['gpu_busy_ms']:.2f} ms ({p['gpu_busy_share']:.0%} of the step), "
+            f"{p['kernels_per_step']} kernels, {p['launches_per_step']} launches from the host ({name})"]
+
+
 def summarize(out_dir: str) -> str:
     """perf/gpu_check.sh's summary.md: each step's status and test counts, then the figures, as markdown."""
     def read(name):
@@ -258,13 +297,15 @@ def summarize(out_dir: str) -> str:
                      f"{d['weight_bytes'] / 1e9:.2f} GB of weights), {d['context']}-token contexts:")
         lines += [f"  - batch {b}: {v['step_ms']:.2f} ms (floor {v['floor_ms']:.2f} ms, {v['x_floor']:.1f}x), "
                   f"{v['tok_per_s']:.0f} tok/s" for b, v in d["batches"].items()]
-        p = d.get("profile", {})
-        if "error" in p:
-            lines.append(f"  - batch-1 step profile FAILED: {p['error'].strip().splitlines()[-1]}")
-        elif p:
-            lines.append(f"  - batch-1 step profile: GPU busy {p['gpu_busy_ms']:.2f} ms "
-                         f"({p['gpu_busy_share']:.0%} of the step), {p['kernels_per_step']} kernels "
-                         "(profile_decode.txt)")
+        lines += profile_lines(d.get("profile", {}), "profile_decode_batches.txt")
+        if "padded" in d:
+            g = d["padded"]
+            how = (f"CUDA graphs of {len(g['buckets'])} batch sizes, captured in {g['capture_s']:.1f} s, "
+                   f"{g['capture_MiB']:.0f} MiB, {g['replays']} replays" if g["graphs"] else "run eagerly")
+            lines.append(f"- decode step padded to its bucket ({how}; engine load {g['load_s']:.1f} s):")
+            lines += [f"  - batch {b}: {v['step_ms']:.2f} ms ({v['x_floor']:.1f}x floor), {v['tok_per_s']:.0f} tok/s"
+                      for b, v in g["batches"].items()]
+            lines += profile_lines(g.get("profile", {}), "profile_decode_padded.txt")
     if "attention" in fig:
         a = fig["attention"]
         sh = a["shape"]
@@ -288,7 +329,7 @@ def summarize(out_dir: str) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--summarize", metavar="DIR", help="print perf/gpu_check.sh's summary of DIR and exit")
-    ap.add_argument("--out", help="folder for figures.json and profile_decode.txt")
+    ap.add_argument("--out", help="folder for figures.json and the decode profiles")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on whatever device is there (CPU in CI)")
     ap.add_argument("--models", default=None, help="where to build the benchmark models (default: OUT/models)")
     ap.add_argument("--anchor-model", default=None, help="the anchor model folder (default: built in --models)")

@@ -33,4 +33,8 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path, de
     assert figures["anchor"]["output_tokens"] > 0
     summary = (out / "summary.md").read_text()
     assert "| kernels | 0 |" in summary and "decode attention" in summary and "FAILED" not in summary
-    assert (out / "profile_decode.txt").read_text().strip()
+    assert set(figures["decode"]["padded"]["batches"]) == {"1", "2", "4"}
+    assert figures["decode"]["padded"]["graphs"] is False, "a CPU runs the padded steps eagerly"
+    assert "decode step padded to its bucket (run eagerly" in summary
+    for mode in ("batches", "padded"):
+        assert (out / f"profile_decode_{mode}.txt").read_text().strip()

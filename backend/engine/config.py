@@ -30,7 +30,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048    # token budget of one step (prefill chunks + decodes)
     max_model_len: int = 0                # 0: the model's max_position_embeddings (or sliding window)
     enforce_eager: bool = True            # false: decode steps padded to a batch-size bucket over persistent
-                                          # buffers, the shape CUDA graphs replay (engine/padded_decode.py)
+                                          # buffers, replayed from CUDA graphs on a GPU (engine/cuda_graphs.py)
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 512   # most prompt tokens of one request per step (0: the whole budget)
     enable_prefix_caching: bool = True    # reuse the KV blocks of prompt prefixes seen before

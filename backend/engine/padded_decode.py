@@ -5,8 +5,9 @@ bucket that holds it: 1, 2, 4, 8, then steps of 8 up to max_num_seqs, the sizes 
 written into one int32 tensor allocated at load, a record per row (token id, position, KV slot, sequence length,
 block table), so on a GPU the rows in use reach the device in one non-blocking copy from pinned memory. Padding rows
 decode token 0 at position 0 into the pool's scratch block, which no request owns, and attend to it alone: they
-write and read nothing of any request, and their logits are dropped. On a CPU the padded batch runs eagerly
-(`enforce_eager=false`): the same inputs, so a test holds it to the unpadded path.
+write and read nothing of any request, and their logits are dropped. With `enforce_eager=false` a GPU replays a CUDA
+graph of each bucket over these buffers (cuda_graphs.py); a CPU runs the padded batch eagerly, the same inputs, so a
+test holds it to the unpadded path.
 """
 from __future__ import annotations
 
@@ -49,10 +50,10 @@ class PaddedDecode:
             return None
         return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
 
-    def prepare(self, token_ids: list[int], starts: list[int], block_tables: torch.Tensor, block_size: int,
-                size: int) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Fill the first `size` rows (the step's sequences, then padding) and return the input ids and metadata
-        on the device. block_tables: [B, width] int32, the sequences' tables (engine/block_tables.py)."""
+    def fill(self, token_ids: list[int], starts: list[int], block_tables: torch.Tensor, block_size: int,
+             size: int) -> None:
+        """Write the first `size` rows (the step's sequences, then padding) and send them to the device.
+        block_tables: [B, width] int32, the sequences' tables (engine/block_tables.py)."""
         B, width = block_tables.shape
         h = self.host
         h[B:size] = self.pad_row
@@ -63,12 +64,15 @@ class PaddedDecode:
         h[:B, SEQ_LEN] = pos + 1
         h[:B, TABLE:TABLE + width] = block_tables
         h[:B, TABLE + width:] = NULL_BLOCK
-        rows = self.rows[:size]
         if self.rows is not h:
-            rows.copy_(h[:size], non_blocking=True)
+            self.rows[:size].copy_(h[:size], non_blocking=True)
         self.steps += 1
-        meta = AttentionMetadata(
+
+    def inputs(self, size: int, max_seqlen_k: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The input ids and metadata of the first `size` rows, read from the device rows (inside a CUDA graph
+        these reads are captured too, so a replay sees what the last `fill` wrote)."""
+        rows = self.rows[:size]
+        return rows[:, ID].contiguous(), AttentionMetadata(
             positions=rows[:, POSITION].contiguous(), slot_mapping=rows[:, SLOT].contiguous(),
             cu_seqlens_q=self.cu_seqlens_q[:size + 1], seq_lens=rows[:, SEQ_LEN].contiguous(),
-            block_tables=rows[:, TABLE:].contiguous(), max_seqlen_q=1, max_seqlen_k=max(starts) + 1)
-        return rows[:, ID].contiguous(), meta
+            block_tables=rows[:, TABLE:].contiguous(), max_seqlen_q=1, max_seqlen_k=max_seqlen_k)

@@ -18,6 +18,7 @@ from trellm_backend.engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from trellm_backend.engine.draft import DraftModelProposer
 from trellm_backend.engine.forward_inputs import allocate_kv_cache, attention_metadata
 from trellm_backend.engine.kv_cache_manager import blocks_for
+from trellm_backend.engine.cuda_graphs import DecodeGraphs
 from trellm_backend.engine.padded_decode import PaddedDecode
 from trellm_backend.engine.limits import kv_budget, kv_bytes_per_block, resolve_device_dtype, resolve_kv_cache_dtype
 from trellm_backend.models.config import ModelConfig
@@ -77,6 +78,10 @@ class ModelRunner:
         self.padded = None if cfg.enforce_eager or self.model.long_rope_from is not None else PaddedDecode(
             cfg.max_num_seqs, blocks_for(max_model_len + MAX_SPECULATIVE_TOKENS, self.block_size) + 1,
             self.num_blocks, self.block_size, self.device)
+        self.graphs = None
+        if self.padded is not None and self.device.type == "cuda" and not self.model.has_sparse_layers():
+            self.graphs = DecodeGraphs(self.model, self.padded, self.kv_cache, self.kv_scales,
+                                       self.padded.max_blocks * self.block_size)
 
     def _proposer(self, max_model_len: int) -> Proposer | None:
         cfg = self.cfg
@@ -148,11 +153,15 @@ class ModelRunner:
         decode = all(n == 1 and c.samples for n, c in zip(q_lens, chunks))
         size = decode and self.padded is not None and self.padded.bucket(len(chunks), block_tables.shape[1])
         if size:
-            input_ids, meta = self.padded.prepare([c.token_ids[0] for c in chunks], [c.start for c in chunks],
-                                                  block_tables, self.block_size, size)
-            cu = torch.arange(size + 1, dtype=torch.int32)
-            logits = self.model.forward(input_ids, meta, self.kv_cache, self.padded.cu_seqlens_q[:size],
-                                        self.kv_scales, self._lora_step(chunks, cu))[:len(chunks)]
+            starts = [c.start for c in chunks]
+            self.padded.fill([c.token_ids[0] for c in chunks], starts, block_tables, self.block_size, size)
+            lora = self._lora_step(chunks, torch.arange(size + 1, dtype=torch.int32))
+            if self.graphs is not None and lora is None:
+                logits = self.graphs.replay(size)[:len(chunks)]
+            else:
+                input_ids, meta = self.padded.inputs(size, max(starts) + 1)
+                logits = self.model.forward(input_ids, meta, self.kv_cache, self.padded.cu_seqlens_q[:size],
+                                            self.kv_scales, lora)[:len(chunks)]
         else:
             logits = self._forward_as_scheduled(chunks, q_lens, block_tables)
         if logits is None:

@@ -131,6 +131,9 @@ class LlamaModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
+    def has_sparse_layers(self) -> bool:
+        return any(layer.sparse is not None for layer in self.layers)
+
     def linear_paths(self) -> str:
         """Which implementation each linear layer runs, e.g. "qkv, o, gate_up, down: fp32 C++ (AVX-512); lm_head:
         oneDNN float32" (logged at load, so that a host's paths show without a profile)."""

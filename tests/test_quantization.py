@@ -147,7 +147,7 @@ def engine_perplexity(model_path: str, kv_cache_dtype: str, chunk: int = 256, **
     chunks before it, with the logits of every row."""
     from transformers import AutoTokenizer
     from trellm_backend.engine.limits import context_limit
-    from trellm_backend.engine.forward_inputs import attention_metadata
+    from trellm_backend.engine.forward_inputs import StepInputs
     from trellm_backend.engine.runner import ModelRunner
     from trellm_backend.models.config import load_model_config
     ids = held_text_ids(AutoTokenizer.from_pretrained(model_path))
@@ -160,10 +160,10 @@ def engine_perplexity(model_path: str, kv_cache_dtype: str, chunk: int = 256, **
     with torch.inference_mode():
         for start in range(0, len(ids), chunk):
             part = ids[start:start + chunk]
-            meta, _ = attention_metadata([start], [len(part)], torch.tensor([table], dtype=torch.int32), 16,
-                                         runner.device)
-            logits = runner.model.forward(torch.tensor(part), meta, runner.kv_cache, torch.arange(len(part)),
-                                          runner.kv_scales)
+            input_ids, meta, rows, _ = StepInputs(runner.device).build(
+                part, [start], [len(part)], torch.tensor([table], dtype=torch.int32), 16,
+                torch.arange(len(part), dtype=torch.int32))
+            logits = runner.model.forward(input_ids, meta, runner.kv_cache, rows, runner.kv_scales)
             targets = torch.tensor(ids[start + 1:start + 1 + len(part)])
             nll -= torch.log_softmax(logits[:len(targets)], -1)[torch.arange(len(targets)), targets].sum().item()
     return math.exp(nll / (len(ids) - 1))

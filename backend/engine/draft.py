@@ -20,13 +20,14 @@ target's hidden states instead of running a model of its own.
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from trellm_backend.engine.config import EngineConfig
-from trellm_backend.engine.forward_inputs import allocate_kv_cache, attention_metadata
+from trellm_backend.engine.forward_inputs import StepInputs, allocate_kv_cache
 from trellm_backend.engine.kv_cache_manager import NULL_BLOCK
 from trellm_backend.engine.proposers import ProposalInput
 from trellm_backend.models.config import ModelConfig, ModelConfigError, load_model_config
@@ -44,6 +45,7 @@ class DraftModelProposer:
         self.model = LlamaModel(draft_cfg, load_state_dict(draft_cfg.path, dtype), device, dtype, max_model_len)
         self.kv_cache, self.kv_scales = allocate_kv_cache(draft_cfg, num_blocks, block_size, kv_dtype or dtype,
                                                           device)
+        self.inputs = StepInputs(device)
         self.computed: dict[str, int] = {}     # request id -> positions whose draft K/V are written
         # request id -> (position of the first guess fed last time, the guesses fed): those the target accepted
         # extend `computed` at the next call.
@@ -107,12 +109,12 @@ class DraftModelProposer:
     def _forward(self, starts, tokens, tables, sample_rows) -> list[int]:
         """One draft forward over sequences given as (start, tokens, block table); returns the argmax token after
         the last row of each sequence in `sample_rows`."""
-        meta, cu = attention_metadata(starts, [len(t) for t in tokens],
-                                      pad_sequence(tables, batch_first=True, padding_value=NULL_BLOCK),
-                                      self.block_size, self.device)
-        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=self.device)
-        logits_indices = (cu[1:] - 1)[sample_rows].to(self.device)
-        logits = self.model.forward(ids, meta, self.kv_cache, logits_indices, self.kv_scales)
+        ends = list(itertools.accumulate(len(t) for t in tokens))
+        ids, meta, logits_rows, _ = self.inputs.build(
+            [t for seq in tokens for t in seq], starts, [len(t) for t in tokens],
+            pad_sequence(tables, batch_first=True, padding_value=NULL_BLOCK), self.block_size,
+            torch.tensor([ends[i] - 1 for i in sample_rows], dtype=torch.int32))
+        logits = self.model.forward(ids, meta, self.kv_cache, logits_rows, self.kv_scales)
         return logits.argmax(dim=-1).tolist()
 
     def forget(self, request_id: str) -> None:

@@ -19,24 +19,55 @@ def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int, kv_dtyp
     return cache, scales
 
 
-def attention_metadata(starts: list[int], q_lens: list[int], block_tables: torch.Tensor, block_size: int,
-                       device: torch.device, rope_long: list[bool] | None = None
-                       ) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Where each token of a flat batch sits: sequence b runs q_lens[b] tokens from position starts[b], through
-    block table block_tables[b] ([B, max_blocks] int32 on the CPU, -1 padded; with longrope, rotated with the long
-    factors where rope_long[b]). Returns the metadata (on `device`) and cu_seqlens_q on the CPU."""
-    B, T = len(starts), sum(q_lens)
-    q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
-    starts_t = torch.tensor(starts, dtype=torch.int32)
-    cu = torch.zeros(B + 1, dtype=torch.int32)
-    torch.cumsum(q_lens_t, 0, out=cu[1:])
-    seq_of_tok = torch.repeat_interleave(torch.arange(B), q_lens_t, output_size=T)
-    positions = torch.arange(T, dtype=torch.int32) - cu[:-1][seq_of_tok] + starts_t[seq_of_tok]
-    slots = block_tables[seq_of_tok, positions // block_size] * block_size + positions % block_size
-    seq_lens = starts_t + q_lens_t
-    meta = AttentionMetadata(
-        positions=positions.to(device), slot_mapping=slots.to(device), cu_seqlens_q=cu.to(device),
-        seq_lens=seq_lens.to(device), block_tables=block_tables.to(device),
-        max_seqlen_q=max(q_lens), max_seqlen_k=int(seq_lens.max()),
-        rope_long=None if rope_long is None else torch.tensor(rope_long, dtype=torch.bool)[seq_of_tok].to(device))
-    return meta, cu
+class StepInputs:
+    """The inputs of one forward pass, written into one int32 staging tensor that is reused pass after pass (pinned
+    on a GPU) and sent to the device in one non-blocking copy: token ids, positions, KV slots, query offsets,
+    sequence lengths, the rows to take logits of, longrope flags and block tables, each a slice of it. Sequence b
+    runs q_lens[b] tokens from position starts[b] through block table block_tables[b]. It grows when a pass needs
+    more room than any before."""
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 15):
+        self.device = device
+        self._allocate(capacity)
+
+    def _allocate(self, n: int) -> None:
+        on_gpu = self.device.type == "cuda"
+        self.host = torch.empty(n, dtype=torch.int32, pin_memory=on_gpu)
+        self.staged = torch.empty(n, dtype=torch.int32, device=self.device) if on_gpu else self.host
+
+    def build(self, token_ids: list[int], starts: list[int], q_lens: list[int], block_tables: torch.Tensor,
+              block_size: int, logits_rows: torch.Tensor, rope_long: list[bool] | None = None
+              ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """(input ids, metadata, logits rows) on the device, and cu_seqlens_q on the CPU. block_tables: [B, width]
+        int32 on the CPU, -1 padded; logits_rows: the flat batch's rows whose logits are wanted; rope_long[b]:
+        sequence b rotates with longrope's long factors."""
+        B, T, W, R = len(starts), len(token_ids), block_tables.shape[1], logits_rows.numel()
+        sizes = [T, T, T, B + 1, B, R, B * W] + ([T] if rope_long is not None else [])
+        need = sum(sizes)
+        if need > self.host.numel():
+            self._allocate(max(need, 2 * self.host.numel()))
+        h = self.host
+        ids, positions, slots, cu, seq_lens, rows, tables, *long = h[:need].split(sizes)
+        ids.copy_(torch.tensor(token_ids, dtype=torch.int32))
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
+        starts_t = torch.tensor(starts, dtype=torch.int32)
+        cu[0] = 0
+        torch.cumsum(q_lens_t, 0, out=cu[1:])
+        seq_of_tok = torch.repeat_interleave(torch.arange(B), q_lens_t, output_size=T)
+        torch.add(torch.arange(T, dtype=torch.int32) - cu[:-1][seq_of_tok], starts_t[seq_of_tok], out=positions)
+        slots.copy_(block_tables[seq_of_tok, positions // block_size] * block_size + positions % block_size)
+        torch.add(starts_t, q_lens_t, out=seq_lens)
+        rows.copy_(logits_rows)
+        tables.view(B, W).copy_(block_tables)
+        if long:
+            long[0].copy_(torch.tensor(rope_long, dtype=torch.int32)[seq_of_tok])
+        cu_cpu = cu.clone()
+        if self.staged is not h:
+            self.staged[:need].copy_(h[:need], non_blocking=True)
+        d_ids, d_positions, d_slots, d_cu, d_seq_lens, d_rows, d_tables, *d_long = self.staged[:need].split(sizes)
+        meta = AttentionMetadata(
+            positions=d_positions, slot_mapping=d_slots, cu_seqlens_q=d_cu, seq_lens=d_seq_lens,
+            block_tables=d_tables.view(B, W), max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(s + n for s, n in zip(starts, q_lens)),
+            rope_long=d_long[0].bool() if d_long else None)
+        return d_ids, meta, d_rows, cu_cpu

@@ -8,6 +8,7 @@ samples, which is what its proposer reads; the scheduler's `reset_ids` say which
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ import torch
 from trellm_backend.engine.block_tables import BlockTables
 from trellm_backend.engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from trellm_backend.engine.draft import DraftModelProposer
-from trellm_backend.engine.forward_inputs import allocate_kv_cache, attention_metadata
+from trellm_backend.engine.forward_inputs import StepInputs, allocate_kv_cache
 from trellm_backend.engine.kv_cache_manager import blocks_for
 from trellm_backend.engine.cuda_graphs import DecodeGraphs
 from trellm_backend.engine.padded_decode import PaddedDecode
@@ -75,6 +76,7 @@ class ModelRunner:
         self.proposer = self._proposer(max_model_len)
         self.token_ids: dict[str, list[int]] = {}   # with a proposer: each running request's tokens
         self.block_tables = BlockTables(cfg.max_num_seqs, blocks_for(max_model_len, self.block_size))
+        self.inputs = StepInputs(self.device)
         self.padded = None if cfg.enforce_eager or self.model.long_rope_from is not None else PaddedDecode(
             cfg.max_num_seqs, blocks_for(max_model_len + MAX_SPECULATIVE_TOKENS, self.block_size) + 1,
             self.num_blocks, self.block_size, self.device)
@@ -174,22 +176,15 @@ class ModelRunner:
                               block_tables: torch.Tensor) -> torch.Tensor | None:
         """The logits of each sampling chunk's last row, and with guesses of one row per guess before it too
         (None when no chunk samples)."""
-        ids: list[int] = []
-        for c in chunks:
-            ids.extend(c.token_ids)
-        meta, cu = attention_metadata([c.start for c in chunks], q_lens, block_tables, self.block_size, self.device,
-                                      [c.rope_long for c in chunks] if self.model.long_rope_from is not None else None)
-        sampling = [i for i, c in enumerate(chunks) if c.samples]
-        rows = [len(chunks[i].sampling) for i in sampling]
-        ends = cu[1:][sampling]
-        if sum(rows) == len(sampling):
-            logits_indices = ends - 1
-        else:
-            logits_indices = torch.cat([torch.arange(e - r, e) for e, r in zip(ends.tolist(), rows)])
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device)
-        logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices.to(self.device), self.kv_scales,
+        ends = list(itertools.accumulate(q_lens))
+        rows = [r for c, e in zip(chunks, ends) for r in range(e - len(c.sampling), e)]
+        input_ids, meta, logits_rows, cu = self.inputs.build(
+            [t for c in chunks for t in c.token_ids], [c.start for c in chunks], q_lens, block_tables,
+            self.block_size, torch.tensor(rows, dtype=torch.int32),
+            [c.rope_long for c in chunks] if self.model.long_rope_from is not None else None)
+        logits = self.model.forward(input_ids, meta, self.kv_cache, logits_rows, self.kv_scales,
                                     self._lora_step(chunks, cu))
-        return logits if sampling else None
+        return logits if rows else None
 
     def _propose(self, chunks: list[ScheduledChunk], sampled: list[list[SampledToken]]) -> dict[str, list[int]]:
         """Bring each chunk's request record up to date (its chunk's tokens, less the rejected guesses, plus the

@@ -26,6 +26,7 @@ import torch
 
 from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
+from trellm_kernels.rotary import apply_rotary
 
 # kv_cache_dtype parameter -> the cache tensor's dtype (auto: the model's dtype, no scales).
 KV_CACHE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -88,6 +89,22 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -
             return ops.write_kv_quantized(k, v, k_cache.view(torch.int8), v_cache.view(torch.int8), k_scale,
                                           v_scale, slot_mapping.to(torch.int32), k_cache.dtype == torch.int8)
     return write_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=None,
+                        v_scale=None) -> torch.Tensor:
+    """Rotate q and k by their positions (rotary.py) and store k and v at their slots: on a GPU in one launch
+    (triton_kv_cache.rotary_write_kv_triton, which reads k's rows where they are), else the two operations one
+    after the other. Returns the rotated q; k is not to be read afterwards (the cache holds it)."""
+    if use_triton(q):
+        if is_quantized(k_cache) and (k_scale is None or v_scale is None or k_cache.dtype != v_cache.dtype):
+            raise ValueError(f"a {k_cache.dtype} KV cache needs k_scale and v_scale, and v_cache of the same dtype")
+        from trellm_kernels.triton_kv_cache import rotary_write_kv_triton
+        return rotary_write_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale,
+                                      v_scale)
+    q, k = apply_rotary(q, k.contiguous(), positions, cos_sin_cache)
+    write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
 
 
 def _rows_of_contiguous_heads(t: torch.Tensor) -> bool:

@@ -90,7 +90,7 @@ def main():
           f"model_share={model_time / wall:.1%} overhead_per_step_ms={(wall - model_time) / steps * 1e3:.2f}")
 
 
-FORWARD_OPS = ("linear", "paged_attention", "write_kv", "apply_rotary", "fused_add_rms_norm", "rms_norm",
+FORWARD_OPS = ("linear", "paged_attention", "rotary_and_write_kv", "fused_add_rms_norm", "rms_norm",
                "silu_and_mul")
 
 

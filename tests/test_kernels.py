@@ -41,6 +41,7 @@ pytestmark = [pytest.mark.kernels,
                                  reason="needs TRITON_INTERPRET=1 from process start, or TRELLM_KERNEL_TEST_DEVICE=cuda")]
 
 ENTRY_POINTS = [(triton_attention, "paged_attention_triton"), (triton_kv_cache, "write_kv_triton"),
+                (triton_kv_cache, "rotary_write_kv_triton"),
                 (triton_rmsnorm, "rms_norm_triton"), (triton_rmsnorm, "fused_add_rms_norm_triton"),
                 (triton_rotary, "rotary_triton"), (triton_activation, "silu_and_mul_triton"),
                 (triton_activation, "gelu_tanh_and_mul_triton"),
@@ -464,6 +465,43 @@ def test_rotary(h, kvh, d, rot, dtype):
     assert torch.equal(out_q[..., rot:], q[..., rot:])     # columns past the rotated width pass through
 
 
+@pytest.mark.parametrize("h,kvh,d,rot,dtype,cache_dtype", [
+    (4, 2, 64, 64, F32, F32), (7, 1, 8, 8, F32, F32), (4, 4, 64, 32, BF16, BF16), (8, 2, 16, 16, F16, F16),
+    (4, 2, 64, 64, BF16, torch.int8), (4, 2, 32, 16, F32, torch.float8_e4m3fn)])
+def test_rotary_and_kv_write_in_one_kernel_give_the_two_kernels_bits(h, kvh, d, rot, dtype, cache_dtype):
+    """rotary_write_kv_triton rotates q and fills the cache (and an INT8/FP8 cache's scales) with exactly the bits of
+    rotary_triton then write_kv_triton, reading k and v as strided views of one qkv row as the model passes them;
+    padding slots (-1) stay untouched."""
+    g = torch.Generator().manual_seed(21)
+    T, max_pos, bs, num_blocks = 9, 64, 4, 4
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    ang = torch.arange(max_pos).float()[:, None] * inv[None, :]
+    cos_sin = torch.cat((ang.cos(), ang.sin()), dim=-1)
+    positions = torch.randint(0, max_pos, (T,), generator=g)
+    qkv = randn(g, T, (h + 2 * kvh) * d, dtype=dtype) * 3
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    q, k, v = q.view(T, h, d), k.view(T, kvh, d), v.view(T, kvh, d)
+    slots = torch.randperm(num_blocks * bs, generator=g)[:T]
+    slots[[1, 4]] = -1
+    quantized = cache_dtype in (torch.int8, torch.float8_e4m3fn)
+    if quantized:
+        caches = [torch.randint(-100, 100, (num_blocks, bs, kvh, d), generator=g, dtype=torch.int8).view(cache_dtype)
+                  for _ in range(2)] + [torch.rand(num_blocks, bs, kvh, generator=g).half() for _ in range(2)]
+    else:
+        caches = [randn(g, num_blocks, bs, kvh, d, dtype=cache_dtype) for _ in range(2)] + [None, None]
+    two = [c if c is None else c.clone() for c in caches]
+    q_two, k_two = triton_rotary.rotary_triton(q.contiguous(), k.contiguous(), positions, cos_sin)
+    triton_kv_cache.write_kv_triton(k_two, v, two[0], two[1], slots, two[2], two[3])
+    one = [c if c is None else c.clone() for c in caches]
+    q_one = triton_kv_cache.rotary_write_kv_triton(q.contiguous(), k, v, positions, cos_sin, one[0], one[1], slots,
+                                                   one[2], one[3])
+    assert torch.equal(q_one, q_two)
+    for got, want, before in zip(one, two, caches):
+        if got is not None:
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            assert not torch.equal(got.view(torch.uint8), before.view(torch.uint8))
+
+
 # -------------------------------------------------------------------------------------------------- SiLU and mul
 
 ACTIVATIONS = {"silu": ("silu_and_mul_triton", exact_silu_and_mul),
@@ -526,6 +564,7 @@ def test_dispatch_routes_to_triton_when_forced(monkeypatch, kernel_settings):
 
     spy(triton_attention, "paged_attention_triton")
     spy(triton_kv_cache, "write_kv_triton")
+    spy(triton_kv_cache, "rotary_write_kv_triton")
     spy(triton_rmsnorm, "rms_norm_triton")
     spy(triton_rmsnorm, "fused_add_rms_norm_triton")
     spy(triton_rotary, "rotary_triton")
@@ -541,9 +580,11 @@ def test_dispatch_routes_to_triton_when_forced(monkeypatch, kernel_settings):
     def run_all():
         caches = (args[1].clone(), args[2].clone())
         kv_cache.write_kv(k, k * 2, *caches, slots)
+        fused = (args[1].clone(), args[2].clone())
+        fused_q = kv_cache.rotary_and_write_kv(q.clone(), k.clone(), k * 2, pos, cos_sin, *fused, slots)
         return (attention.paged_attention(*args), *caches, rmsnorm.rms_norm(x, w, 1e-6),
                 *rmsnorm.fused_add_rms_norm(x, res, w, 1e-6), *rotary.apply_rotary(q.clone(), k.clone(), pos, cos_sin),
-                activation.silu_and_mul(x))
+                activation.silu_and_mul(x), fused_q, *fused)
 
     kernel_settings(force_triton=False)
     expected = run_all()
@@ -551,9 +592,14 @@ def test_dispatch_routes_to_triton_when_forced(monkeypatch, kernel_settings):
     kernel_settings(force_triton=True)
     got = run_all()
     assert sorted(calls) == sorted(["write_kv_triton", "paged_attention_triton", "rms_norm_triton",
-                                    "fused_add_rms_norm_triton", "rotary_triton", "silu_and_mul_triton"])
+                                    "fused_add_rms_norm_triton", "rotary_triton", "silu_and_mul_triton",
+                                    "rotary_write_kv_triton"])
     for outputs in (expected, got):
-        attn, _, _, normed, fused, residual, rotated_q, rotated_k, silu = outputs
+        attn, _, _, normed, fused, residual, rotated_q, rotated_k, silu, fused_q, fused_k_cache, _ = outputs
+        assert_within_rounding(fused_q, exact_rotary(q, pos, cos_sin))
+        valid = slots >= 0
+        assert_within_rounding(fused_k_cache.view(-1, 2, 16)[slots[valid]],
+                               exact_rotary(k[valid], pos[valid], cos_sin))
         attention_close(attn, args)
         assert_within_rounding(normed, exact_rms_norm(x, w, 1e-6))
         assert torch.equal(residual, x + res)
@@ -595,6 +641,10 @@ for raw, quant in (("*i8", 1), ("*u8", 2), ("*u8", 3)):   # INT8 / FP8 KV caches
           TILE=32, PREC="tf32", UPCAST=False, QUANT=quant), {"*": "*fp16", **idx, **kv}, ("qk_scale",))
     build(triton_kv_cache._write_kv_quant_kernel, dict(QUANT=min(quant, 2), BLOCK_H=4, BLOCK_D=64),
           {"*": "*bf16", "slot_ptr": "*i64", **kv})
+for quant, kv in ((0, {}), (1, {"kc_ptr": "*i8", "vc_ptr": "*i8", "ks_ptr": "*fp16", "vs_ptr": "*fp16"}),
+                  (2, {"kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp16", "vs_ptr": "*fp16"})):
+    build(triton_kv_cache._rotary_write_kv_kernel, dict(QUANT=quant, BLOCK_HQ=8, BLOCK_R=32, BLOCK_H=4, BLOCK_D=64),
+          {"*": "*bf16", "pos_ptr": "*i32", "cs_ptr": "*fp32", "slot_ptr": "*i32", **kv})
 build(triton_rmsnorm._rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK_N=1024), {"*": "*bf16"}, ("eps",))
 build(triton_rotary._rotary_kernel, dict(BLOCK_HQ=8, BLOCK_HK=2, BLOCK_R=32),
       {"*": "*fp16", "pos_ptr": "*i64", "cs_ptr": "*fp32"})

@@ -19,10 +19,9 @@ from trellm_backend.models.rope import cos_sin_cache, long_rope_from
 from trellm_backend.models.weights import Checkpoint
 from trellm_kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from trellm_kernels.attention import paged_attention
-from trellm_kernels.kv_cache import write_kv
+from trellm_kernels.kv_cache import rotary_and_write_kv
 from trellm_kernels.linear import Weight, linear, linear_path, prepare_weight
 from trellm_kernels.rmsnorm import fused_add_rms_norm, rms_norm
-from trellm_kernels.rotary import apply_rotary
 
 
 @dataclass
@@ -187,11 +186,11 @@ class LlamaModel:
             if w.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm of each head before rotary
                 q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rotary(q.contiguous(), k.contiguous(), rope_rows,
-                                self.cos_sin if w.cos_sin is None else w.cos_sin)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+            cos_sin = self.cos_sin if w.cos_sin is None else w.cos_sin
+            q = rotary_and_write_kv(q.contiguous(), k, v, rope_rows, cos_sin, k_cache, v_cache, meta.slot_mapping,
+                                    k_scale, v_scale)
             attn = paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                                    self.scale, meta.max_seqlen_q, meta.max_seqlen_k, k_scale, v_scale,
                                    window=w.window, softcap=self.attention_cap)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trellm_kernels.triton_rotary import _rotate_heads
+from trellm_kernels.triton_rotary import _cos_sin, _rotate_heads
 
 RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 to the nearest even integer
 
@@ -60,6 +60,16 @@ def _quantize_store(x, c_ptr, s_ptr, mask, hmask, QUANT: tl.constexpr):
 
 
 @triton.jit
+def _token_tile(slot, block_size, num_kv_heads, head_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A slot's block and offset, and the [BLOCK_H, BLOCK_D] tile of a token's heads: head indices (flat and as a
+    column), column indices, and the masks of real heads and of real elements."""
+    hh = tl.arange(0, BLOCK_H)
+    h = hh[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    return slot // block_size, slot % block_size, hh, h, d, hh < num_kv_heads, (h < num_kv_heads) & (d < head_dim)
+
+
+@triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, block_size, num_kv_heads, head_dim,
                      s_kt, s_kh, s_vt, s_vh,
                      s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch,
@@ -67,11 +77,7 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, block_size, num_kv_
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        blk = slot // block_size
-        off = slot % block_size
-        h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        mask = (h < num_kv_heads) & (d < head_dim)
+        blk, off, hh, h, d, hmask, mask = _token_tile(slot, block_size, num_kv_heads, head_dim, BLOCK_H, BLOCK_D)
         t64 = t.to(tl.int64)
         k = tl.load(k_ptr + t64 * s_kt + h * s_kh + d, mask=mask)
         v = tl.load(v_ptr + t64 * s_vt + h * s_vh + d, mask=mask)
@@ -87,13 +93,7 @@ def _write_kv_quant_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_pt
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        blk = slot // block_size
-        off = slot % block_size
-        hh = tl.arange(0, BLOCK_H)
-        h = hh[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        hmask = hh < num_kv_heads
-        mask = (h < num_kv_heads) & (d < head_dim)
+        blk, off, hh, h, d, hmask, mask = _token_tile(slot, block_size, num_kv_heads, head_dim, BLOCK_H, BLOCK_D)
         t64 = t.to(tl.int64)
         k = tl.load(k_ptr + t64 * s_kt + h * s_kh + d, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + t64 * s_vt + h * s_vh + d, mask=mask, other=0.0).to(tl.float32)
@@ -138,20 +138,11 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                             QUANT: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    r = tl.arange(0, BLOCK_R)[None, :]
-    cos = tl.load(cs_ptr + pos * s_cs + r, mask=r < half, other=0.0)
-    sin = tl.load(cs_ptr + pos * s_cs + half + r, mask=r < half, other=0.0)
+    pos, cos, sin = _cos_sin(pos_ptr, cs_ptr, t, s_cs, half, BLOCK_R)
     _rotate_heads(q_ptr + t * s_qt, s_qh, n_q_heads, cos, sin, half, BLOCK_HQ, BLOCK_R)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        blk = slot // block_size
-        off = slot % block_size
-        hh = tl.arange(0, BLOCK_H)
-        h = hh[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        hmask = hh < num_kv_heads
-        mask = (h < num_kv_heads) & (d < head_dim)
+        blk, off, hh, h, d, hmask, mask = _token_tile(slot, block_size, num_kv_heads, head_dim, BLOCK_H, BLOCK_D)
         k_row = k_ptr + t * s_kt + h * s_kh
         x = tl.load(k_row + d, mask=mask, other=0.0)
         # Column d < half pairs with d + half (x1*cos - x2*sin); half <= d < 2*half with d - half (x2*cos + x1*sin);

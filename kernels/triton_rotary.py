@@ -27,13 +27,20 @@ def _rotate_heads(base_ptr, s_h, n_heads, cos, sin, half, BLOCK_H: tl.constexpr,
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, s_qt, s_qh, s_kt, s_kh, s_cs, n_q_heads, n_k_heads, half,
-                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _cos_sin(pos_ptr, cs_ptr, t, s_cs, half, BLOCK_R: tl.constexpr):
+    """Token t's position and its cos and sin rows, [1, BLOCK_R] fp32 each (zero past half)."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     r = tl.arange(0, BLOCK_R)[None, :]
     cos = tl.load(cs_ptr + pos * s_cs + r, mask=r < half, other=0.0)
     sin = tl.load(cs_ptr + pos * s_cs + half + r, mask=r < half, other=0.0)
+    return pos, cos, sin
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, s_qt, s_qh, s_kt, s_kh, s_cs, n_q_heads, n_k_heads, half,
+                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos, cos, sin = _cos_sin(pos_ptr, cs_ptr, t, s_cs, half, BLOCK_R)
     _rotate_heads(q_ptr + t * s_qt, s_qh, n_q_heads, cos, sin, half, BLOCK_HQ, BLOCK_R)
     _rotate_heads(k_ptr + t * s_kt, s_kh, n_k_heads, cos, sin, half, BLOCK_HK, BLOCK_R)
 

@@ -19,6 +19,12 @@ def allocate_kv_cache(mc: ModelConfig, num_blocks: int, block_size: int, kv_dtyp
     return cache, scales
 
 
+def kv_slots(block_tables: torch.Tensor, seqs: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The KV slot of each token: position p of sequence seqs[i] sits at offset p % block_size of block
+    block_tables[seqs[i], p // block_size]."""
+    return block_tables[seqs, positions // block_size] * block_size + positions % block_size
+
+
 class StepInputs:
     """The inputs of one forward pass, written into one int32 staging tensor that is reused pass after pass (pinned
     on a GPU) and sent to the device in one non-blocking copy: token ids, positions, KV slots, query offsets,
@@ -55,7 +61,7 @@ class StepInputs:
         torch.cumsum(q_lens_t, 0, out=cu[1:])
         seq_of_tok = torch.repeat_interleave(torch.arange(B), q_lens_t, output_size=T)
         torch.add(torch.arange(T, dtype=torch.int32) - cu[:-1][seq_of_tok], starts_t[seq_of_tok], out=positions)
-        slots.copy_(block_tables[seq_of_tok, positions // block_size] * block_size + positions % block_size)
+        slots.copy_(kv_slots(block_tables, seq_of_tok, positions, block_size))
         torch.add(starts_t, q_lens_t, out=seq_lens)
         rows.copy_(logits_rows)
         tables.view(B, W).copy_(block_tables)

@@ -15,6 +15,7 @@ import bisect
 
 import torch
 
+from trellm_backend.engine.forward_inputs import kv_slots
 from trellm_backend.engine.kv_cache_manager import NULL_BLOCK
 from trellm_backend.models.llama import AttentionMetadata
 
@@ -60,7 +61,7 @@ class PaddedDecode:
         pos = torch.tensor(starts, dtype=torch.int32)
         h[:B, ID] = torch.tensor(token_ids, dtype=torch.int32)
         h[:B, POSITION] = pos
-        h[:B, SLOT] = block_tables[torch.arange(B), pos // block_size] * block_size + pos % block_size
+        h[:B, SLOT] = kv_slots(block_tables, torch.arange(B), pos, block_size)
         h[:B, SEQ_LEN] = pos + 1
         h[:B, TABLE:TABLE + width] = block_tables
         h[:B, TABLE + width:] = NULL_BLOCK

@@ -136,8 +136,9 @@ class ModelRunner:
         chunks = sched.chunks
         if not chunks:
             return RunnerOutput()
-        rows = [self.block_tables.update(c.request_id, c.new_block_ids, c.num_blocks, c.num_dropped) for c in chunks]
-        sampled = self._forward_and_sample(chunks, self.block_tables.gather(rows), grammar_bitmask)
+        table_rows = [self.block_tables.update(c.request_id, c.new_block_ids, c.num_blocks, c.num_dropped)
+                      for c in chunks]
+        sampled = self._forward_and_sample(chunks, self.block_tables.gather(table_rows), grammar_bitmask)
         out = RunnerOutput()
         for c in chunks:
             if c.samples:

@@ -276,7 +276,9 @@ class AsyncLLMClient:
         await self.client.close()
 
     async def stream_chunks(self, prompt: str | None = None, messages: list[dict] | None = None,
-                            **params) -> AsyncIterator[Chunk]:
+                            headers: dict[str, str] | None = None, **params) -> AsyncIterator[Chunk]:
+        """The responses to one prompt (or chat), as they come; `headers` go with the call as gRPC metadata (a
+        W3C `traceparent` makes the caller's span the parent of tritonserver's)."""
         request_id = uuid.uuid4().hex
         request = {"model_name": self.model, "inputs": build_inputs(self._grpc, prompt, params, messages),
                    "request_id": request_id, "parameters": {"triton_enable_empty_final_response": True}}
@@ -285,7 +287,7 @@ class AsyncLLMClient:
         async def one_request():
             yield request
 
-        responses = self.client.stream_infer(one_request())
+        responses = self.client.stream_infer(one_request(), headers=headers)
         try:
             async for result, error in responses:
                 if error is not None:

@@ -21,6 +21,7 @@ from collections import Counter
 import numpy as np
 from aiohttp import web
 
+from trellm_backend import tracing
 from trellm_openai import protocol
 from trellm_openai.keys import KeyStore, Limiter
 from trellm_openai.protocol import APIError, Generation
@@ -81,6 +82,8 @@ class FrontDoor:
         self._tokenizers: dict[str, object] = {}
         # The KServe v2 HTTP routes, relayed to tritonserver's (loopback) HTTP port; None: not served here.
         self.relay = Relay(triton_http_url, self.keys, MAX_JSON_DEPTH) if triton_http_url else None
+        # With OTEL_EXPORTER_OTLP_*ENDPOINT set: a span per OpenAI request (tracing.py), the parent of Triton's.
+        self.tracer = tracing.make_tracer("trellm-openai")
 
     async def triton_metrics(self) -> str:
         """tritonserver's metrics text (the engine's vllm:* gauges among them), so that /metrics on this port holds
@@ -229,9 +232,13 @@ class FrontDoor:
             raise APIError(429, decision.reason, type_="rate_limit_error", code="rate_limit_exceeded",
                            headers={**decision.headers, "Retry-After": str(decision.retry_after_s)})
         answer = Answer(g, tokenizer)
+        headers = None
+        if self.tracer is not None:   # this request's span (make_app's middleware) is the parent of Triton's
+            headers = tracing.current_carrier(**{"gen_ai.request.model": g.model, "trellm.key": key.name,
+                                                 "trellm.stream": g.stream})
         try:
             params = {**g.params, "lora_name": lora_name} if lora_name else g.params
-            chunks = answer_chunks(self.client(ensemble), g, params)
+            chunks = answer_chunks(self.client(ensemble), g, params, headers)
             async with contextlib.aclosing(chunks) as chunks:
                 first = await self._first(chunks)
                 if g.stream:
@@ -284,13 +291,14 @@ class FrontDoor:
         return response
 
 
-async def answer_chunks(client: AsyncLLMClient, g: Generation, params: dict):
+async def answer_chunks(client: AsyncLLMClient, g: Generation, params: dict, headers: dict | None = None):
     """The ensemble's responses to `g`: one stream per prompt, each response's sequence_index made its choice's
     index (prompt p's sample j is choice p * n + j, OpenAI's order). With several prompts every stream's first
     response is awaited before any is yielded, so a prompt the server refuses fails the whole request before a byte
     of the answer is sent; then responses come as they arrive."""
     tools = g.tools and list(g.tools.tools)
-    streams = [client.stream_chunks(p, g.messages, tools=tools, **params) for p in (g.prompts or [None])]
+    streams = [client.stream_chunks(p, g.messages, tools=tools, headers=headers, **params)
+               for p in (g.prompts or [None])]
     if len(streams) == 1:       # the common case, without the merging below
         async with contextlib.aclosing(streams[0]) as stream:
             async for chunk in stream:
@@ -425,6 +433,16 @@ class Answer:
 # -- the aiohttp application ---------------------------------------------------------------------------------------
 def make_app(door: FrontDoor) -> web.Application:
     @web.middleware
+    async def traced(request: web.Request, handler):
+        """An OpenAI request's span, a child of the client's `traceparent` when it sent one (tracing on only)."""
+        if door.tracer is None or not request.path.startswith("/v1/"):
+            return await handler(request)
+        with tracing.server_span(door.tracer, f"{request.method} {request.path}", request.headers) as span:
+            response = await handler(request)
+            tracing.end_http_span(span, response.status)
+            return response
+
+    @web.middleware
     async def errors(request: web.Request, handler):
         endpoint = request.path
         try:
@@ -476,7 +494,7 @@ def make_app(door: FrontDoor) -> web.Application:
     async def metrics(request):
         return web.Response(text=door.metrics.text() + await door.triton_metrics(), content_type="text/plain")
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors])   # each route reads its own bound
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[traced, errors])   # each route reads its own bound
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

@@ -5,8 +5,9 @@ before every step, so a submit or an abort takes effect within one step. A watch
 sink whether its client cancelled (in Triton an IPC round trip per request, so it stays off the stepping thread)
 and queues an abort for those that did. Submissions beyond `max_queue_size` waiting requests are refused with
 QueueFull (backpressure) instead of piling up. After each step the loop publishes the scheduler's stats snapshot,
-and hands each finished output to an optional `on_finished` callback (a metrics reporter's queue), so observers
-read what the loop thread made rather than reaching into the engine.
+and hands each finished output to an optional `on_finished` callback (a metrics reporter's queue), and each traced
+request that ended to an optional tracer's queue (tracing.RequestTracer), so observers read what the loop thread
+made rather than reaching into the engine.
 
 On a CPU the loop follows engine/cores.py: the thread that built the engine hands its OpenMP workers back before
 the loop starts, so the stepping thread owns the process's only pool, and (with `cpu_serving_threads` idle, the
@@ -130,11 +131,15 @@ class EngineLoop:
     LATENCY_STREAMS = 4
     DELIVERY_WAIT_S = 0.005
 
-    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None):
-        """`on_finished` is called on the loop thread with every finished output: it must only queue it."""
+    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None,
+                 tracer=None):
+        """`on_finished` is called on the loop thread with every finished output: it must only queue it. `tracer`
+        (tracing.RequestTracer) gets every request that carries a trace once it ends."""
         self.engine = engine
         self.max_queue_size = engine.config.max_queue_size
         self._on_finished = on_finished
+        self._tracer = tracer
+        self._traced: dict[str, Request] = {}   # traced requests in the engine (loop thread only)
         self._stats = engine.stats()
         self._inbox: queue.Queue[Add | CompileTimeout | Abort | AbortClient | AbortAll | Stop] = queue.Queue()
         self._sinks: dict[str, OutputSink] = {}
@@ -304,8 +309,8 @@ class EngineLoop:
                 if waiting:
                     self._forget(rid)
                     guide = msg.add.request.params.guide
-                    self._outbox.put(Fail(msg.add.sink, f"compiling the {guide.type} guide took longer than "
-                                                        f"{COMPILE_TIMEOUT_S:g} s; send a smaller one"))
+                    self._failed(msg.add, f"compiling the {guide.type} guide took longer than "
+                                          f"{COMPILE_TIMEOUT_S:g} s; send a smaller one")
                 continue
             if isinstance(msg, Add):
                 rid = msg.request.request_id
@@ -315,7 +320,7 @@ class EngineLoop:
                             continue    # it timed out or was aborted meanwhile: already answered
                     if self._closed is not None:
                         self._forget(rid)
-                        self._outbox.put(Fail(msg.sink, self._closed))
+                        self._failed(msg, self._closed)
                         continue
                 try:
                     self.engine.add(msg.request)
@@ -323,10 +328,11 @@ class EngineLoop:
                     if not isinstance(e, ValueError):
                         log.exception("adding %s failed", msg.request.request_id)
                     self._forget(msg.request.request_id)
-                    self._outbox.put(Fail(msg.sink, str(e) if isinstance(e, ValueError)
-                                          else f"engine error: {type(e).__name__}: {e}"))
+                    self._failed(msg, str(e) if isinstance(e, ValueError) else f"engine error: {type(e).__name__}: {e}")
                     continue
                 self._sinks[msg.request.request_id] = msg.sink
+                if msg.request.trace is not None and self._tracer is not None:
+                    self._traced[msg.request.request_id] = msg.request
             elif isinstance(msg, Abort):
                 self._abort(msg.request_id)
             elif isinstance(msg, AbortAll):
@@ -341,6 +347,17 @@ class EngineLoop:
     def _finished(self, out: RequestOutput) -> None:
         if self._on_finished is not None:
             self._on_finished(out)
+        if self._traced:
+            request = self._traced.pop(out.request_id, None)
+            if request is not None:
+                self._tracer.ended(request, out)
+
+    def _failed(self, add: Add, message: str) -> None:
+        """Answer a request that never ran (or stopped running) with an error, and end its trace so."""
+        self._outbox.put(Fail(add.sink, message))
+        request = self._traced.pop(add.request.request_id, None) or add.request
+        if request.trace is not None and self._tracer is not None:
+            self._tracer.ended(request, error=message)
 
     def _forget(self, request_id: str) -> OutputSink | None:
         with self._clients_lock:
@@ -357,7 +374,7 @@ class EngineLoop:
             compiling = self._compiling.pop(request_id, None)
         if compiling is not None:     # not in the engine yet: it ends now, its compile goes on for the cache
             self._forget(request_id)
-            self._outbox.put(Fail(compiling.sink, "aborted while its grammar compiled"))
+            self._failed(compiling, "aborted while its grammar compiled")
             return
         out = self.engine.abort(request_id)
         if out is not None:
@@ -405,6 +422,9 @@ class EngineLoop:
                 self.engine.abort(rid)
             except Exception:
                 log.exception("abort of %s failed", rid)
+            request = self._traced.pop(rid, None)
+            if request is not None:
+                self._tracer.ended(request, error=message)
             self._outbox.put(Fail(self._forget(rid), message))
 
     def _run(self) -> None:

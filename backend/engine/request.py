@@ -186,12 +186,13 @@ class SamplingParams:
 
 @dataclass
 class RequestTimes:
-    """Life-cycle timestamps (time.time_ns()) for TRT-LLM's perf-metric outputs and the latency metrics: the
-    scheduler stamps the first scheduling, the engine the tokens."""
+    """Life-cycle timestamps (time.time_ns()) for TRT-LLM's perf-metric outputs, the latency metrics and the
+    request's trace: the scheduler stamps the first scheduling and each preemption, the engine the tokens."""
     arrival_ns: int
     first_scheduled_ns: int = 0
     first_token_ns: int = 0
     last_token_ns: int = 0
+    preempted_ns: list[int] = field(default_factory=list)
 
 
 class Status(enum.Enum):
@@ -227,6 +228,7 @@ class Request:
     grammar_future: object | None = None          # a guided request's compiled grammar (concurrent.futures.Future)
     grammar: object | None = None                 # its xgrammar matcher, made when the engine takes the request
     lora: object | None = None                    # its LoRA adapter (models/lora.LoraAdapter), or None
+    trace: object | None = None                   # when traced: its parent span and attributes (tracing.RequestTrace)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

@@ -329,6 +329,7 @@ class Scheduler:
         self._void(req)
         req.status = Status.WAITING
         req.num_preemptions += 1
+        req.times.preempted_ns.append(time.time_ns())
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 

@@ -30,6 +30,7 @@ import urllib.request
 from trellm_backend.tools.repository import default_repository
 from trellm_backend.tools.supervisor import Supervisor, remove_shm_regions, server_children, stub_shm_regions
 from trellm_backend.tools.testbed import metric_samples
+from trellm_backend.tracing import traces_endpoint
 from trellm_openai.tools import TOOL_CALL_PARSERS
 
 DEFAULT_REPOSITORY = default_repository()
@@ -102,14 +103,32 @@ def openmp_wait_defaults(environ) -> dict[str, str]:
     return {"GOMP_SPINCOUNT": "10000"}
 
 
+def trace_args(endpoint: str | None) -> list[str]:
+    """tritonserver's flags for OpenTelemetry traces of every request to `endpoint` (none without one). A client's
+    `traceparent` (HTTP header, gRPC metadata) makes its span the parent of the request's."""
+    if not endpoint:
+        return []
+    return [f"--trace-config={setting}" for setting in (
+        "mode=opentelemetry", "level=TIMESTAMPS", "rate=1", "count=-1", f"opentelemetry,url={endpoint}",
+        "opentelemetry,resource=service.name=tritonserver")]
+
+
+def trace_env(endpoint: str | None) -> dict[str, str]:
+    """What the engine and the front door read to trace to `endpoint` (tracing.traces_endpoint)."""
+    return {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint} if endpoint else {}
+
+
 class TritonServer:
     """A tritonserver process. Use as a context manager, or call start() and stop()."""
 
     def __init__(self, model_repository: str = DEFAULT_REPOSITORY, http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, log_path: str | None = None, extra_args: list[str] | None = None,
-                 model_control_mode: str = "none", load_models: list[str] | None = None):
+                 model_control_mode: str = "none", load_models: list[str] | None = None,
+                 otlp_traces_endpoint: str | None = None):
         """model_control_mode "explicit" loads only `load_models` at start (all models with "*"); others are then
-        loaded and unloaded through the repository API (POST /v2/repository/models/<name>/load|unload)."""
+        loaded and unloaded through the repository API (POST /v2/repository/models/<name>/load|unload).
+        `otlp_traces_endpoint` (an OTLP/HTTP URL, .../v1/traces): every request is traced there, by tritonserver
+        (its ensemble and step spans) and by the engine (tracing.py); a front door started for this server too."""
         if model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode={model_control_mode!r}; one of {MODEL_CONTROL_MODES}")
         if load_models and model_control_mode != "explicit":
@@ -119,6 +138,7 @@ class TritonServer:
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.log_path = log_path
         self.extra_args = extra_args or []
+        self.otlp_traces_endpoint = otlp_traces_endpoint
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -136,8 +156,8 @@ class TritonServer:
             f"--model-repository={self.model_repository}", f"--http-port={self.http_port}",
             f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}", "--exit-timeout-secs=10",
             f"--model-control-mode={self.model_control_mode}", *(f"--load-model={m}" for m in self.load_models),
-            *self.extra_args]
-        env = {**os.environ, **openmp_wait_defaults(os.environ), **env_add}
+            *trace_args(self.otlp_traces_endpoint), *self.extra_args]
+        env = {**os.environ, **openmp_wait_defaults(os.environ), **env_add, **trace_env(self.otlp_traces_endpoint)}
         self._log = open(self.log_path, "ab") if self.log_path else None
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=self._log,
                                      stderr=subprocess.STDOUT if self._log else None)
@@ -277,6 +297,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--openai-tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                     help="the format the models write tool calls in, for the front door's tool_choice \"auto\" "
                          "(the default model writes hermes; without one, auto is refused)")
+    ap.add_argument("--otlp-traces-endpoint", default=traces_endpoint(), metavar="URL",
+                    help="trace every request over OTLP/HTTP to URL (e.g. http://localhost:4318/v1/traces): the "
+                         "front door's, tritonserver's and the engine's spans in one trace (default: "
+                         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, or OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces)")
     ap.add_argument("--http-public", action="store_true",
                     help="tritonserver's own HTTP port on every interface; by default it listens on 127.0.0.1 only, "
                          "and the front door's port (--openai-port) serves its KServe v2 routes, relayed after a "
@@ -297,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = TritonServer(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
                               log_path=log_path, extra_args=extra, model_control_mode=args.model_control_mode,
-                              load_models=args.load_model)
+                              load_models=args.load_model, otlp_traces_endpoint=args.otlp_traces_endpoint)
     except ValueError as e:
         ap.error(str(e))
     stop = {"now": False}
@@ -376,7 +400,8 @@ def start_front_door(server: "TritonServer", port: int, keys_file: str | None,
         cmd += ["--keys-file", keys_file]
     if tool_call_parser:
         cmd += ["--tool-call-parser", tool_call_parser]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **trace_env(server.otlp_traces_endpoint)})
     line = proc.stdout.readline()   # its "OpenAI-compatible API on ..." line, or nothing if it failed to start
     if proc.poll() is not None or "OpenAI-compatible API" not in line:
         raise RuntimeError(f"the OpenAI front door did not start (exit {proc.wait()}): {line.strip()}")

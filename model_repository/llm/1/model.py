@@ -23,6 +23,7 @@ from trellm_backend.triton.parameters import model_parameters
 from trellm_backend.triton.responses import ResponseGroup, SequenceSink, fail, is_stop_request, lora_control
 from trellm_backend.triton.shutdown import watch_server_shutdown
 from trellm_backend.triton.tokenization import load_tokenizer
+from trellm_backend.tracing import RequestTrace, RequestTracer, make_tracer, triton_carrier
 
 INPUTS = llm_tensor_names()
 
@@ -48,7 +49,12 @@ class TritonPythonModel:
                 self.metrics = MetricsReporter(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
             except Exception as e:  # e.g. a server started with --allow-metrics=false: serve without them
                 logging.getLogger("trellm").warning("metrics disabled: %s", e)
-        self.loop = EngineLoop(self.engine, on_finished=self.metrics.record if self.metrics else None)
+        # With OTEL_EXPORTER_OTLP_*ENDPOINT set, each request's engine span joins tritonserver's trace of it.
+        tracer = make_tracer("trellm-engine")
+        self.tracer = RequestTracer(tracer) if tracer is not None else None
+        self.model_name = args["model_name"]
+        self.loop = EngineLoop(self.engine, on_finished=self.metrics.record if self.metrics else None,
+                               tracer=self.tracer)
         if self.loop.idle_helpers:
             # tritonserver's threads and the other stubs wake per streamed token: on a CPU they wait for the
             # compute's gaps (cores.py).
@@ -97,6 +103,13 @@ class TritonPythonModel:
                 samples = fan_out(spec.params)   # n parallel samples: engine requests <key>#<i>
                 reqs = [self.engine.make_request(f"{key}#{i}" if len(samples) > 1 else str(key), spec.prompt_ids, p)
                         for i, p in enumerate(samples)]
+                if self.tracer is not None:
+                    attributes = {"gen_ai.response.model": self.model_name, "gen_ai.request.n": len(reqs)}
+                    if request.request_id():
+                        attributes["trellm.client_request_id"] = request.request_id()
+                    trace = RequestTrace(triton_carrier(request), attributes)
+                    for r in reqs:
+                        r.trace = trace
             except ValueError as e:
                 fail(pb_utils, sender, str(e))
                 continue
@@ -120,3 +133,5 @@ class TritonPythonModel:
             self.metrics.stop()
         self.loop.stop()
         self.end_shutdown_watch()
+        if self.tracer is not None:
+            self.tracer.stop()

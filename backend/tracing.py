@@ -88,18 +88,20 @@ def current_carrier(**attributes) -> dict[str, str]:
 
 
 def triton_carrier(request) -> dict[str, str]:
-    """The W3C headers (traceparent, tracestate) of tritonserver's span for a pb_utils request: its trace
-    context, `request.trace().get_context()`, is a JSON object; {} when tritonserver does not trace it."""
+    """The W3C headers (traceparent, tracestate) of the span a pb_utils request belongs to, {} when untraced:
+    tritonserver's span of it (`request.trace().get_context()`, a JSON object), else the `traceparent` request
+    parameter a BLS caller set (tritonserver 2.51 drops the trace of a BLS request made after the caller's
+    `execute` returned, as vllm_model's are)."""
     trace = request.trace()
     context = trace.get_context() if trace is not None else None
-    if not context:
-        return {}
-    try:
-        value = json.loads(context)
-    except ValueError:
-        return {}
-    return {k: str(v) for k, v in value.items() if k in ("traceparent", "tracestate")} \
-        if isinstance(value, dict) else {}
+    for text in (context, request.parameters()):
+        try:
+            value = json.loads(text) if text else None
+        except ValueError:
+            continue
+        if isinstance(value, dict) and isinstance(value.get("traceparent"), str):
+            return {k: value[k] for k in ("traceparent", "tracestate") if isinstance(value.get(k), str)}
+    return {}
 
 
 @dataclass(frozen=True)

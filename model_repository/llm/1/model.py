@@ -103,11 +103,12 @@ class TritonPythonModel:
                 samples = fan_out(spec.params)   # n parallel samples: engine requests <key>#<i>
                 reqs = [self.engine.make_request(f"{key}#{i}" if len(samples) > 1 else str(key), spec.prompt_ids, p)
                         for i, p in enumerate(samples)]
-                if self.tracer is not None:
+                carrier = triton_carrier(request) if self.tracer is not None else None
+                if carrier:   # tritonserver traces this request (its sampling rate decides): the engine joins in
                     attributes = {"gen_ai.response.model": self.model_name, "gen_ai.request.n": len(reqs)}
                     if request.request_id():
                         attributes["trellm.client_request_id"] = request.request_id()
-                    trace = RequestTrace(triton_carrier(request), attributes)
+                    trace = RequestTrace(carrier, attributes)
                     for r in reqs:
                         r.trace = trace
             except ValueError as e:

@@ -18,6 +18,7 @@ from trellm_backend.triton.parameters import model_parameters, resolve_model_pat
 from trellm_backend.triton.responses import fail
 from trellm_backend.triton.vllm import FROM_LLM, parse_vllm_request, vllm_outputs
 from trellm_backend.triton.tokenization import decode_utf8, encode_prompt, load_tokenizer, prompt_char_limit
+from trellm_backend.tracing import traces_endpoint, triton_carrier
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Requests streamed at once when config.pbtxt does not say (max_concurrent_requests): above what one engine runs
@@ -30,6 +31,7 @@ class TritonPythonModel:
         faulthandler.enable()   # a crash in native code writes every thread's Python stack to the server log
         params = model_parameters(json.loads(args["model_config"]))
         self.llm_model = params["llm_model"]
+        self.traced = traces_endpoint() is not None    # then each request's trace is passed on to llm
         path = resolve_model_path(params["model_path"], args["model_repository"])
         self.tokenizer = load_tokenizer(path)
         self.max_prompt_chars = prompt_char_limit(path)
@@ -60,26 +62,28 @@ class TritonPythonModel:
                 fail(pb_utils, sender, f"vllm_model is at capacity: {self.max_in_flight} requests in flight "
                      f"(max_concurrent_requests={self.max_in_flight}); retry later", pb_utils.TritonError.UNAVAILABLE)
                 continue
-            self.workers.submit(self._serve_counted, sender, spec, ids)
+            # tritonserver's trace of this request goes on in llm's engine span (tracing.triton_carrier)
+            carrier = triton_carrier(request) if self.traced else {}
+            self.workers.submit(self._serve_counted, sender, spec, ids, carrier)
         return None
 
     def finalize(self):
         self.workers.shutdown(wait=False, cancel_futures=True)
 
-    def _serve_counted(self, sender, spec, ids):
+    def _serve_counted(self, sender, spec, ids, carrier):
         try:
-            self._serve(sender, spec, ids)
+            self._serve(sender, spec, ids, carrier)
         finally:
             with self.in_flight_lock:
                 self.in_flight -= 1
 
-    def _serve(self, sender, spec, ids):
+    def _serve(self, sender, spec, ids, carrier):
         request_id = uuid.uuid4().hex    # also names this request in a stop request
         tensors = {"input_ids": np.array([ids], dtype=np.int32),
                    "input_lengths": np.array([[len(ids)]], dtype=np.int32), **tensors_from_values(spec.values)}
         inputs = [pb_utils.Tensor(name, value) for name, value in tensors.items()]
         llm_request = pb_utils.InferenceRequest(model_name=self.llm_model, inputs=inputs, request_id=request_id,
-                                                requested_output_names=FROM_LLM)
+                                                requested_output_names=FROM_LLM, parameters=carrier)
         remaining = spec.values.get("n", 1)
         prefix = spec.prompt if spec.echo_prompt else ""
         try:

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import time
 from collections import Counter
 
@@ -105,6 +106,8 @@ class FrontDoor:
             await self._http.close()
         if self.relay is not None:
             await self.relay.close()
+        if self.tracer is not None:
+            tracing.shut_down(self.tracer)    # the spans still batched
 
     # -- models ------------------------------------------------------------------------------------------------
     async def models(self, max_age_s: float = MODELS_MAX_AGE_S) -> dict[str, tuple[str, str | None]]:
@@ -543,8 +546,10 @@ def main(argv=None) -> int:
         runner = await serve(door, args.host, args.port)
         print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 "
               f"({'keys from ' + args.keys_file if args.keys_file else 'open: no keys file'})", flush=True)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)   # a clean stop exports its spans
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
             await runner.cleanup()
     try:

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from otlp_receiver import OtlpReceiver
+from trellm_backend.tools.otlp_receiver import OtlpReceiver
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.loop import EngineLoop

@@ -389,9 +389,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def start_front_door(server: "TritonServer", port: int, keys_file: str | None,
-                     tool_call_parser: str | None = None) -> subprocess.Popen:
+                     tool_call_parser: str | None = None, traced: bool = True) -> subprocess.Popen:
     """The front door as a child process: OpenAI's routes, talking to `server` over gRPC, and the KServe v2 HTTP
-    routes relayed to its HTTP port; returns once it listens."""
+    routes relayed to its HTTP port; returns once it listens. It traces where the server does, unless `traced`
+    is false (perf/trace_overhead.py compares the two)."""
     cmd = [sys.executable, "-m", "trellm_openai", "--triton-url", server.grpc_url, "--port", str(port),
            "--triton-http-url", f"127.0.0.1:{server.http_port}",
            "--triton-metrics-url", f"http://localhost:{server.metrics_port}/metrics",
@@ -401,7 +402,7 @@ def start_front_door(server: "TritonServer", port: int, keys_file: str | None,
     if tool_call_parser:
         cmd += ["--tool-call-parser", tool_call_parser]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **trace_env(server.otlp_traces_endpoint)})
+                            env={**os.environ, **trace_env(server.otlp_traces_endpoint if traced else None)})
     line = proc.stdout.readline()   # its "OpenAI-compatible API on ..." line, or nothing if it failed to start
     if proc.poll() is not None or "OpenAI-compatible API" not in line:
         raise RuntimeError(f"the OpenAI front door did not start (exit {proc.wait()}): {line.strip()}")

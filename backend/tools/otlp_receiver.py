@@ -1,5 +1,6 @@
-"""An OTLP/HTTP trace receiver on loopback for the tracing tests: it decodes what exporters post to /v1/traces
-(protobuf, as opentelemetry's SDK and tritonserver's otel-cpp send it) into plain Span records."""
+"""An OTLP/HTTP trace receiver on loopback for the tracing tests and perf/trace_overhead.py: it decodes what
+exporters post to /v1/traces (protobuf from opentelemetry's SDK, JSON from tritonserver's otel-cpp) into plain
+Span records."""
 from __future__ import annotations
 
 import gzip

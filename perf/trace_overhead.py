@@ -2,7 +2,7 @@
 traced (a door tracing to an OTLP receiver on loopback, tritonserver's trace level TIMESTAMPS, the engine's spans)
 against the same streams with tracing off (a door without tracing, tritonserver's level OFF, so the engine traces
 nothing either). The time to first token at concurrency 1 (the two modes alternating) and the output throughput of
-a burst of `--streams` streams (off, on, on, off).
+a burst of `--streams` streams (off, on, on, off, `--rounds` times, after a burst of each not counted).
 
     .venv/bin/python perf/trace_overhead.py [--model-dir hf_models/anchor] [--requests 40] [--streams 48]
 
@@ -46,14 +46,15 @@ async def run(doors: dict[str, str], set_mode, prompts: list[str], args) -> dict
     import aiohttp
     out = {mode: {"ttft": [], "tok_s": []} for mode in doors}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        for mode, door in doors.items():       # warm-up, not counted
+        for mode, door in doors.items():       # warm-up, not counted: one burst each
             set_mode(mode)
-            await stream(session, door, prompts[0], 4)
+            await asyncio.gather(*(stream(session, door, prompts[j % len(prompts)], args.max_tokens)
+                                   for j in range(args.streams)))
         for i in range(args.requests):         # concurrency 1, alternating
             for mode, door in (doors.items() if i % 2 == 0 else reversed(doors.items())):
                 set_mode(mode)
                 out[mode]["ttft"].append((await stream(session, door, prompts[i % len(prompts)], 8))[0])
-        for mode in list(doors) + list(reversed(doors)):    # throughput, off on on off
+        for mode in (list(doors) + list(reversed(doors))) * args.rounds:    # throughput: off on on off, ...
             set_mode(mode)
             start = time.perf_counter()
             results = await asyncio.gather(*(stream(session, doors[mode], prompts[j % len(prompts)], args.max_tokens)
@@ -68,6 +69,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=40, help="TTFT requests per mode")
     ap.add_argument("--streams", type=int, default=48, help="streams of each throughput burst")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="throughput bursts: off on on off, this many times")
     ap.add_argument("--out", default=os.path.join(REPO, "perf", "out", "trace-overhead"))
     args = ap.parse_args()
     import tritonclient.http as httpclient
@@ -107,7 +109,7 @@ def main() -> int:
               f"{', '.join(f'{t:.1f}' for t in o['tok_s'])} out tok/s")
     d_ttft = (statistics.median(out["on"]["ttft"]) - statistics.median(out["off"]["ttft"])) * 1e3
     ratio = statistics.mean(out["on"]["tok_s"]) / statistics.mean(out["off"]["tok_s"])
-    traced = 1 + args.requests + 2 * args.streams
+    traced = args.requests + (1 + 2 * args.rounds) * args.streams
     print(f"tracing on: TTFT p50 {d_ttft:+.2f} ms at concurrency 1; throughput {ratio:.3f}x of off at "
           f"{args.streams} streams; spans received: {engine_spans} engine, {door_spans} door "
           f"({traced} requests traced)")

@@ -42,6 +42,7 @@ EDGES = (2, 8, 32, 128)           # a call of t tokens runs the choice of COUNTS
 TIE = 0.10                        # a layout or call must be this much faster to replace the written-down rule's
 MAX_TIMED_ELEMENTS = 4 << 20      # a larger weight is timed on its first output rows (a multiple of CPU_BLOCK)
 HOPELESS = 4.0                    # a call this many times slower than the best is timed once at the next count
+ROUNDS = 3                        # interleaved rounds of timing at each count
 LAYOUT_CALLS = {"cpp": ("cpp", "cpp-unpacked"), "onednn": ("onednn",), "torch": ("torch", "torch-fp32")}
 
 
@@ -119,8 +120,9 @@ def decide(us: dict[str, list[float]], layouts: list[str], dtype: torch.dtype, s
     return Choice(chosen, tuple(calls), us)
 
 
-def time_call(call: str, tokens: int, fn: Callable[[], object], quick: bool = False, budget_s: float = 0.05) -> float:
-    """Median seconds of fn() after one warm-up call: up to 7 runs, fewer for a slow call; `quick`: one run."""
+def time_call(call: str, tokens: int, fn: Callable[[], object], quick: bool = False, budget_s: float = 0.02) -> float:
+    """The fastest of up to 3 runs of fn() after one warm-up call (fewer for a slow call); `quick`: one run. The
+    minimum, not the median: another process's work only ever adds time to a run."""
     if quick:
         t = time.perf_counter()
         fn()
@@ -128,18 +130,21 @@ def time_call(call: str, tokens: int, fn: Callable[[], object], quick: bool = Fa
     fn()
     runs = []
     start = time.perf_counter()
-    while len(runs) < 7 and (len(runs) < 2 or time.perf_counter() - start < budget_s):
+    while len(runs) < 3 and (len(runs) < 1 or time.perf_counter() - start < budget_s):
         t = time.perf_counter()
         fn()
         runs.append(time.perf_counter() - t)
-    return statistics.median(runs)
+    return min(runs)
 
 
 def measure(w: torch.Tensor, layouts: list[str], timer) -> tuple[dict[str, list[float]], int]:
     """Microseconds of every call of `layouts` at each of COUNTS tokens, on the first rows of `w` (all of them
     unless the weight is larger than MAX_TIMED_ELEMENTS), and the rows timed. timer(call, tokens, fn, quick) ->
-    seconds. A call HOPELESS times slower than the best at one count is timed `quick` (one run) at the next: a
-    call may still win at larger counts (widening a weight costs the same at any count), so none is skipped."""
+    seconds. At each count the calls are timed in ROUNDS interleaved rounds (the first with a warm-up and a few
+    runs, the others one run each) and each keeps its fastest, so a burst of other work on the host (another model
+    loading) slows one round of every call rather than all of one call's.
+    A call HOPELESS times slower than the best at one count is timed once, `quick`, at the next: a call may still
+    win at larger counts (widening a weight costs the same at any count), so none is skipped."""
     from trellm_kernels.linear import CPU_BLOCK, CALLS, hold
     rows = w.shape[0]
     if w.numel() > MAX_TIMED_ELEMENTS:
@@ -147,17 +152,23 @@ def measure(w: torch.Tensor, layouts: list[str], timer) -> tuple[dict[str, list[
     part = w[:rows].contiguous()
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(n, w.shape[1], generator=g).to(w.dtype) for n in COUNTS]
-    us: dict[str, list[float]] = {}
-    best = [float("inf")] * len(COUNTS)
-    for layout in layouts:
-        held = hold(part, layout)
-        for call in calls_of(layout, w.dtype):
-            fn, times = CALLS[call], []
-            for i, x in enumerate(inputs):
-                quick = bool(times) and times[-1] > HOPELESS * best[i - 1]
-                times.append(round(timer(call, COUNTS[i], lambda x=x: fn(x, held, None), quick) * 1e6, 1))
-                best[i] = min(best[i], times[-1])
-            us[call] = times
+    held = {layout: hold(part, layout) for layout in layouts}
+    calls = [(call, held[layout]) for layout in layouts for call in calls_of(layout, w.dtype)]
+    us: dict[str, list[float]] = {call: [] for call, _ in calls}
+    for i, x in enumerate(inputs):
+        best = min(us[c][-1] for c, _ in calls) if i else 0.0
+        quick = {c for c, _ in calls if i and us[c][-1] > HOPELESS * best}
+        fastest = {c: float("inf") for c, _ in calls}
+        for r in range(ROUNDS):
+            for call, weight in calls[r % len(calls):] + calls[:r % len(calls)]:   # each round starts elsewhere
+                if call in quick and r:
+                    continue
+                fn = CALLS[call]   # warmed up in the first round: later rounds time one run each
+                seconds = timer(call, COUNTS[i], lambda x=x, fn=fn, weight=weight: fn(x, weight, None),
+                                call in quick or r > 0)
+                fastest[call] = min(fastest[call], seconds)
+        for call, _ in calls:
+            us[call].append(round(fastest[call] * 1e6, 1))
     return us, rows
 
 

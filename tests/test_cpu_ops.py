@@ -583,6 +583,28 @@ def test_the_linear_choice_follows_the_timings_and_is_cached_by_host_and_shape(o
     assert linear_choice.choose(w, "torch", timer=timer, path=cache).layout == "onednn" and asked
 
 
+def test_a_burst_of_other_work_while_timing_does_not_move_the_choice(ops, tmp_path, monkeypatch):
+    """Other work on the host (another model loading) slows every run for a while: here the first five timings
+    asked take 10x. The calls are timed in interleaved rounds and each keeps its fastest, so the choice is the quiet
+    table's; timed one call after another, the burst would fall on cpp's first counts and hand the weight to oneDNN."""
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    monkeypatch.setattr(linear_choice, "layouts_for", lambda dtype, n: ["cpp", "onednn", "torch"])
+    monkeypatch.setattr(linear, "hold", lambda w, layout, typical_tokens=64: linear.Weight(w))   # nothing runs
+    w = torch.zeros(64, 32, dtype=BF16)
+    table = {"cpp": [10, 20, 40, 90, 300], "cpp-unpacked": [50, 60, 70, 92, 200],
+             "onednn": [12, 22, 42, 95, 300], "torch": [100, 1000, 9000, 90000, 1e6], "torch-fp32": [90, 95, 99, 120, 210]}
+    quiet_timer, _ = fake_timer(table)
+    quiet = linear_choice.choose(w, "torch", timer=quiet_timer, path=str(tmp_path / "quiet.json"))
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    timer, asked = fake_timer(table)
+
+    def busy(call, tokens, fn, quick):
+        return timer(call, tokens, fn, quick) * (10 if len(asked) < 5 else 1)
+    noisy = linear_choice.choose(w, "torch", timer=busy, path=str(tmp_path / "noisy.json"))
+    assert quiet.layout == "cpp" and (noisy.layout, noisy.calls) == (quiet.layout, quiet.calls)
+    assert noisy.us == quiet.us
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_every_call_the_choice_can_pick_gives_the_linear(ops, dtype):
     """Each layout this host can hold, through each of its calls, at the token counts of every range: torch's

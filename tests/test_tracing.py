@@ -272,13 +272,12 @@ def test_the_engine_follows_tritonservers_sampling(traced_server):
     try:
         from trellm_client.client import LLMClient
         with LLMClient(server.grpc_url) as client:
-            before = len(receiver.spans)
-            client.generate("Hello there", max_tokens=4)
-        # a traced request sent after it lands after it: once that one's engine span is in, the first left none
-        admin.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]})
-        with LLMClient(server.grpc_url) as client:
-            client.generate("Hello again", max_tokens=4)
-        spans = receiver.wait_for(lambda spans: any(s.name == "llm_request" for s in spans[before:]))
-        assert [s.name for s in spans[before:] if s.name == "llm_request"] == ["llm_request"]
+            client.generate("Hello there", max_tokens=3, ignore_eos=True)     # untraced: 3 tokens
+            admin.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]})
+            client.generate("Hello again", max_tokens=5, ignore_eos=True)     # traced: 5 tokens
+        # once the traced one's engine span is in, the untraced one (answered before it) would be too
+        spans = receiver.wait_for(lambda spans: any(
+            s.name == "llm_request" and s.attributes["gen_ai.usage.completion_tokens"] == 5 for s in spans))
+        assert not [s for s in spans if s.name == "llm_request" and s.attributes["gen_ai.usage.completion_tokens"] == 3]
     finally:
         admin.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]})

@@ -536,15 +536,21 @@ def fake_timer(table):
     return timer, asked
 
 
-def test_the_linear_choice_follows_the_timings_and_is_cached_by_host_and_shape(ops, tmp_path, monkeypatch):
+@pytest.fixture
+def untimed_layouts(monkeypatch):
+    """The choice's three layouts on any host, with nothing held or run (a fake timer answers instead)."""
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    monkeypatch.setattr(linear_choice, "layouts_for", lambda dtype, n: ["cpp", "onednn", "torch"])
+    monkeypatch.setattr(linear, "hold", lambda w, layout, typical_tokens=64: linear.Weight(w))
+
+
+def test_the_linear_choice_follows_the_timings_and_is_cached_by_host_and_shape(ops, tmp_path, monkeypatch,
+                                                                              untimed_layouts):
     """A fake timing table proves the choice: the layout least slow against the best call at each count (today's
     layout kept within the tie margin), then that layout's fastest call per count range; a call far behind at one
     count is timed once (quick) at the next, never skipped, as it may still win at more tokens. The choice is written to the cache and read back without timing, under a key naming the
     CPU, torch and the shape; a cache entry naming a call this host lacks, or a corrupt file, is timed again."""
     cache = str(tmp_path / "linear-choice.json")
-    monkeypatch.setattr(linear_choice, "_memo", {})
-    monkeypatch.setattr(linear_choice, "layouts_for", lambda dtype, n: ["cpp", "onednn", "torch"])
-    monkeypatch.setattr(linear, "hold", lambda w, layout, typical_tokens=64: linear.Weight(w))   # nothing runs
     w = torch.zeros(64, 32, dtype=BF16)
     table = {"cpp": [10, 20, 40, 100, 400], "cpp-unpacked": [50, 60, 70, 92, 200],
              "onednn": [12, 22, 42, 95, 300], "torch": [100, 1000, 9000, 90000, 1e6], "torch-fp32": [90, 95, 99, 120, 210]}
@@ -583,13 +589,10 @@ def test_the_linear_choice_follows_the_timings_and_is_cached_by_host_and_shape(o
     assert linear_choice.choose(w, "torch", timer=timer, path=cache).layout == "onednn" and asked
 
 
-def test_a_burst_of_other_work_while_timing_does_not_move_the_choice(ops, tmp_path, monkeypatch):
+def test_a_burst_of_other_work_while_timing_does_not_move_the_choice(ops, tmp_path, monkeypatch, untimed_layouts):
     """Other work on the host (another model loading) slows every run for a while: here the first five timings
     asked take 10x. The calls are timed in interleaved rounds and each keeps its fastest, so the choice is the quiet
     table's; timed one call after another, the burst would fall on cpp's first counts and hand the weight to oneDNN."""
-    monkeypatch.setattr(linear_choice, "_memo", {})
-    monkeypatch.setattr(linear_choice, "layouts_for", lambda dtype, n: ["cpp", "onednn", "torch"])
-    monkeypatch.setattr(linear, "hold", lambda w, layout, typical_tokens=64: linear.Weight(w))   # nothing runs
     w = torch.zeros(64, 32, dtype=BF16)
     table = {"cpp": [10, 20, 40, 90, 300], "cpp-unpacked": [50, 60, 70, 92, 200],
              "onednn": [12, 22, 42, 95, 300], "torch": [100, 1000, 9000, 90000, 1e6], "torch-fp32": [90, 95, 99, 120, 210]}

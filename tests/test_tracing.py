@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 
+from test_engine_loop import Sink
 from trellm_backend.tools.otlp_receiver import OtlpReceiver
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
@@ -31,23 +32,6 @@ def test_the_endpoint_comes_from_the_standard_settings():
     assert traces_endpoint({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:1/x", "OTEL_SDK_DISABLED": "true"}) is None
     assert traces_endpoint({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:1/x", "OTEL_TRACES_EXPORTER": "none"}) \
         is None
-
-
-class Sink:
-    def __init__(self):
-        self.done = threading.Event()
-        self.errors = []
-
-    def send(self, output):
-        if output.finished:
-            self.done.set()
-
-    def fail(self, message):
-        self.errors.append(message)
-        self.done.set()
-
-    def is_cancelled(self):
-        return False
 
 
 @pytest.fixture
@@ -191,20 +175,26 @@ def assert_engine_span_under_llm(spans, step: str = "llm") -> None:
     assert [t for _, t in engine.events] == sorted(t for _, t in engine.events)
 
 
+def stream_with_traceparent(server, model: str, inputs: list, traceparent: str) -> None:
+    """One gRPC stream request to `model` with a W3C traceparent in its metadata, read to its final response."""
+    import tritonclient.grpc as grpcclient
+    done = threading.Event()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: done.set() if result is None or
+                        result.get_response().parameters["triton_final_response"].bool_param else None,
+                        headers={"traceparent": traceparent})
+    client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+    assert done.wait(60)
+    client.stop_stream()
+
+
 def test_a_grpc_ensemble_request_is_one_trace_under_the_clients_span(traced_server):
     import tritonclient.grpc as grpcclient
     from trellm_client.client import build_inputs
     server, _, receiver = traced_server
     trace_id, parent = "1" * 32, "2" * 16
-    done = threading.Event()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: done.set() if result is None or
-                        result.get_response().parameters["triton_final_response"].bool_param else None,
-                        headers={"traceparent": f"00-{trace_id}-{parent}-01"})
-    client.async_stream_infer("ensemble", build_inputs(grpcclient, "Hello there", {"max_tokens": 4}),
-                              enable_empty_final_response=True)
-    assert done.wait(60)
-    client.stop_stream()
+    stream_with_traceparent(server, "ensemble", build_inputs(grpcclient, "Hello there", {"max_tokens": 4}),
+                            f"00-{trace_id}-{parent}-01")
     spans = trace_of(receiver, trace_id, {"tritonserver", "trellm-engine"})
     assert_connected(spans, parent)
     assert {"ensemble", "preprocess", "llm", "postprocess"} <= {s.name for s in spans}
@@ -247,15 +237,8 @@ def test_a_vllm_model_request_is_one_trace_through_its_bls_call_to_llm(traced_se
     from trellm_client.client import vllm_inputs
     server, _, receiver = traced_server
     trace_id, parent = "7" * 32, "8" * 16
-    done = threading.Event()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: done.set() if result is None or
-                        result.get_response().parameters["triton_final_response"].bool_param else None,
-                        headers={"traceparent": f"00-{trace_id}-{parent}-01"})
-    client.async_stream_infer("vllm_model", vllm_inputs(grpcclient, "Hello there", {"max_tokens": 4}),
-                              enable_empty_final_response=True)
-    assert done.wait(60)
-    client.stop_stream()
+    stream_with_traceparent(server, "vllm_model", vllm_inputs(grpcclient, "Hello there", {"max_tokens": 4}),
+                            f"00-{trace_id}-{parent}-01")
     spans = trace_of(receiver, trace_id, {"tritonserver", "trellm-engine"})
     assert_connected(spans, parent)
     # tritonserver 2.51 does not trace a BLS request made after execute returned: vllm_model passes its span on

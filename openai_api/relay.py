@@ -83,12 +83,16 @@ async def body_nests_deeper_than(raw: bytes, limit: int) -> bool:
 
 class OneLineBadRequests(logging.Filter):
     """aiohttp logs a request it cannot parse (an HTTP/2 prior-knowledge preface from a router probing the port, a
-    scanner's bytes) with a traceback; it is answered 400 and says so in one line instead."""
+    scanner's bytes) with a traceback; it is answered 400 and says so in one line instead. So is a client that went
+    away while its answer was being written (the stream it left is ended upstream as for any disconnect)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError):
             record.msg = f"{record.getMessage()}: {type(exc).__name__}: {exc.message}"
+            record.args, record.exc_info, record.exc_text = (), None, None
+        elif isinstance(exc, ConnectionResetError):
+            record.msg = f"{record.getMessage()}: the client went away mid-answer ({type(exc).__name__}: {exc})"
             record.args, record.exc_info, record.exc_text = (), None, None
         return True
 

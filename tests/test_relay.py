@@ -189,6 +189,27 @@ def test_a_bad_connection_costs_the_door_one_log_line(triton_server, tmp_path):
 
 
 @pytest.mark.unit
+def test_a_client_gone_mid_answer_is_one_log_line():
+    """aiohttp logs a handler whose write found the client gone ("Cannot write to closing transport", seen in a
+    soak through the relay) with a traceback; the door's filter makes it one line, and leaves other errors alone."""
+    import logging
+    from aiohttp.client_exceptions import ClientConnectionResetError
+    from trellm_openai.relay import OneLineBadRequests
+
+    def record(exc):
+        try:
+            raise exc
+        except Exception:
+            return logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request from %s",
+                                     ("127.0.0.1",), sys.exc_info())
+    gone = record(ClientConnectionResetError("Cannot write to closing transport"))
+    assert OneLineBadRequests().filter(gone) and gone.exc_info is None
+    assert "went away" in gone.getMessage() and "127.0.0.1" in gone.getMessage()
+    other = record(KeyError("x"))
+    assert OneLineBadRequests().filter(other) and other.exc_info is not None
+
+
+@pytest.mark.unit
 def test_the_depth_scan_agrees_with_a_parse():
     """nests_deeper_than reads depth from bytes: strings (with escaped quotes and backslashes) are skipped."""
     import random

@@ -82,8 +82,9 @@ class TritonPythonModel:
         tensors = {"input_ids": np.array([ids], dtype=np.int32),
                    "input_lengths": np.array([[len(ids)]], dtype=np.int32), **tensors_from_values(spec.values)}
         inputs = [pb_utils.Tensor(name, value) for name, value in tensors.items()]
+        traced = {"parameters": carrier} if carrier else {}     # untraced: the request as before tracing existed
         llm_request = pb_utils.InferenceRequest(model_name=self.llm_model, inputs=inputs, request_id=request_id,
-                                                requested_output_names=FROM_LLM, parameters=carrier)
+                                                requested_output_names=FROM_LLM, **traced)
         remaining = spec.values.get("n", 1)
         prefix = spec.prompt if spec.echo_prompt else ""
         try:

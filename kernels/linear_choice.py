@@ -14,8 +14,8 @@ Where the written-down rule's layout or call (linear.static_layout) is within TI
 noise on a shared host does not move a weight off today's path.
 
 Choices are cached on disk (TRELLM_CACHE_DIR, default ~/.cache/trellm) keyed by CPU model, flags, torch version,
-threads, dtype and shape, so a restart reads them; within a process each shape is timed once. TRELLM_CPU_LINEAR=cpp,
-onednn or torch forces today's static rule or a layout instead of `auto`.
+threads, dtype, shape and the timing method, so a restart reads them; within a process each shape is timed once.
+TRELLM_CPU_LINEAR=cpp, onednn or torch forces today's static rule or a layout instead of `auto`.
 """
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ TIE = 0.10                        # a layout or call must be this much faster to
 MAX_TIMED_ELEMENTS = 4 << 20      # a larger weight is timed on its first output rows (a multiple of CPU_BLOCK)
 HOPELESS = 4.0                    # a call this many times slower than the best is timed once at the next count
 ROUNDS = 3                        # interleaved rounds of timing at each count
+# How the entries were timed: part of the cache key, so entries timed the older way (one call after another, a
+# median each), which a busy moment could skew for good, are timed again once.
+TIMING = "timing interleaved-min"
 LAYOUT_CALLS = {"cpp": ("cpp", "cpp-unpacked"), "onednn": ("onednn",), "torch": ("torch", "torch-fp32")}
 
 
@@ -192,7 +195,7 @@ def _host() -> str:
 
 def cache_key(dtype: torch.dtype, shape: tuple[int, int]) -> str:
     return (f"{_host()}|threads {torch.get_num_threads()}|{str(dtype).removeprefix('torch.')}|"
-            f"{shape[0]}x{shape[1]}")
+            f"{shape[0]}x{shape[1]}|{TIMING}")
 
 
 def _read(path: str) -> dict:

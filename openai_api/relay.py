@@ -13,6 +13,7 @@ model's generation runs on unread, so a client repeating it fills the engine wit
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 
@@ -35,6 +36,8 @@ _GENERATE = re.compile(r"/models/[^/]+(/versions/[^/]+)?/generate")
 # `"stream": true` (or [true]) as a key of the body: inside a JSON string a quote is escaped, so text cannot match.
 _STREAM_ON = re.compile(rb'"stream"\s*:\s*(true|\[\s*true\s*\])')
 # Hop-by-hop headers (RFC 9110) and what the relay sets itself.
+log = logging.getLogger("trellm.openai")
+
 _NOT_FORWARDED = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "expect",
                   "transfer-encoding", "upgrade", "host", "content-length"}
 
@@ -164,7 +167,18 @@ class Relay:
             if upstream.headers.get("Content-Length") is not None:
                 response.content_length = int(upstream.headers["Content-Length"])
             await response.prepare(request)
-            async for chunk in upstream.content.iter_any():    # each server-sent event as soon as Triton sends it
-                await response.write(chunk)
+            try:
+                async for chunk in upstream.content.iter_any():    # each server-sent event as soon as Triton sends it
+                    await response.write(chunk)
+            except ClientError as e:
+                # tritonserver went away mid-answer (a crash, a restart): one log line, and the client learns it as
+                # it would from Triton, an error event in a stream, a cut connection otherwise
+                log.warning("relay: tritonserver ended %s mid-answer: %s: %s", request.path, type(e).__name__, e)
+                if response.content_type == "text/event-stream":
+                    await response.write(f"data: {json.dumps({'error': 'the inference server went away mid-answer'})}"
+                                         "\n\n".encode())
+                elif request.transport is not None:
+                    request.transport.close()
+                    return response
             await response.write_eof()
         return response

@@ -5,6 +5,7 @@ error shape while a stream in flight goes on, admin routes stay on loopback, and
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -207,6 +208,52 @@ def test_a_client_gone_mid_answer_is_one_log_line():
     assert "went away" in gone.getMessage() and "127.0.0.1" in gone.getMessage()
     other = record(KeyError("x"))
     assert OneLineBadRequests().filter(other) and other.exc_info is not None
+
+
+@pytest.mark.unit
+def test_tritonserver_gone_mid_stream_is_an_error_event_and_one_log_line(caplog):
+    """An upstream that dies mid-answer (tritonserver crashing under a relayed stream): the client's stream gets an
+    error event, as Triton's own errors come, and the door logs one line instead of an 'internal error' traceback."""
+    import asyncio
+    from aiohttp import ClientSession, web
+    from trellm_openai.keys import KeyStore
+    from trellm_openai.relay import Relay
+
+    async def dying_upstream(request):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"text_output": "Hel"}\n\n')
+        await asyncio.sleep(0.05)
+        request.transport.close()     # no closing chunk: the body ends early
+        return response
+
+    async def run():
+        up_port, door_port = free_ports(2)
+        upstream = web.Application()
+        upstream.router.add_post("/v2/models/ensemble/generate_stream", dying_upstream)
+        relay = Relay(f"127.0.0.1:{up_port}", KeyStore(None), 64)
+        door = web.Application()
+        door.router.add_route("*", "/v2{tail:.*}", relay.handle)
+        runners = [web.AppRunner(upstream), web.AppRunner(door)]
+        for runner, port in zip(runners, (up_port, door_port)):
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with ClientSession() as session:
+                async with session.post(f"http://127.0.0.1:{door_port}/v2/models/ensemble/generate_stream",
+                                        json={"text_input": "Hi"}) as r:
+                    return r.status, await r.read()
+        finally:
+            await relay.close()
+            for runner in runners:
+                await runner.cleanup()
+
+    with caplog.at_level(logging.WARNING, logger="trellm.openai"):
+        status, body = asyncio.run(run())
+    events = [json.loads(line[5:]) for line in body.decode().splitlines() if line.startswith("data:")]
+    assert status == 200 and events[0] == {"text_output": "Hel"} and "went away" in events[-1]["error"]
+    lines = [r for r in caplog.records if r.name == "trellm.openai"]
+    assert len(lines) == 1 and "mid-answer" in lines[0].getMessage() and lines[0].exc_info is None
 
 
 @pytest.mark.unit

@@ -71,11 +71,17 @@ def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
             cache.view(-1, *cache.shape[2:])[slots] = x[valid].to(cache.dtype)
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    """Store k and v at their slots in the caches (in place), quantized for an INT8/FP8 cache."""
+def _check_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Whether the caches are quantized; a quantized cache must come with both scales and caches of one dtype."""
     quantized = is_quantized(k_cache)
     if quantized and (k_scale is None or v_scale is None or k_cache.dtype != v_cache.dtype):
         raise ValueError(f"a {k_cache.dtype} KV cache needs k_scale and v_scale, and v_cache of the same dtype")
+    return quantized
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Store k and v at their slots in the caches (in place), quantized for an INT8/FP8 cache."""
+    quantized = _check_scales(k_cache, v_cache, k_scale, v_scale)
     if use_triton(k):
         from trellm_kernels.triton_kv_cache import write_kv_triton
         return write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -97,8 +103,7 @@ def rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slo
     (triton_kv_cache.rotary_write_kv_triton, which reads k's rows where they are), else the two operations one
     after the other. Returns the rotated q; k is not to be read afterwards (the cache holds it)."""
     if use_triton(q):
-        if is_quantized(k_cache) and (k_scale is None or v_scale is None or k_cache.dtype != v_cache.dtype):
-            raise ValueError(f"a {k_cache.dtype} KV cache needs k_scale and v_scale, and v_cache of the same dtype")
+        _check_scales(k_cache, v_cache, k_scale, v_scale)
         from trellm_kernels.triton_kv_cache import rotary_write_kv_triton
         return rotary_write_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale,
                                       v_scale)

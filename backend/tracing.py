@@ -57,14 +57,13 @@ def shut_down(tracer) -> None:
         provider.shutdown()
 
 
-def server_span(tracer, name: str, headers):
-    """A SERVER span around one HTTP request (a context manager: the current span inside), the child of the
-    client's span when its headers carry a W3C `traceparent`."""
+def server_span(tracer, method: str, path: str, headers):
+    """A SERVER span ("METHOD path") around one HTTP request (a context manager: the current span inside), the child
+    of the client's span when its headers carry a W3C `traceparent`."""
     from opentelemetry.trace import SpanKind
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
     parent = TraceContextTextMapPropagator().extract(dict(headers))
-    method, _, path = name.partition(" ")
-    return tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER,
+    return tracer.start_as_current_span(f"{method} {path}", context=parent, kind=SpanKind.SERVER,
                                         attributes={"http.request.method": method, "url.path": path})
 
 
@@ -106,8 +105,8 @@ def triton_carrier(request) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class RequestTrace:
-    """What an engine request carries when it is traced: its parent span (W3C headers) and the attributes known
-    when it was submitted (model, adapter, guide, the client's request id)."""
+    """What an engine request carries when it is traced: its parent span (W3C headers) and the attributes only its
+    entry point knows (the served model's name, n, the client's request id)."""
     carrier: dict[str, str]
     attributes: dict = field(default_factory=dict)
 

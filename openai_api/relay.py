@@ -35,9 +35,8 @@ _HEALTH = re.compile(r"/health/(live|ready)")
 _GENERATE = re.compile(r"/models/[^/]+(/versions/[^/]+)?/generate")
 # `"stream": true` (or [true]) as a key of the body: inside a JSON string a quote is escaped, so text cannot match.
 _STREAM_ON = re.compile(rb'"stream"\s*:\s*(true|\[\s*true\s*\])')
-# Hop-by-hop headers (RFC 9110) and what the relay sets itself.
 log = logging.getLogger("trellm.openai")
-
+# Hop-by-hop headers (RFC 9110) and what the relay sets itself.
 _NOT_FORWARDED = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "expect",
                   "transfer-encoding", "upgrade", "host", "content-length"}
 
@@ -92,11 +91,13 @@ class OneLineBadRequests(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError):
-            record.msg = f"{record.getMessage()}: {type(exc).__name__}: {exc.message}"
-            record.args, record.exc_info, record.exc_text = (), None, None
+            why = f"{type(exc).__name__}: {exc.message}"
         elif isinstance(exc, ConnectionResetError):
-            record.msg = f"{record.getMessage()}: the client went away mid-answer ({type(exc).__name__}: {exc})"
-            record.args, record.exc_info, record.exc_text = (), None, None
+            why = f"the client went away mid-answer ({type(exc).__name__}: {exc})"
+        else:
+            return True
+        record.msg = f"{record.getMessage()}: {why}"
+        record.args, record.exc_info, record.exc_text = (), None, None
         return True
 
 

@@ -440,7 +440,7 @@ def make_app(door: FrontDoor) -> web.Application:
         """An OpenAI request's span, a child of the client's `traceparent` when it sent one (tracing on only)."""
         if door.tracer is None or not request.path.startswith("/v1/"):
             return await handler(request)
-        with tracing.server_span(door.tracer, f"{request.method} {request.path}", request.headers) as span:
+        with tracing.server_span(door.tracer, request.method, request.path, request.headers) as span:
             response = await handler(request)
             tracing.end_http_span(span, response.status)
             return response
@@ -497,7 +497,8 @@ def make_app(door: FrontDoor) -> web.Application:
     async def metrics(request):
         return web.Response(text=door.metrics.text() + await door.triton_metrics(), content_type="text/plain")
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[traced, errors])   # each route reads its own bound
+    # each route reads its own bound
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[traced, errors])
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

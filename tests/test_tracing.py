@@ -188,6 +188,14 @@ def stream_with_traceparent(server, model: str, inputs: list, traceparent: str) 
     client.stop_stream()
 
 
+def post_with_traceparent(url: str, body: dict, traceparent: str) -> bytes:
+    """One JSON POST with a W3C traceparent header; the whole answer."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                      "traceparent": traceparent})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return r.read()
+
+
 def test_a_grpc_ensemble_request_is_one_trace_under_the_clients_span(traced_server):
     import tritonclient.grpc as grpcclient
     from trellm_client.client import build_inputs
@@ -204,12 +212,9 @@ def test_a_grpc_ensemble_request_is_one_trace_under_the_clients_span(traced_serv
 def test_a_streamed_openai_request_is_one_trace_from_the_door_to_the_engine(traced_server):
     _, door, receiver = traced_server
     trace_id, parent = "3" * 32, "4" * 16
-    body = json.dumps({"model": "ensemble", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                       "stream": True}).encode()
-    request = urllib.request.Request(door + "/v1/chat/completions", body, {
-        "Content-Type": "application/json", "traceparent": f"00-{trace_id}-{parent}-01"})
-    with urllib.request.urlopen(request, timeout=60) as r:
-        assert r.read().endswith(b"data: [DONE]\n\n")
+    body = {"model": "ensemble", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+    answer = post_with_traceparent(door + "/v1/chat/completions", body, f"00-{trace_id}-{parent}-01")
+    assert answer.endswith(b"data: [DONE]\n\n")
     spans = trace_of(receiver, trace_id, {"trellm-openai", "tritonserver", "trellm-engine"})
     assert_connected(spans, parent)
     (door_span,) = [s for s in spans if s.service == "trellm-openai"]
@@ -222,11 +227,9 @@ def test_a_streamed_openai_request_is_one_trace_from_the_door_to_the_engine(trac
 def test_a_relayed_http_generate_stream_honours_the_clients_traceparent(traced_server):
     _, door, receiver = traced_server
     trace_id, parent = "5" * 32, "6" * 16
-    body = json.dumps({"text_input": "Hello", "max_tokens": 4}).encode()
-    request = urllib.request.Request(door + "/v2/models/ensemble/generate_stream", body, {
-        "Content-Type": "application/json", "traceparent": f"00-{trace_id}-{parent}-01"})
-    with urllib.request.urlopen(request, timeout=60) as r:
-        assert b"text_output" in r.read()
+    answer = post_with_traceparent(door + "/v2/models/ensemble/generate_stream",
+                                   {"text_input": "Hello", "max_tokens": 4}, f"00-{trace_id}-{parent}-01")
+    assert b"text_output" in answer
     spans = trace_of(receiver, trace_id, {"tritonserver", "trellm-engine"})
     assert_connected(spans, parent)
     assert_engine_span_under_llm(spans)

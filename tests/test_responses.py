@@ -1,6 +1,9 @@
 """The llm model's response plumbing (backend/triton/responses.py) against a fake pb_utils: FINAL rides on the last
-response of the last sequence, errors end a request once, and a sender is never asked is_cancelled() after FINAL."""
+response of the last sequence, errors end a request once, a sender is never asked is_cancelled() after FINAL, and
+no Tensor dies inside `send` (where tritonserver 2.51's stub would free it without the GIL)."""
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 
@@ -30,6 +33,7 @@ class FakePbUtils:
     class InferenceResponse:
         def __init__(self, output_tensors=(), error=None):
             self.tensors = {t.name: t.value for t in output_tensors}
+            self.held = list(output_tensors)    # the C++ response's own references to its Tensors
             self.error = error
 
     @staticmethod
@@ -43,6 +47,12 @@ class FakeSender:
         self.sent, self.cancelled, self.asked_after_final = [], False, False
 
     def send(self, response, flags=0):
+        # As 2.51's stub does with the GIL released: the response lets go of its Tensors (those pruned as
+        # unrequested). A Tensor nobody else held would be freed right there, without the GIL.
+        alive = [weakref.ref(t) for t in response.held]
+        response.held.clear()
+        dead = [r for r in alive if r() is None]
+        assert not dead, f"{len(dead)} of {len(alive)} tensors were freed inside send"
         self.sent.append((response, flags))
 
     def is_cancelled(self):
@@ -93,3 +103,16 @@ def test_stop_requests_are_recognised():
     assert is_stop_request(FakePbUtils, {"stop": np.array([[True]])})
     assert not is_stop_request(FakePbUtils, {"stop": np.array([[False]])})
     assert not is_stop_request(FakePbUtils, {"input_ids": np.array([[1]])})
+
+
+def test_only_requested_outputs_are_sent_and_none_is_freed_inside_send():
+    for requested, names in [(None, {"text_output", "finish_reason", "token_ids", "batch_index", "sequence_index"}),
+                             (frozenset({"token_ids", "finish_reason", "num_input_tokens"}),
+                              {"token_ids", "finish_reason"})]:
+        sender = FakeSender()
+        group = ResponseGroup(FakePbUtils, sender, num_sequences=1, block_size=16, requested=requested)
+        sink = SequenceSink(group, 0, ResponsePlan(stream=True, text_of=lambda run: "x" * len(run.token_ids)))
+        sink.send(output("a", 5, "x"))
+        sink.send(output("a", 6, "x", finished=True, reason="length"))
+        assert [set(r.tensors) for r, _ in sender.sent] == [names, names]
+        assert sender.sent[-1][0].tensors["token_ids"].tolist() == [[6]]

@@ -12,6 +12,19 @@ from trellm_backend.engine.request import RequestOutput
 from trellm_backend.triton.llm import OutputSwitches, ResponsePlan, response_tensors
 
 
+def send(pb_utils, sender, tensors: dict, flags: int = 0, requested: frozenset[str] | None = None) -> None:
+    """Send one response of `tensors` ({name: array}), only the names in `requested` (None: all).
+
+    tritonserver 2.51's stub releases the GIL in `send` and then drops the tensors the caller did not request. A
+    Tensor whose last reference went there was freed without the GIL, and the interpreter's memory was corrupted
+    while another thread ran Python: the stub segfaulted later in numpy, in whatever thread touched the freed
+    memory (python_backend fixed it after 2.51: "Hold GIL when deleting numpy array"). So nothing unrequested is
+    sent, and this frame holds every Tensor until `send` has returned."""
+    kept = [pb_utils.Tensor(n, v) for n, v in tensors.items() if requested is None or n in requested]
+    sender.send(pb_utils.InferenceResponse(output_tensors=kept), flags=flags)
+    del kept   # here, with the GIL held
+
+
 def fail(pb_utils, sender, message: str, code=None) -> None:
     """End a request with one error response (INVALID_ARG unless `code` says otherwise)."""
     error = pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG if code is None else code)
@@ -36,9 +49,11 @@ def lora_control(pb_utils, request) -> str | None:
 class ResponseGroup:
     """The response sender of one Triton request, shared by its n sequences."""
 
-    def __init__(self, pb_utils, sender, num_sequences: int, block_size: int):
+    def __init__(self, pb_utils, sender, num_sequences: int, block_size: int,
+                 requested: frozenset[str] | None = None):
         self.pb = pb_utils
         self.sender, self.remaining, self.block_size = sender, num_sequences, block_size
+        self.requested = requested    # the output names the request asked for (None: all)
         self.lock = threading.Lock()
         self.done = False
 
@@ -49,8 +64,7 @@ class ResponseGroup:
                 return
             self.remaining -= sequence_finished
             self.done = self.remaining == 0
-            response = pb.InferenceResponse(output_tensors=[pb.Tensor(n, v) for n, v in tensors.items()])
-            self.sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if self.done else 0)
+            send(pb, self.sender, tensors, pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if self.done else 0, self.requested)
 
     def fail(self, message: str, code=None) -> None:
         with self.lock:

@@ -20,7 +20,7 @@ from trellm_backend.triton.fields import auto_complete_llm_inputs, llm_tensor_na
 from trellm_backend.triton.llm import ResponsePlan, apply_lora_control, fan_out, parse_llm_inputs
 from trellm_backend.triton.metrics import MetricsReporter, cache_config_labels
 from trellm_backend.triton.parameters import model_parameters
-from trellm_backend.triton.responses import ResponseGroup, SequenceSink, fail, is_stop_request, lora_control
+from trellm_backend.triton.responses import ResponseGroup, SequenceSink, fail, is_stop_request, lora_control, send
 from trellm_backend.triton.shutdown import watch_server_shutdown
 from trellm_backend.triton.tokenization import load_tokenizer
 from trellm_backend.tracing import RequestTrace, RequestTracer, make_tracer, triton_carrier
@@ -89,8 +89,7 @@ class TritonPythonModel:
                     fail(pb_utils, sender, str(e))
                     continue
                 text = np.array([[json.dumps(result).encode()]], dtype=np.object_)
-                sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("text_output", text)]),
-                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                send(pb_utils, sender, {"text_output": text}, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             try:
                 tensors = {}
@@ -98,7 +97,8 @@ class TritonPythonModel:
                     t = pb_utils.get_input_tensor_by_name(request, name)
                     if t is not None:
                         tensors[name] = t.as_numpy()
-                spec = parse_llm_inputs(tensors, set(request.requested_output_names()))
+                requested = frozenset(request.requested_output_names())
+                spec = parse_llm_inputs(tensors, requested)
                 key = next(self.keys)
                 samples = fan_out(spec.params)   # n parallel samples: engine requests <key>#<i>
                 reqs = [self.engine.make_request(f"{key}#{i}" if len(samples) > 1 else str(key), spec.prompt_ids, p)
@@ -114,7 +114,7 @@ class TritonPythonModel:
             except ValueError as e:
                 fail(pb_utils, sender, str(e))
                 continue
-            group = ResponseGroup(pb_utils, sender, len(reqs), self.engine.config.block_size)
+            group = ResponseGroup(pb_utils, sender, len(reqs), self.engine.config.block_size, requested)
             interval = self.engine.config.stream_interval
             text_of = partial(run_text, self.tokenizer, skip_special_tokens=spec.params.skip_special_tokens) \
                 if spec.outputs.text else None

@@ -15,7 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from trellm_backend.triton.fields import VLLM_INPUTS, request_parameters_error, tensors_from_values
 from trellm_backend.triton.parameters import model_parameters, resolve_model_path
-from trellm_backend.triton.responses import fail
+from trellm_backend.triton.responses import fail, send
 from trellm_backend.triton.vllm import FROM_LLM, parse_vllm_request, vllm_outputs
 from trellm_backend.triton.tokenization import decode_utf8, encode_prompt, load_tokenizer, prompt_char_limit
 from trellm_backend.tracing import traces_endpoint, triton_carrier
@@ -64,20 +64,21 @@ class TritonPythonModel:
                 continue
             # tritonserver's trace of this request goes on in llm's engine span (tracing.triton_carrier)
             carrier = triton_carrier(request) if self.traced else {}
-            self.workers.submit(self._serve_counted, sender, spec, ids, carrier)
+            requested = frozenset(request.requested_output_names())
+            self.workers.submit(self._serve_counted, sender, spec, ids, carrier, requested)
         return None
 
     def finalize(self):
         self.workers.shutdown(wait=False, cancel_futures=True)
 
-    def _serve_counted(self, sender, spec, ids, carrier):
+    def _serve_counted(self, sender, spec, ids, carrier, requested):
         try:
-            self._serve(sender, spec, ids, carrier)
+            self._serve(sender, spec, ids, carrier, requested)
         finally:
             with self.in_flight_lock:
                 self.in_flight -= 1
 
-    def _serve(self, sender, spec, ids, carrier):
+    def _serve(self, sender, spec, ids, carrier, requested):
         request_id = uuid.uuid4().hex    # also names this request in a stop request
         tensors = {"input_ids": np.array([ids], dtype=np.int32),
                    "input_lengths": np.array([[len(ids)]], dtype=np.int32), **tensors_from_values(spec.values)}
@@ -109,8 +110,7 @@ class TritonPythonModel:
                 remaining -= bool(got["finish_reason"].reshape(-1)[0])
                 out = vllm_outputs(got, spec.flags, prefix)
                 prefix = ""
-                sender.send(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor(n, v) for n, v in out.items()]), flags=FINAL if remaining == 0 else 0)
+                send(pb_utils, sender, out, FINAL if remaining == 0 else 0, requested)
                 if remaining == 0:
                     return
             sender.send(flags=FINAL)

@@ -25,7 +25,7 @@ from trellm_backend.tools.launch import TritonServer
 from trellm_backend.tools.testbed import free_ports
 
 MODEL = textwrap.dedent('''
-    import faulthandler, threading
+    import faulthandler, os, threading
     import numpy as np
     import triton_python_backend_utils as pb_utils
     from trellm_backend.triton.responses import ResponseGroup
@@ -33,11 +33,11 @@ MODEL = textwrap.dedent('''
     class TritonPythonModel:
         def initialize(self, args):
             faulthandler.enable()
-            self.running = True
+            self.running, self.server = True, os.getppid()
             threading.Thread(target=self.churn, daemon=True).start()
 
         def churn(self):      # Python allocating on another thread, as the engine's threads do
-            while self.running:
+            while self.running and os.getppid() == self.server:    # ends with a killed server too
                 junk = [{"k": (i, str(i))} for i in range(200)]
                 del junk
 

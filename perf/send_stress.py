@@ -21,6 +21,7 @@ import textwrap
 
 import numpy as np
 
+from many_models_start import deaths_in
 from trellm_backend.tools.launch import TritonServer
 from trellm_backend.tools.testbed import free_ports
 
@@ -101,8 +102,7 @@ def main() -> int:
                     client.stop_stream()
                 finished += 1
                 print(f"round {r}: {args.responses} responses", flush=True)
-        with open(log, errors="replace") as f:
-            deaths = [line.rstrip() for line in f if "Segmentation fault" in line or "Fatal Python error" in line]
+        deaths = deaths_in(log)
     print(f"{finished}/{args.rounds} rounds finished; stub deaths in the server log: {len(deaths)}")
     for line in deaths:
         print("  " + line)

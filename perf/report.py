@@ -77,8 +77,26 @@ def comparison(levels: list[dict], baselines: list[dict], profile: str, entry_po
     return "\n".join(lines)
 
 
-def plot(levels: list[dict], path_prefix: str) -> list[str]:
-    """Two PNGs: latency against throughput as concurrency rises, and the distribution of TTFT per profile."""
+def against(levels: list[dict], theirs: list[dict], name: str) -> str:
+    """Level by level, this server against another one measured on the same plan: output tok/s and their ratio,
+    TTFT and inter-token p50 side by side."""
+    head = ("profile", "conc", "out tok/s", name, "ratio", "TTFT p50 ms", name, "ITL p50 ms", name)
+    rows = []
+    for mine, other in zip(levels, theirs):
+        if (mine["profile"], mine["concurrency"]) != (other["profile"], other["concurrency"]):
+            raise ValueError(f"levels differ: {mine['profile']} c={mine['concurrency']} against "
+                             f"{other['profile']} c={other['concurrency']}")
+        rows.append((mine["profile"], str(mine["concurrency"]), _fmt(mine["output_tok_s"]),
+                     _fmt(other["output_tok_s"]), f"{mine['output_tok_s'] / other['output_tok_s']:.2f}x",
+                     _fmt(mine["ttft_ms"]["p50"]), _fmt(other["ttft_ms"]["p50"]),
+                     _fmt(mine["itl_ms"]["p50"], 2), _fmt(other["itl_ms"]["p50"], 2)))
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [head] + rows)
+
+
+def plot(levels: list[dict], path_prefix: str, others: dict[str, list[dict]] | None = None) -> list[str]:
+    """Two PNGs: latency against throughput as concurrency rises (with `others`' levels, other servers measured on
+    the same plan, as dashed curves on the same axes), and the distribution of TTFT per profile."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -86,19 +104,21 @@ def plot(levels: list[dict], path_prefix: str) -> list[str]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     # low and high send the same requests at different concurrency: one curve.
     series = {"low": "low + high", "high": "low + high"}
-    for label_ in dict.fromkeys(series.get(lv["profile"], lv["profile"]) for lv in levels):
-        pts = [lv for lv in levels if series.get(lv["profile"], lv["profile"]) == label_]
-        x = [lv["output_tok_s"] for lv in pts]
-        for ax, key, label in ((axes[0], "ttft_ms", "TTFT p50 (ms)"), (axes[1], "itl_ms", "inter-token p50 (ms)")):
-            y = [lv[key]["p50"] for lv in pts]
-            ax.plot(x, y, marker="o", label=label_)
-            for xi, yi, lv in zip(x, y, pts):
-                if yi is not None:
-                    ax.annotate(f"c={lv['concurrency']}", (xi, yi), textcoords="offset points", xytext=(4, 4),
-                                fontsize=8)
-            ax.set_xlabel("output tokens/s")
-            ax.set_ylabel(label)
-            ax.grid(alpha=0.3)
+    for server, server_levels, style in [(None, levels, "-")] + [(n, lv, "--") for n, lv in (others or {}).items()]:
+        for label_ in dict.fromkeys(series.get(lv["profile"], lv["profile"]) for lv in server_levels):
+            pts = [lv for lv in server_levels if series.get(lv["profile"], lv["profile"]) == label_]
+            x = [lv["output_tok_s"] for lv in pts]
+            for ax, key, label in ((axes[0], "ttft_ms", "TTFT p50 (ms)"),
+                                   (axes[1], "itl_ms", "inter-token p50 (ms)")):
+                y = [lv[key]["p50"] for lv in pts]
+                ax.plot(x, y, style, marker="o", label=f"{server or 'this server'}: {label_}" if others else label_)
+                for xi, yi, lv in zip(x, y, pts):
+                    if yi is not None:
+                        ax.annotate(f"c={lv['concurrency']}", (xi, yi), textcoords="offset points", xytext=(4, 4),
+                                    fontsize=8)
+                ax.set_xlabel("output tokens/s")
+                ax.set_ylabel(label)
+                ax.grid(alpha=0.3)
     axes[0].legend()
     fig.suptitle("Latency against throughput as concurrency rises")
     fig.tight_layout()

@@ -58,6 +58,84 @@ def test_baseline_helpers():
     assert agreement["identical"] == 1 and abs(agreement["mean_agreeing_prefix"] - (1 + 1 / 3) / 2) < 1e-9
 
 
+FAKE_VLLM = """
+import argparse, asyncio, json, sys
+from aiohttp import web
+ap = argparse.ArgumentParser()
+ap.add_argument("-m"); ap.add_argument("--model"); ap.add_argument("--dtype"); ap.add_argument("--port", type=int)
+ap.add_argument("--kv-cache-memory-bytes")
+args = ap.parse_args()
+if args.dtype != "float32":
+    sys.exit(f"unsupported dtype {args.dtype}")
+
+async def health(request):
+    return web.Response(text="")
+
+async def completions(request):
+    body = await request.json()
+    assert body["model"] == args.model and body["min_tokens"] == body["max_tokens"], body
+    r = web.StreamResponse()
+    await r.prepare(request)
+    for _ in range(body["max_tokens"]):
+        await r.write(b"data: " + json.dumps({"choices": [{"text": "x"}]}).encode() + b"\\n\\n")
+        await asyncio.sleep(0.001)
+    usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+    await r.write(b"data: " + json.dumps(usage).encode() + b"\\n\\ndata: [DONE]\\n\\n")
+    return r
+
+app = web.Application()
+app.add_routes([web.get("/health", health), web.post("/v1/completions", completions)])
+web.run_app(app, host="127.0.0.1", port=args.port, print=None)
+"""
+
+
+def _fake_vllm_python(tmp_path) -> str:
+    (tmp_path / "fake_vllm.py").write_text(FAKE_VLLM)
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {tmp_path / 'fake_vllm.py'} \"$@\"\n")
+    python.chmod(0o755)
+    return str(python)
+
+
+def test_vllm_served_baseline_runs_the_plan_against_its_server_and_stops_it(tmp_path, default_model_path):
+    from benchmark import parse_args, run_vllm_served
+    from workload import Item
+    python = _fake_vllm_python(tmp_path)
+    args = parse_args(["--profiles", "sweep", "--baselines", "vllm_served", "--vllm-python", python,
+                       "--model-dir", default_model_path, "--out", str(tmp_path), "--no-progress"])
+    items = [Item(prompt="hello", prompt_ids=[1, 2], output_tokens=n) for n in (3, 5, 7)]
+    levels = run_vllm_served(args, [("sweep", 1, items[:1]), ("sweep", 2, items)])
+    assert [(lv["profile"], lv["concurrency"], lv["errors"]) for lv in levels] == [("sweep", 1, 0), ("sweep", 2, 0)]
+    assert [t["output_tokens"] for t in levels[1]["timings"]] == [3, 5, 7]
+    assert subprocess.run(["pgrep", "-f", str(tmp_path / "fake_vllm.py")], capture_output=True).returncode == 1
+
+    bad = parse_args(["--profiles", "sweep", "--baselines", "vllm_served", "--vllm-python", python,
+                      "--vllm-dtype", "bfloat16", "--model-dir", default_model_path, "--out", str(tmp_path)])
+    with pytest.raises(RuntimeError, match="(?s)failed to start.*unsupported dtype bfloat16"):
+        run_vllm_served(bad, [("sweep", 1, items[:1])])
+
+
+def test_against_puts_each_level_beside_the_other_servers_and_plot_draws_both(tmp_path):
+    import report
+    from grpc_load import RequestTiming
+
+    def level(conc, tok_s, ttft):
+        t = RequestTiming(prompt_tokens=4, output_tokens=int(tok_s), requested_tokens=int(tok_s), start=0.0,
+                          ttft=ttft, e2e=1.0, itl=0.01)
+        return report.summarize("sweep", conc, [t], 1.0, None)
+
+    mine, theirs = [level(1, 100, 0.05), level(2, 300, 0.08)], [level(1, 80, 0.04), level(2, 200, 0.1)]
+    lines = report.against(mine, theirs, "vLLM").splitlines()
+    assert lines[1].split()[:5] == ["sweep", "1", "100.0", "80.0", "1.25x"]
+    assert lines[2].split()[:7] == ["sweep", "2", "300.0", "200.0", "1.50x", "80.0", "100.0"]
+    with pytest.raises(ValueError, match="levels differ"):
+        report.against(mine, theirs[::-1], "vLLM")
+    one, = report.plot(mine, str(tmp_path / "one_"))[:1]
+    two, = report.plot(mine, str(tmp_path / "two_"), {"vLLM": theirs})[:1]
+    assert os.path.getsize(one) > 10_000 and open(one, "rb").read() != open(two, "rb").read()
+
+
 def test_engine_alone_baseline_makes_every_asked_token(default_model_path):
     from benchmark import run_engine_alone
     requests = [(list(range(10, 30)), 5), (list(range(40, 52)), 3)]

@@ -429,7 +429,9 @@ def main(argv=None) -> int:
     if vllm_levels:
         print(f"\n{VLLM_SERVED_LABEL} (its OpenAI server, same requests):")
         print(report.table(vllm_levels, []))
-        print(report.against(levels, vllm_levels, "vLLM"))
+        for m, m_levels in [(models[0], levels), *others.items()]:
+            print(f"{m} against vLLM's OpenAI server:")
+            print(report.against(m_levels, vllm_levels, "vLLM"))
     if lora_levels:
         print(f"\nLoRA adapters {', '.join(adapters)} in turn (same server, same requests):")
         print(report.table(lora_levels, []))

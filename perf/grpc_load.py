@@ -130,7 +130,10 @@ async def _one_openai(session, base_url: str, model: str, item, send_min_tokens:
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     num_output = chunk["usage"]["completion_tokens"]
-                elif chunk["choices"] and chunk["choices"][0]["text"]:
+                elif chunk["choices"] and (chunk["choices"][0]["text"]
+                                           or chunk["choices"][0].get("finish_reason") is None):
+                    # A token's chunk, even one whose text is held back or empty (a skipped special token), as
+                    # the gRPC path counts every response with text_output; not a closing chunk without text.
                     arrivals.append(now)
     if not arrivals and error is None:
         error = "no chunk with text"

@@ -77,9 +77,12 @@ async def completions(request):
     r = web.StreamResponse()
     await r.prepare(request)
     for _ in range(body["max_tokens"]):
-        await r.write(b"data: " + json.dumps({"choices": [{"text": "x"}]}).encode() + b"\\n\\n")
+        text = "" if body["prompt"] == "special" else "x"   # vLLM streams skipped special tokens as ""
+        await r.write(b"data: " + json.dumps({"choices": [{"text": text}]}).encode() + b"\\n\\n")
         await asyncio.sleep(0.001)
     usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+    final = {"choices": [{"text": "", "finish_reason": "length"}]}
+    await r.write(b"data: " + json.dumps(final).encode() + b"\\n\\n")
     await r.write(b"data: " + json.dumps(usage).encode() + b"\\n\\ndata: [DONE]\\n\\n")
     return r
 
@@ -104,10 +107,15 @@ def test_vllm_served_baseline_runs_the_plan_against_its_server_and_stops_it(tmp_
     python = _fake_vllm_python(tmp_path)
     args = parse_args(["--profiles", "sweep", "--baselines", "vllm_served", "--vllm-python", python,
                        "--model-dir", default_model_path, "--out", str(tmp_path), "--no-progress"])
-    items = [Item(prompt="hello", prompt_ids=[1, 2], output_tokens=n) for n in (3, 5, 7)]
+    items = [Item(prompt=p, prompt_ids=[1, 2], output_tokens=n) for p, n in (("hello", 3), ("special", 5),
+                                                                               ("hello", 7))]
     levels = run_vllm_served(args, [("sweep", 1, items[:1]), ("sweep", 2, items)])
     assert [(lv["profile"], lv["concurrency"], lv["errors"]) for lv in levels] == [("sweep", 1, 0), ("sweep", 2, 0)]
-    assert [t["output_tokens"] for t in levels[1]["timings"]] == [3, 5, 7]
+    timings = levels[1]["timings"]
+    assert [t["output_tokens"] for t in timings] == [3, 5, 7]
+    # An answer of tokens without text (skipped special tokens) still has a first token and one gap per token;
+    # the closing chunk without text is not a token.
+    assert timings[1]["ttft"] < timings[1]["e2e"] and timings[1]["itl"] > 0.0005
     assert subprocess.run(["pgrep", "-f", str(tmp_path / "fake_vllm.py")], capture_output=True).returncode == 1
 
     bad = parse_args(["--profiles", "sweep", "--baselines", "vllm_served", "--vllm-python", python,

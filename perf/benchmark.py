@@ -415,7 +415,8 @@ def main(argv=None) -> int:
     json_path = os.path.join(args.out, "benchmark.json")
     with open(json_path, "w") as f:
         json.dump(doc, f, indent=1)
-    pngs = report.plot(levels, os.path.join(args.out, ""), {VLLM_SERVED_LABEL: vllm_levels} if vllm_levels else None)
+    pngs = report.plot(levels, os.path.join(args.out, ""), {VLLM_SERVED_LABEL: vllm_levels} if vllm_levels else None,
+                       f"this server ({models[0]})")
     print(report.table(levels, baselines))
     if baselines:
         print()

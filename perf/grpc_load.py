@@ -27,6 +27,8 @@ class RequestTiming:
     e2e: float                  # last response - send
     itl: float | None           # (last - first) / (output_tokens - 1), genai-perf's inter-token latency
     error: str | None = None
+    responses: int = 0          # responses (chunks) with text: fewer than output_tokens when the server merged some
+    max_gap: float | None = None   # the longest wait between two of them: how smooth the stream was
 
 
 async def model_inputs(url: str, model: str) -> set[str]:
@@ -48,8 +50,9 @@ def _timing(item, start_offset: float, start: float, arrivals: list[float], num_
                              None, error)
     n = num_output if num_output is not None else len(arrivals)
     itl = (arrivals[-1] - arrivals[0]) / (n - 1) if n > 1 else None
+    gap = max((b - a for a, b in zip(arrivals, arrivals[1:])), default=None)
     return RequestTiming(len(item.prompt_ids), n, item.output_tokens, start_offset, arrivals[0] - start,
-                         arrivals[-1] - start, itl)
+                         arrivals[-1] - start, itl, None, len(arrivals), gap)
 
 
 async def _one(client, grpc, model: str, item, send_min_tokens: bool, t0: float, send_ids: bool) -> RequestTiming:

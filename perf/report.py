@@ -25,6 +25,8 @@ def summarize(profile: str, concurrency: int, timings: list, wall: float, kv_pea
         "output_tok_s": out_tokens / wall, "requests_s": len(ok) / wall,
         "ttft_ms": _pct([t.ttft for t in ok], 1e3), "itl_ms": _pct([t.itl for t in ok], 1e3),
         "e2e_s": _pct([t.e2e for t in ok], 1.0), "kv_peak": kv_peak,
+        "max_gap_ms": _pct([t.max_gap for t in ok], 1e3),
+        "responses_per_token": sum(t.responses for t in ok) / out_tokens if out_tokens else None,
         "timings": [asdict(t) for t in timings],
     }
 
@@ -35,7 +37,7 @@ def _fmt(v, digits=1):
 
 def table(levels: list[dict], baselines: list[dict]) -> str:
     head = ("profile", "conc", "reqs", "err", "TTFT ms p50/p95/p99", "ITL ms p50/p95/p99", "E2E s p50/p95/p99",
-            "out tok/s", "req/s", "peak KV")
+            "out tok/s", "req/s", "peak KV", "resp/tok", "max gap ms p50/p99")
     rows = []
     for lv in levels:
         rows.append((
@@ -44,7 +46,9 @@ def table(levels: list[dict], baselines: list[dict]) -> str:
             "/".join(_fmt(lv["itl_ms"][f"p{p}"], 2) for p in PERCENTILES),
             "/".join(_fmt(lv["e2e_s"][f"p{p}"], 2) for p in PERCENTILES),
             _fmt(lv["output_tok_s"]), _fmt(lv["requests_s"], 2),
-            "n/a" if lv["kv_peak"] is None else f"{lv['kv_peak'] * 100:.0f}%"))
+            "n/a" if lv["kv_peak"] is None else f"{lv['kv_peak'] * 100:.0f}%",
+            _fmt(lv.get("responses_per_token"), 2),
+            "/".join(_fmt(lv.get("max_gap_ms", {}).get(f"p{p}")) for p in (50, 99))))
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [head] + rows]
     if baselines:

@@ -124,6 +124,24 @@ def test_vllm_served_baseline_runs_the_plan_against_its_server_and_stops_it(tmp_
         run_vllm_served(bad, [("sweep", 1, items[:1])])
 
 
+def test_a_request_timing_counts_its_responses_and_longest_gap():
+    from grpc_load import _timing
+    from workload import Item
+    item = Item(prompt="p", prompt_ids=[1, 2, 3], output_tokens=5)
+    # Five tokens in three responses (the server merged two pairs): ITL spreads the span over the tokens, the
+    # longest gap shows the stream's stall.
+    t = _timing(item, 0.0, 1.0, [1.1, 1.2, 1.5], 5, None)
+    assert (t.responses, t.output_tokens) == (3, 5)
+    assert t.max_gap == pytest.approx(0.3) and t.itl == pytest.approx(0.1) and t.ttft == pytest.approx(0.1)
+    lone = _timing(item, 0.0, 1.0, [1.1], 1, None)
+    assert lone.max_gap is None and lone.itl is None
+    import report
+    level = report.summarize("low", 1, [t], 1.0, None)
+    assert level["responses_per_token"] == pytest.approx(0.6) and level["max_gap_ms"]["p50"] == pytest.approx(300)
+    row = report.table([level], []).splitlines()[1].split()
+    assert row[-2:] == ["0.60", "300.0/300.0"]
+
+
 def test_against_puts_each_level_beside_the_other_servers_and_plot_draws_both(tmp_path):
     import report
     from grpc_load import RequestTiming

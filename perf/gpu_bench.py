@@ -323,6 +323,18 @@ def summarize(out_dir: str) -> str:
                      f"{a['out_tok_per_s']:.0f} out tok/s, mean TTFT {a['ttft_mean_s']:.2f} s")
     for name, err in fig.get("errors", {}).items():
         lines.append(f"- {name} FAILED: {err.strip().splitlines()[-1]}")
+    served = json.loads(read(os.path.join("served", "benchmark.json")) or "{}")
+    if served.get("levels"):
+        lv, others = served["levels"][0], served.get("other_entry_points", {})
+        alone = next((b for b in served.get("baselines", []) if b["name"] == "engine_alone"), None)
+        parts = [f"ensemble {lv['output_tok_s']:.0f} out tok/s (TTFT p50 {lv['ttft_ms']['p50']:.0f} ms, ITL p50 "
+                 f"{lv['itl_ms']['p50']:.2f} ms)"]
+        parts += [f"{m} {o[0]['output_tok_s']:.0f}" for m, o in others.items() if o]
+        if alone is not None:
+            parts.append(f"engine alone {alone['output_tok_s']:.0f}; ensemble / engine alone "
+                         f"{lv['output_tok_s'] / alone['output_tok_s']:.2f}")
+        lines.append(f"- served by tritonserver, the {lv['profile']} profile ({lv['requests']} requests, "
+                     f"{lv['errors']} errors): " + ", ".join(parts))
     return "\n".join(lines) + "\n"
 
 

@@ -16,7 +16,10 @@
 #   4. figures.json  perf/gpu_bench.py: copy bandwidth, decode step against its floor, as scheduled and replayed
 #                    from CUDA graphs (profile_decode_batches.txt, profile_decode_padded.txt), decode
 #                    attention bandwidth beside SDPA, prefill tok/s, the anchor profile through the engine
-#   5. summary.md    one table to paste into perf/RESULTS.md
+#   5. served.log    tritonserver on this host from perf/pack_tritonserver.py's archive (TRELLM_GPU_PACK, default
+#                    perf/out/gpu-pack.tar.xz, carried to the GPU machine; the step is left out without it): the
+#                    anchor profile through `ensemble` and `llm` over gRPC against the engine alone (perf/gpu_served.sh)
+#   6. summary.md    one table to paste into perf/RESULTS.md
 # Exit status 0 only when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,7 +72,10 @@ if [ "$DRY" = 1 ]; then
     PARITY=(tests/test_engine.py -k test_default_model_matches_transformers)
     BENCH=(--dry-run --anchor-model hf_models/tiny-llama)
     BENCH_ENV=(env TRITON_INTERPRET=1 TRELLM_CPU_OPS=0)
-    LIMITS=(300 300 300)
+    LIMITS=(300 300 300 300)
+    PACK=$OUT/pack.tar            # this interpreter's server, packed here: the step's unpacking is what is checked
+    "$PY" perf/pack_tritonserver.py "$PACK" >/dev/null
+    SERVED=(hf_models/tiny-llama --smoke)
 else
     KERNEL_ENV=(env TRELLM_KERNEL_TEST_DEVICE=cuda TRELLM_CPU_OPS=0)
     KERNEL_SELECT=(-k "not linear_prepared")
@@ -79,11 +85,19 @@ else
             -m "not server" -k "not in_their_own_process")
     BENCH=()
     BENCH_ENV=(env TRELLM_CPU_OPS=0)
-    LIMITS=(150 170 200)
+    LIMITS=(150 170 200 200)
+    PACK=${TRELLM_GPU_PACK:-perf/out/gpu-pack.tar.xz}
+    SERVED=("$MODELS/anchor")     # built by the bench step
 fi
 step kernels "${LIMITS[0]}" "${KERNEL_ENV[@]}" "${PYTEST[@]}" tests/test_kernels.py "${KERNEL_SELECT[@]}"
 step parity "${LIMITS[1]}" env TRELLM_CPU_OPS=0 "${PYTEST[@]}" "${PARITY[@]}"
 step bench "${LIMITS[2]}" "${BENCH_ENV[@]}" "$PY" perf/gpu_bench.py --out "$OUT" --models "$MODELS" "${BENCH[@]}"
+if [ -f "$PACK" ]; then
+    step served "${LIMITS[3]}" env PY="$PY" bash perf/gpu_served.sh "$PACK" "${SERVED[0]}" "$OUT/served" \
+        "${SERVED[@]:1}"
+else
+    echo "[gpu_check] served: left out, no $PACK (make it with perf/pack_tritonserver.py $PACK --python X.Y)"
+fi
 "$PY" perf/gpu_bench.py --summarize "$OUT" >"$OUT/summary.md"
 cat "$OUT/summary.md"
 ! grep -qv " 0 " "$OUT/status.txt"

@@ -18,7 +18,7 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path, de
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     status = {line.split()[0]: line.split()[1] for line in (out / "status.txt").read_text().splitlines()}
-    assert status == {"kernels": "0", "parity": "0", "bench": "0"}
+    assert status == {"kernels": "0", "parity": "0", "bench": "0", "served": "0"}
     for step in ("kernels", "parity"):
         last = (out / f"{step}.log").read_text().strip().splitlines()[-1]
         assert " passed" in last and "failed" not in last and "skipped" not in last, (step, last)
@@ -31,7 +31,12 @@ def test_gpu_check_dry_run_passes_every_step_and_writes_its_figures(tmp_path, de
     assert figures["attention"]["triton_GBps"] > 0 and figures["attention"]["sdpa_GBps"] > 0
     assert figures["prefill"]["prompt_tok_per_s"] > 0
     assert figures["anchor"]["output_tokens"] > 0
+    # tritonserver from the packed archive (what a GPU image without the wheel runs), not the wheel's own
+    served = json.loads((out / "served" / "benchmark.json").read_text())
+    assert [lv["errors"] for lv in served["levels"]] == [0] and served["levels"][0]["output_tokens"] > 0
+    assert "/tritonserver/backends/python/libtriton_python.so" in (out / "served" / "server.log").read_text()
     summary = (out / "summary.md").read_text()
+    assert "served by tritonserver, the anchor profile" in summary and "ensemble / engine alone" in summary
     assert "| kernels | 0 |" in summary and "decode attention" in summary and "FAILED" not in summary
     assert set(figures["decode"]["padded"]["batches"]) == {"1", "2", "4"}
     assert figures["decode"]["padded"]["graphs"] is False, "a CPU runs the padded steps eagerly"

@@ -52,6 +52,22 @@ def test_servers_started_from_several_threads_at_once_link_this_interpreters_lib
     assert len(set(paths)) == 1, set(paths)
 
 
+def test_a_packed_server_folder_is_started_when_named(tmp_path, monkeypatch):
+    """TRELLM_TRITONSERVER_HOME (perf/pack_tritonserver.py's layout; gpu_check.sh's served step) wins over the wheel,
+    with its libs and this interpreter's libpython on the library path; a folder without the server is refused by
+    name. tests/test_gpu_check.py serves from a real pack."""
+    from trellm_backend.tools.launch import prepare_server
+    monkeypatch.setenv("TRELLM_TRITONSERVER_HOME", str(tmp_path))
+    with pytest.raises(RuntimeError, match="TRELLM_TRITONSERVER_HOME=.* has no bin/tritonserver"):
+        prepare_server()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "tritonserver").write_text("")
+    cmd, env = prepare_server()
+    assert cmd == [str(tmp_path / "bin" / "tritonserver"), f"--backend-directory={tmp_path / 'backends'}"]
+    assert str(tmp_path / "libs") in env["LD_LIBRARY_PATH"].split(os.pathsep)
+    assert env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
+
+
 def test_load_models_need_explicit_model_control():
     """Explicit model control itself is exercised by test_add_model.py, test_load_errors.py and test_deploy.py."""
     with pytest.raises(ValueError, match="explicit"):

@@ -61,8 +61,26 @@ def _pytriton_dirs() -> tuple[str, str]:
     return os.path.join(os.path.dirname(pytriton.__file__), "tritonserver"), os.path.join(site, "nvidia_pytriton.libs")
 
 
+def _python_env(libs: str) -> dict[str, str]:
+    """What the server and its stubs need of this interpreter: its libpython and `libs` on the library path, and
+    its `python` first on PATH (the stub runs the first one there)."""
+    return {
+        "LD_LIBRARY_PATH": os.pathsep.join(p for p in (PYTHON_LIBDIR, libs, os.environ.get("LD_LIBRARY_PATH")) if p),
+        "PATH": os.pathsep.join((os.path.dirname(sys.executable), os.environ.get("PATH", ""))),
+    }
+
+
 def prepare_server() -> tuple[list[str], dict[str, str]]:
-    """The tritonserver command prefix and the environment additions it needs."""
+    """The tritonserver command prefix and the environment additions it needs: TRELLM_TRITONSERVER_HOME's server
+    (a folder of perf/pack_tritonserver.py's layout, for a host without the wheel, such as a GPU image), else a
+    `tritonserver` on PATH, else the nvidia-pytriton wheel's."""
+    home = os.environ.get("TRELLM_TRITONSERVER_HOME")
+    if home:
+        server = os.path.join(home, "bin", "tritonserver")
+        if not os.path.isfile(server):
+            raise RuntimeError(f"TRELLM_TRITONSERVER_HOME={home} has no bin/tritonserver")
+        return [server, f"--backend-directory={os.path.join(home, 'backends')}"], _python_env(
+            os.path.join(home, "libs"))
     on_path = shutil.which("tritonserver")
     if on_path:
         return [on_path], {}
@@ -82,12 +100,8 @@ def prepare_server() -> tuple[list[str], dict[str, str]]:
             os.rename(tmp, dest)
         except OSError:   # another process prepared it first
             shutil.rmtree(tmp, ignore_errors=True)
-    env = {
-        "LD_LIBRARY_PATH": os.pathsep.join(p for p in (PYTHON_LIBDIR, libs, os.environ.get("LD_LIBRARY_PATH")) if p),
-        # The stub runs the first `python` on PATH: make it this environment's.
-        "PATH": os.pathsep.join((os.path.dirname(sys.executable), os.environ.get("PATH", ""))),
-    }
-    return [os.path.join(dest, "bin", "tritonserver"), f"--backend-directory={os.path.join(dest, 'backends')}"], env
+    return [os.path.join(dest, "bin", "tritonserver"), f"--backend-directory={os.path.join(dest, 'backends')}"], \
+        _python_env(libs)
 
 
 def openmp_wait_defaults(environ) -> dict[str, str]:

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The served step of perf/gpu_check.sh: tritonserver from perf/pack_tritonserver.py's archive, on a host without
+# the nvidia-pytriton wheel (a lent GPU machine), serving the anchor profile through `ensemble` and `llm` over gRPC,
+# then the engine alone on the same requests (perf/benchmark.py; served / engine alone is what it prints last).
+#
+#   perf/gpu_served.sh PACK MODEL_DIR OUT [BENCHMARK_ARGS...]
+#
+# PACK: the archive (.tar or .tar.xz); MODEL_DIR: the served model; OUT: benchmark.json, the server's log and
+# benchmark.log go there. The Python that runs it is $PY (gpu_check.sh's), with the project importable.
+set -uo pipefail
+PACK=$1 MODEL_DIR=$2 OUT=$3
+shift 3
+PY=${PY:-python3}
+mkdir -p "$OUT"
+UNPACKED=$(mktemp -d)
+tar xf "$PACK" -C "$UNPACKED" || { echo "served: cannot unpack $PACK"; exit 1; }
+HOME_DIR=$UNPACKED/tritonserver
+# The stub links this Python's libpython: say so plainly when the image has none to give it.
+LIBDIR=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR') or '')")
+MISSING=$(LD_LIBRARY_PATH="$LIBDIR:$HOME_DIR/libs" ldd "$HOME_DIR/backends/python/triton_python_backend_stub" \
+          "$HOME_DIR/bin/tritonserver" | grep "not found" | sort -u)
+if [ -n "$MISSING" ]; then
+    echo "served: libraries not found on this host (is the pack for this Python, $("$PY" -V 2>&1)?):"
+    echo "$MISSING"
+    exit 1
+fi
+export TRELLM_TRITONSERVER_HOME=$HOME_DIR
+export PYTHONPATH="$UNPACKED/site${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" perf/benchmark.py --start-server --model-dir "$MODEL_DIR" --profiles anchor --model ensemble,llm \
+    --baselines engine --out "$OUT" --no-progress "$@" 2>&1 | tee "$OUT/benchmark.log"
+rc=${PIPESTATUS[0]}
+rm -rf "$UNPACKED"
+exit "$rc"

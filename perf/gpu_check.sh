@@ -35,6 +35,7 @@ if ! "$PY" -c "import trellm_backend, trellm_kernels" 2>/dev/null; then
     ln -s "$PWD/backend" "$LINKS/trellm_backend"
     ln -s "$PWD/kernels" "$LINKS/trellm_kernels"
     ln -s "$PWD/client" "$LINKS/trellm_client"
+    ln -s "$PWD/openai_api" "$LINKS/trellm_openai"
     export PYTHONPATH="$LINKS${PYTHONPATH:+:$PYTHONPATH}"
 fi
 MODELS=${TRELLM_GPU_CHECK_MODELS:-${TMPDIR:-/tmp}/trellm-gpu-check-models}

@@ -25,9 +25,16 @@ if [ -n "$MISSING" ]; then
     exit 1
 fi
 export TRELLM_TRITONSERVER_HOME=$HOME_DIR
+# The Python-backend stubs embed an interpreter that ignores PYTHONPATH but reads its site-packages' .pth files: where
+# the project is importable only through PYTHONPATH (gpu_check.sh's links on a GPU image), a .pth names those
+# folders for the stubs while the step runs.
+PTH=
+if [ -n "${PYTHONPATH:-}" ] && ! env -u PYTHONPATH "$PY" -c "import trellm_backend" 2>/dev/null; then
+    PTH=$("$PY" -c "import site; print(site.getsitepackages()[0])")/trellm-gpu-served.pth
+    tr ':' '\n' <<<"$PYTHONPATH" >"$PTH" || { echo "served: cannot write $PTH for the stubs"; exit 1; }
+fi
+trap 'rm -rf "$UNPACKED"; [ -z "$PTH" ] || rm -f "$PTH"' EXIT
 export PYTHONPATH="$UNPACKED/site${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" perf/benchmark.py --start-server --model-dir "$MODEL_DIR" --profiles anchor --model ensemble,llm \
     --baselines engine --out "$OUT" --no-progress "$@" 2>&1 | tee "$OUT/benchmark.log"
-rc=${PIPESTATUS[0]}
-rm -rf "$UNPACKED"
-exit "$rc"
+exit "${PIPESTATUS[0]}"

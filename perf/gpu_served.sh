@@ -25,13 +25,21 @@ if [ -n "$MISSING" ]; then
     exit 1
 fi
 export TRELLM_TRITONSERVER_HOME=$HOME_DIR
-# The Python-backend stubs embed an interpreter that ignores PYTHONPATH but reads its site-packages' .pth files: where
-# the project is importable only through PYTHONPATH (gpu_check.sh's links on a GPU image), a .pth names those
-# folders for the stubs while the step runs.
-PTH=
+# The Python-backend stubs embed an interpreter that ignores PYTHONPATH but reads its site-packages' .pth files,
+# written here for the step's length: the folders through which alone the project is importable (gpu_check.sh's
+# links on a GPU image), and where this Python's numpy is 2, the pack's numpy 1.26.4 ahead of it (this server's stub
+# sends empty tensors from numpy 2 arrays).
+LINES=()
 if [ -n "${PYTHONPATH:-}" ] && ! env -u PYTHONPATH "$PY" -c "import trellm_backend" 2>/dev/null; then
+    IFS=: read -r -a LINES <<<"$PYTHONPATH"
+fi
+if [ "$("$PY" -c "import numpy; print(numpy.__version__.split('.')[0])")" -ge 2 ]; then
+    LINES+=("import sys; sys.path.insert(0, '$UNPACKED/numpy1')")
+fi
+PTH=
+if [ "${#LINES[@]}" -gt 0 ]; then
     PTH=$("$PY" -c "import site; print(site.getsitepackages()[0])")/trellm-gpu-served.pth
-    tr ':' '\n' <<<"$PYTHONPATH" >"$PTH" || { echo "served: cannot write $PTH for the stubs"; exit 1; }
+    printf '%s\n' "${LINES[@]}" >"$PTH" || { echo "served: cannot write $PTH for the stubs"; exit 1; }
 fi
 trap 'rm -rf "$UNPACKED"; [ -z "$PTH" ] || rm -f "$PTH"' EXIT
 export PYTHONPATH="$UNPACKED/site${PYTHONPATH:+:$PYTHONPATH}"

@@ -11,6 +11,8 @@ The archive holds two folders:
     (`ldd`). TRELLM_TRITONSERVER_HOME=<it> makes the launcher (backend/tools/launch.py) start this server.
   - site/: what the benchmark's client needs beyond the image: tritonclient (pure Python) and python-rapidjson's
     extension for `--python` (this environment's where the versions match, else its wheel from the index).
+  - numpy1/: numpy 1.26.4 for `--python`, for the Python-backend stubs where the host's numpy is 2 (gpu_served.sh):
+    this server's stub sends empty tensors from numpy 2 arrays.
 A name ending in .tar.xz is compressed (about a quarter of the ~110 MB); one ending in .tar is not (CI's dry run).
 """
 from __future__ import annotations
@@ -48,23 +50,42 @@ def needed_libs(binaries: list[str], libs_dir: str) -> set[str]:
     return found
 
 
+def from_wheel(requirement: str, version: str, dest: str, keep) -> None:
+    """The files of `requirement`'s wheel for Python `version` whose names pass `keep`, into `dest`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--python-version", version, "--implementation", "cp", "--platform", "manylinux2014_x86_64",
+                        "--platform", "manylinux_2_17_x86_64", "-d", tmp, requirement], check=True)
+        [wheel] = glob.glob(os.path.join(tmp, f"*-cp{version.replace('.', '')}-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            for name in z.namelist():
+                if keep(name):
+                    z.extract(name, dest)
+
+
 def rapidjson_extension(version: str, dest: str) -> None:
     """python-rapidjson's compiled module for Python `version` into `dest`."""
-    here = f"{sys.version_info.major}.{sys.version_info.minor}"
-    if version == here:
+    if version == f"{sys.version_info.major}.{sys.version_info.minor}":
         import rapidjson
         shutil.copy2(rapidjson.__file__, dest)
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        tag = version.replace(".", "")
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--python-version", version, "--implementation", "cp", "--platform", "manylinux2014_x86_64",
-                        "--platform", "manylinux_2_17_x86_64", "-d", tmp, "python-rapidjson"], check=True)
-        [wheel] = glob.glob(os.path.join(tmp, f"python_rapidjson-*-cp{tag}-*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            for name in z.namelist():
-                if name.startswith("rapidjson.") and name.endswith(".so"):
-                    z.extract(name, dest)
+    from_wheel("python-rapidjson", version, dest, lambda n: n.startswith("rapidjson.") and n.endswith(".so"))
+
+
+def numpy1(version: str, dest: str) -> None:
+    """numpy 1.26.4 for Python `version` into `dest`: tritonserver 2.51's stub (python_backend r24.10) sends empty
+    tensors from numpy 2 arrays, and GPU images carry numpy 2."""
+    def keep(name):
+        return name.startswith(("numpy/", "numpy.libs/")) and "/tests/" not in name
+    if version == f"{sys.version_info.major}.{sys.version_info.minor}":
+        import numpy
+        if numpy.__version__ == "1.26.4":
+            site = os.path.dirname(os.path.dirname(numpy.__file__))
+            for name in ("numpy", "numpy.libs"):
+                shutil.copytree(os.path.join(site, name), os.path.join(dest, name),
+                                ignore=shutil.ignore_patterns("__pycache__", "tests"))
+            return
+    from_wheel("numpy==1.26.4", version, dest, keep)
 
 
 def pack(out: str, version: str) -> None:
@@ -91,14 +112,16 @@ def pack(out: str, version: str) -> None:
         shutil.copytree(os.path.dirname(tritonclient.__file__), os.path.join(site, "tritonclient"),
                         ignore=shutil.ignore_patterns("__pycache__"))
         rapidjson_extension(version, site)
+        numpy1(version, os.path.join(tmp, "numpy1"))
         mode = "w:xz" if out.endswith(".xz") else "w"
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with tarfile.open(out + ".tmp", mode, **({"preset": 6} if mode == "w:xz" else {})) as tar:
             tar.add(home, "tritonserver")
             tar.add(site, "site")
+            tar.add(os.path.join(tmp, "numpy1"), "numpy1")
         os.replace(out + ".tmp", out)
     print(f"{out}: {os.path.getsize(out) / 2**20:.1f} MiB (tritonserver with the Python {version} stub, "
-          "tritonclient)")
+          "tritonclient, numpy 1.26.4)")
 
 
 def main() -> int:

@@ -38,7 +38,7 @@ import time
 
 # The baselines in this process get the OpenMP wait policy the launcher gives the server (set before torch loads).
 from trellm_backend.tools.launch import openmp_wait_defaults  # noqa: E402
-from trellm_backend.tools.testbed import free_ports, private_repository  # noqa: E402
+from trellm_backend.tools.testbed import free_ports, private_repository, wait_until  # noqa: E402
 
 os.environ.update(openmp_wait_defaults(os.environ))
 
@@ -150,6 +150,14 @@ def vllm_variants(vllm_python: str) -> list[tuple[str, dict[str, str]]]:
     return [("vllm_default", {}), ("vllm_bound", bound)]
 
 
+def vllm_env(settings: dict[str, str]) -> dict[str, str]:
+    """This process's environment for a vLLM process, less our OpenMP wait policy (not vLLM's default), plus
+    `settings` (one of vllm_variants)."""
+    env = {k: v for k, v in os.environ.items() if k not in openmp_wait_defaults({})}
+    env.update(settings)
+    return env
+
+
 def run_vllm(vllm_python: str, model_dir: str, requests: list[tuple[list[int], int]], dtype: str,
              kv_cache_bytes: int, workdir: str) -> list[dict]:
     """vLLM's offline engine on `requests`, in its own environment (perf/vllm_baseline.py), once per variant.
@@ -165,8 +173,7 @@ def run_vllm(vllm_python: str, model_dir: str, requests: list[tuple[list[int], i
         req_path, out_path = os.path.join(workdir, f"{name}_requests.json"), os.path.join(workdir, f"{name}.json")
         with open(req_path, "w") as f:
             json.dump(spec, f)
-        env = {k: v for k, v in os.environ.items() if k not in openmp_wait_defaults({})}   # ours is not vLLM's default
-        env.update(env_extra)
+        env = vllm_env(env_extra)
         print(f"[baseline] {name}: vLLM offline engine "
               f"({' '.join(f'{k}={v}' for k, v in env_extra.items()) or 'default settings'})", file=sys.stderr,
               flush=True)
@@ -193,8 +200,7 @@ def vllm_server(vllm_python: str, model_dir: str, dtype: str, kv_cache_bytes: in
     URL and stops it on exit. It runs from `workdir` for the reason perf/vllm_baseline.py gives."""
     import urllib.request
     [port] = free_ports(1)
-    env = {k: v for k, v in os.environ.items() if k not in openmp_wait_defaults({})}
-    env.update(dict(vllm_variants(vllm_python))["vllm_bound"])
+    env = vllm_env(dict(vllm_variants(vllm_python))["vllm_bound"])
     log_path = os.path.join(os.path.abspath(workdir), "vllm_served.log")
     cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
            "--dtype", dtype, "--port", str(port), "--kv-cache-memory-bytes", str(kv_cache_bytes)]
@@ -203,21 +209,23 @@ def vllm_server(vllm_python: str, model_dir: str, dtype: str, kv_cache_bytes: in
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.abspath(workdir))
     url = f"http://localhost:{port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exit {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
     try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                with open(log_path) as f:
-                    tail = f.read()[-3000:]
-                why = f"exit {proc.returncode}" if proc.returncode is not None else f"not up in {start_timeout_s:.0f} s"
-                raise RuntimeError(f"the vllm_served baseline failed to start ({why}); end of {log_path}:\n{tail}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(1)
+        try:
+            wait_until(healthy, start_timeout_s, "its /health", interval=1)
+        except (RuntimeError, TimeoutError) as e:
+            with open(log_path) as f:
+                tail = f.read()[-3000:]
+            raise RuntimeError(f"the vllm_served baseline failed to start ({e}); end of {log_path}:\n{tail}") from None
         yield url
     finally:
         proc.terminate()

@@ -35,6 +35,12 @@ def _fmt(v, digits=1):
     return "n/a" if v is None else f"{v:.{digits}f}"
 
 
+def _aligned(head, rows) -> list[str]:
+    """`head` and `rows` (tuples of strings) as lines of left-aligned columns two spaces apart."""
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [head, *rows]]
+
+
 def table(levels: list[dict], baselines: list[dict]) -> str:
     head = ("profile", "conc", "reqs", "err", "TTFT ms p50/p95/p99", "ITL ms p50/p95/p99", "E2E s p50/p95/p99",
             "out tok/s", "req/s", "peak KV", "resp/tok", "max gap ms p50/p99")
@@ -47,10 +53,9 @@ def table(levels: list[dict], baselines: list[dict]) -> str:
             "/".join(_fmt(lv["e2e_s"][f"p{p}"], 2) for p in PERCENTILES),
             _fmt(lv["output_tok_s"]), _fmt(lv["requests_s"], 2),
             "n/a" if lv["kv_peak"] is None else f"{lv['kv_peak'] * 100:.0f}%",
-            _fmt(lv.get("responses_per_token"), 2),
-            "/".join(_fmt(lv.get("max_gap_ms", {}).get(f"p{p}")) for p in (50, 99))))
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [head] + rows]
+            _fmt(lv["responses_per_token"], 2),
+            "/".join(_fmt(lv["max_gap_ms"][f"p{p}"]) for p in (50, 99))))
+    lines = _aligned(head, rows)
     if baselines:
         lines.append("")
         lines.append(f"baselines on the {baselines[0]['profile']} profile (same prompts and output lengths):")
@@ -72,9 +77,8 @@ def comparison(levels: list[dict], baselines: list[dict], profile: str, entry_po
     head = ["engine", "out tok/s", "mean TTFT ms"] + [f"vs {r['name']}" for r in refs]
     body = [[r["name"], _fmt(r["output_tok_s"]), _fmt(r.get("ttft_mean_ms"), 0)] +
             [f"{r['output_tok_s'] / ref['output_tok_s']:.2f}" for ref in refs] for r in rows]
-    widths = [max(len(x[i]) for x in body + [head]) for i in range(len(head))]
     lines = [f"engines on the {profile} profile's requests ({level['output_tokens']} output tokens):"]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(x, widths)) for x in [head] + body]
+    lines += ["  " + line for line in _aligned(head, body)]
     alone = next((b for b in baselines if b["name"] == "engine_alone"), None)
     if alone is not None:
         lines.append(f"served / engine alone: {level['output_tok_s'] / alone['output_tok_s']:.2f}")
@@ -94,8 +98,7 @@ def against(levels: list[dict], theirs: list[dict], name: str) -> str:
                      _fmt(other["output_tok_s"]), f"{mine['output_tok_s'] / other['output_tok_s']:.2f}x",
                      _fmt(mine["ttft_ms"]["p50"]), _fmt(other["ttft_ms"]["p50"]),
                      _fmt(mine["itl_ms"]["p50"], 2), _fmt(other["itl_ms"]["p50"], 2)))
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [head] + rows)
+    return "\n".join(_aligned(head, rows))
 
 
 def plot(levels: list[dict], path_prefix: str, others: dict[str, list[dict]] | None = None,

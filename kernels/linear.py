@@ -8,7 +8,8 @@ level above; perf/RESULTS.md, "fp32 linear layers on AVX-512: a C++ operator"), 
 outputs are a multiple of its 32-output blocks; other fp32 weights take oneDNN. bf16 and fp16 weights stay dense for
 torch's `linear`, except where its half GEMM goes row by row (no bf16/fp16 dot products, below AVX-512): there a
 weight whose outputs fill the 32-output blocks is packed for the C++ operator (cpu/half_linear.cpp, fp32 arithmetic
-on weights widened in cache), others take `dense_linear`.
+on weights widened in cache), others take `dense_linear`. On a CPU with AVX512-BF16 the timed choice also offers a
+bf16 operator on bf16 dot products (cpu/bf16_linear.cpp, the weight packed in k-pairs, `pack_pairs`).
 On CUDA, `linear` is cuBLAS and the weight is used as it is.
 That rule is one host's measurements; by default (TRELLM_CPU_LINEAR=auto) each shape's layout and calls are instead
 chosen by timing them on this host at load (linear_choice.py). TRELLM_CPU_LINEAR=cpp forces the rule above,
@@ -64,7 +65,7 @@ class Weight:
     dense: torch.Tensor | None
     prepared: torch.Tensor | None = None   # oneDNN's layout on a CPU (W8A8: its quantized GEMM's, int8)
     packed: torch.Tensor | None = None     # [out/B, in, B] (B = CPU_BLOCK): fp32 for cpu/fp32_linear.cpp, bf16/fp16
-    #                                        for cpu/half_linear.cpp
+    #                                        for cpu/half_linear.cpp; or bf16 [out/B, in/2, B, 2] for bf16_linear.cpp
     qweight: torch.Tensor | None = None    # int8 [out, in], or packed [out/B, in, B] (B = CPU_BLOCK) on a CPU
     scales: torch.Tensor | None = None     # [out], in the activations' dtype: W ~= qweight * scales[:, None]
     int4: Int4Weight | None = None
@@ -108,8 +109,24 @@ def pack_blocks(w: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_blocks(q: torch.Tensor) -> torch.Tensor:
-    """pack_blocks undone (a copy)."""
+    """pack_blocks, or pack_pairs, undone (a copy)."""
+    if q.dim() == 4:
+        return q.permute(0, 2, 1, 3).reshape(q.shape[0] * q.shape[2], q.shape[1] * q.shape[3])
     return q.permute(0, 2, 1).reshape(q.shape[0] * q.shape[2], q.shape[1])
+
+
+def pack_pairs(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out/B, in/2, B, 2]: for each pair of inputs, a block's B weights side by side, each with its
+    two inputs' values together (cpu/bf16_linear.cpp's layout: one bf16 dot product takes a pair). `in` must be even."""
+    out_f, in_f = w.shape
+    return w.view(out_f // CPU_BLOCK, CPU_BLOCK, in_f // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def cpp_packing(dtype: torch.dtype):
+    """How a weight of `dtype` is packed for this host's C++ operator: k-pairs for bf16 where the build has bf16 dot
+    products, else blocks."""
+    ops = cpu_ops.for_tensor(torch.empty(0))
+    return pack_pairs if dtype == torch.bfloat16 and ops is not None and ops.avx512_bf16 else pack_blocks
 
 
 def quantize_int8(w: torch.Tensor, packed: bool | None = None) -> Weight:
@@ -171,7 +188,7 @@ def static_layout(w: torch.Tensor, mode: str) -> str:
     """The layout the written-down rule (module docstring) gives a CPU weight: the C++ operators' blocks (fp32 on
     AVX-512, bf16/fp16 with AVX2 alone where torch's half GEMM goes row by row) for outputs that fill them, else
     oneDNN's for fp32, else torch's dense tensor."""
-    if mode in ("cpp", "auto") and linear_choice.cpp_holds(w.dtype, w.shape[0]) and (
+    if mode in ("cpp", "auto") and linear_choice.cpp_holds(w.dtype, tuple(w.shape)) and (
             w.dtype == torch.float32 or half_gemm_is_row_by_row(w.dtype)):
         return "cpp"
     if w.dtype == torch.float32 and mode != "torch" and torch.backends.mkldnn.is_available():
@@ -196,7 +213,7 @@ def static_calls(layout: str, dtype: torch.dtype) -> tuple[str, ...]:
 def hold(w: torch.Tensor, layout: str, typical_tokens: int = 64) -> Weight:
     """W in one layout (linear_choice.LAYOUT_CALLS), the only copy kept."""
     if layout == "cpp":
-        return Weight(None, packed=pack_blocks(w))
+        return Weight(None, packed=cpp_packing(w.dtype)(w))
     if layout == "onednn":
         return Weight(None, torch.ops.mkldnn._reorder_linear_weight(w, typical_tokens))
     return Weight(w)
@@ -264,7 +281,8 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     if w.scales is not None:
         return w8a8_linear(x, w, bias) if w.w8a8 else int8_linear(x, w, bias)
     if w.packed is not None:
-        if w.packed.dtype != torch.float32 and x.numel() // x.shape[-1] >= HALF_UNPACKED_FROM_TOKENS:
+        if w.packed.dim() == 3 and w.packed.dtype != torch.float32 and x.numel() // x.shape[-1] >= \
+                HALF_UNPACKED_FROM_TOKENS:
             return dense_linear(x, w.tensor(), bias)
         return packed_linear(x, w.packed, bias)
     if w.prepared is not None:
@@ -310,6 +328,8 @@ def linear_path(w: Weight) -> str:
     if w.packed is not None:
         if w.packed.dtype == torch.float32:
             return "fp32 C++ (AVX-512)"
+        if w.packed.dim() == 4:
+            return "bfloat16 C++ (AVX512-BF16)"
         return (f"{dtype_name(w.packed.dtype)} C++ (AVX2), unpacked + torch linear float32 from "
                 f"{HALF_UNPACKED_FROM_TOKENS} tokens")
     if w.prepared is not None:
@@ -337,11 +357,14 @@ HALF_UNPACKED_FROM_TOKENS = 256
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A C++ operator on a weight held packed [out/B, in, B]: fp32 (cpu/fp32_linear.cpp), or bf16/fp16
-    (cpu/half_linear.cpp, which multiplies in fp32: x and the bias are widened for it, the result rounded back)."""
+    (cpu/half_linear.cpp, which multiplies in fp32: x and the bias are widened for it, the result rounded back); or
+    bf16 in k-pairs [out/B, in/2, B, 2] (cpu/bf16_linear.cpp: x in bf16, sums in fp32, rounded back once)."""
     x2 = x.reshape(-1, x.shape[-1])
     y = torch.empty(x2.shape[0], packed.shape[0] * packed.shape[2], dtype=torch.float32)
     ops = cpu_ops.for_tensor(x)
-    if packed.dtype == torch.float32:
+    if packed.dim() == 4:
+        ops.bf16_linear(y, x2.to(torch.bfloat16).contiguous(), packed, None if bias is None else bias.float())
+    elif packed.dtype == torch.float32:
         ops.fp32_linear(y, x2.contiguous(), packed, bias)
     else:
         ops.half_linear(y, x2.float().contiguous(), packed, None if bias is None else bias.float())

@@ -3,8 +3,9 @@
 Why: the fastest CPU GEMM depends on the host (AVX2, AVX-512, AMX), the dtype and the token count, so a rule
 written down from one host's measurements loses on another. For each weight shape and dtype, every layout this host
 can hold is timed at COUNTS tokens through each call that layout serves:
-  - cpp: the C++ operators' packed blocks (fp32 on AVX-512 builds, bf16/fp16 on AVX2 builds), called as they are
-    ("cpp") or unpacked for torch's GEMM ("cpp-unpacked", linear.dense_linear);
+  - cpp: the C++ operators' packed blocks (fp32 on AVX-512 builds, bf16/fp16 on AVX2 builds, bf16 in k-pairs on
+    builds with AVX512-BF16), called as they are ("cpp") or unpacked for torch's GEMM ("cpp-unpacked",
+    linear.dense_linear);
   - onednn: oneDNN's prepacked layout (`mkldnn._reorder_linear_weight`, what torch's CPU freezing path uses);
   - torch: the dense tensor for torch's `linear`, in the dtype ("torch") or, for bf16/fp16, widened to fp32 a slice
     at a time ("torch-fp32").
@@ -14,7 +15,8 @@ Where the written-down rule's layout or call (linear.static_layout) is within TI
 noise on a shared host does not move a weight off today's path.
 
 Choices are cached on disk (TRELLM_CACHE_DIR, default ~/.cache/trellm) keyed by CPU model, flags, torch version,
-threads, dtype, shape and the timing method, so a restart reads them; within a process each shape is timed once.
+threads, dtype, shape, the layouts this host offers and the timing method, so a restart reads them (and a new
+candidate, such as a newly built operator, is timed); within a process each shape is timed once.
 TRELLM_CPU_LINEAR=cpp, onednn or torch forces today's static rule or a layout instead of `auto`.
 """
 from __future__ import annotations
@@ -75,13 +77,18 @@ def describe(layout: str, calls: tuple[str, ...]) -> str:
     return f"{layout} layout: {', '.join(parts)}"
 
 
-def cpp_holds(dtype: torch.dtype, out_features: int) -> bool:
-    """Whether the C++ operators take a weight of this dtype and output count on this host's build."""
+def cpp_holds(dtype: torch.dtype, shape: tuple[int, int]) -> bool:
+    """Whether the C++ operators take a weight of this dtype and [out, in] shape on this host's build: outputs that
+    fill 32-output blocks; fp32 on AVX-512, bf16/fp16 on AVX2 builds, bf16 with an even `in` on AVX512-BF16."""
     from trellm_kernels.linear import CPU_BLOCK
     ops = cpu_ops.for_tensor(torch.empty(0))
-    if ops is None or out_features % CPU_BLOCK:
+    if ops is None or shape[0] % CPU_BLOCK:
         return False
-    return bool(ops.avx512) if dtype == torch.float32 else bool(ops.avx2) and dtype in (torch.bfloat16, torch.float16)
+    if dtype == torch.float32:
+        return bool(ops.avx512)
+    if dtype == torch.bfloat16 and ops.avx512_bf16:
+        return shape[1] % 2 == 0
+    return bool(ops.avx2) and dtype in (torch.bfloat16, torch.float16)
 
 
 def onednn_holds(dtype: torch.dtype) -> bool:
@@ -93,8 +100,8 @@ def onednn_holds(dtype: torch.dtype) -> bool:
             torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}.get(dtype, lambda: False)()
 
 
-def layouts_for(dtype: torch.dtype, out_features: int) -> list[str]:
-    return [layout for layout, ok in (("cpp", cpp_holds(dtype, out_features)), ("onednn", onednn_holds(dtype)),
+def layouts_for(dtype: torch.dtype, shape: tuple[int, int]) -> list[str]:
+    return [layout for layout, ok in (("cpp", cpp_holds(dtype, shape)), ("onednn", onednn_holds(dtype)),
                                       ("torch", True)) if ok]
 
 
@@ -193,9 +200,9 @@ def _host() -> str:
     return f"{cpu_ops.cpu_model()}|flags {flags}|torch {torch.__version__}"
 
 
-def cache_key(dtype: torch.dtype, shape: tuple[int, int]) -> str:
+def cache_key(dtype: torch.dtype, shape: tuple[int, int], layouts: list[str]) -> str:
     return (f"{_host()}|threads {torch.get_num_threads()}|{str(dtype).removeprefix('torch.')}|"
-            f"{shape[0]}x{shape[1]}|{TIMING}")
+            f"{shape[0]}x{shape[1]}|layouts {' '.join(layouts)}|{TIMING}")
 
 
 def _read(path: str) -> dict:
@@ -236,13 +243,13 @@ def choose(w: torch.Tensor, static: str, static_calls: tuple[str, ...] = (), tim
            path: str | None = None) -> Choice:
     """The choice for w's shape and dtype: this process's, else the disk cache's, else timed now (and cached).
     static, static_calls: the written-down rule's layout and its call at each of COUNTS (decide)."""
-    key = cache_key(w.dtype, tuple(w.shape))
+    layouts = layouts_for(w.dtype, tuple(w.shape))
+    key = cache_key(w.dtype, tuple(w.shape), layouts)
     path = path or cache_file()
     with _lock:
         memo_key = f"{path}|{key}"
         if memo_key in _memo:
             return _memo[memo_key]
-        layouts = layouts_for(w.dtype, w.shape[0])
         choice = _from_cache(_read(path).get(key), layouts, w.dtype)
         if choice is None:
             t = time.perf_counter()

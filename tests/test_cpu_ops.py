@@ -571,7 +571,7 @@ def test_the_linear_choice_follows_the_timings_and_is_cached_by_host_and_shape(o
         ("cpp", "cpp", "cpp", "cpp", "cpp-unpacked")
 
     stored = json.load(open(cache))
-    key = linear_choice.cache_key(BF16, (64, 32))
+    key = linear_choice.cache_key(BF16, (64, 32), ["cpp", "onednn", "torch"])
     assert list(stored) == [key] and cpu_ops.cpu_model() in key and torch.__version__ in key and "64x32" in key
     monkeypatch.setattr(linear_choice, "_memo", {})
     untimed, asked = fake_timer({})
@@ -614,7 +614,7 @@ def test_every_call_the_choice_can_pick_gives_the_linear(ops, dtype):
     linear within the rounding of the dtype, with and without a bias (the real run behind the fake table)."""
     g = torch.Generator().manual_seed(5)
     w, b = randn(g, 64, 72, dtype=dtype), randn(g, 64, dtype=dtype)
-    for layout in linear_choice.layouts_for(dtype, 64):
+    for layout in linear_choice.layouts_for(dtype, (64, 72)):
         held = linear.hold(w, layout)
         assert len([t for t in (held.dense, held.prepared, held.packed) if t is not None]) == 1
         for call in linear_choice.calls_of(layout, dtype):
@@ -683,6 +683,37 @@ def test_cpu_half_linear_with_avx2_alone_multiplies_in_fp32_and_rows_do_not_depe
     assert_within_rounding(together, exact_linear(x, w, b))     # rounded once, to the dtype
     for i in range(tokens if tokens < linear.HALF_UNPACKED_FROM_TOKENS else 0):   # one operator for all of them
         assert torch.equal(linear.linear(x[i:i + 1], prepared, b), together[i:i + 1])
+
+
+BF16_DOT = "avx512_bf16" in cpu_ops._cpu_flags().split()
+
+
+@pytest.mark.skipif(not BF16_DOT, reason=f"this CPU ({cpu_ops.cpu_model()}) has no bf16 dot products (avx512_bf16)")
+@pytest.mark.parametrize("tokens, out_f, in_f", [(1, 64, 80), (5, 96, 2), (12, 32, 130), (26, 64, 82), (97, 32, 200),
+                                                 (300, 64, 40)])
+def test_cpu_bf16_linear_on_bf16_dot_products(tokens, out_f, in_f, monkeypatch):
+    """Where the CPU has AVX512-BF16, the timed choice can hold a bf16 weight in k-pairs for the bf16 operator. Its
+    answer is the products of the bf16 values summed in fp32 and rounded once (within one bf16 step of the exact
+    linear), with and without a bias, for tiles of 1 to 12 tokens and calls longer than the driver's chunk of 96;
+    a token's result does not depend on what shares its call; the held weight is the weight, and the load log names
+    the operator."""
+    ops = cpu_ops.load_isa("avx512")
+    monkeypatch.setattr(cpu_ops, "_module", ops)
+    assert ops.avx512_bf16, "an AVX-512 build on a CPU with avx512_bf16 has the bf16 operator"
+    assert linear_choice.cpp_holds(BF16, (out_f, in_f)) and not linear_choice.cpp_holds(BF16, (out_f, in_f + 1))
+    g = torch.Generator().manual_seed(8)
+    w, b = randn(g, out_f, in_f, dtype=BF16), randn(g, out_f, dtype=BF16)
+    held = linear.hold(w, "cpp")
+    assert held.packed.shape == (out_f // linear.CPU_BLOCK, in_f // 2, linear.CPU_BLOCK, 2) and held.dense is None
+    assert torch.equal(held.tensor(), w)
+    assert linear.linear_path(held) == "bfloat16 C++ (AVX512-BF16)"
+    x = randn(g, tokens, in_f, dtype=BF16)
+    for bias in (b, None):
+        together = linear.CALLS["cpp"](x, held, bias)
+        assert together.dtype == BF16
+        assert_within_rounding(together, exact_linear(x, w, bias))
+    for i in sorted({0, tokens // 2, tokens - 1}):
+        assert torch.equal(linear.CALLS["cpp"](x[i:i + 1], held, b), linear.CALLS["cpp"](x, held, b)[i:i + 1])
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])

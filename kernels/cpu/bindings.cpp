@@ -21,6 +21,7 @@ void int8_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, tor
 void quantize_rows_int8_cpu(torch::Tensor q, torch::Tensor scales, torch::Tensor x);
 void fp32_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 void half_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+void bf16_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor slot_mapping);
 void gather_dequantize_cpu(torch::Tensor out, torch::Tensor cache, torch::Tensor scales, torch::Tensor blocks,
@@ -50,6 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("half_linear", &half_linear_cpu,
         "y = x w^T (+ bias) with w bf16 or fp16 packed [N/32, K, 32], x, y and bias float32 (AVX2 builds)",
         py::arg("y"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), no_gil);
+  m.def("bf16_linear", &bf16_linear_cpu,
+        "y = x w^T (+ bias) with x bf16, w bf16 packed in k-pairs [N/32, K/2, 32, 2], y and bias float32 "
+        "(AVX512-BF16 builds)", py::arg("y"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), no_gil);
   m.def("write_kv", &write_kv_cpu, "store k and v at their slots of the paged caches", no_gil);
   m.def("gather_dequantize", &gather_dequantize_cpu,
         "out[i] = the INT8 / FP8 cache block blocks[i], each value times its token-and-head scale", no_gil);
@@ -59,6 +63,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("avx512") = true;
 #else
   m.attr("avx512") = false;
+#endif
+#if defined(__AVX512BF16__)   // bf16 pair dot products: the bf16 operator
+  m.attr("avx512_bf16") = true;
+#else
+  m.attr("avx512_bf16") = false;
 #endif
 #if defined(TRELLM_AVX2)   // AVX2 without AVX-512 (vec_math.h)
   m.attr("avx2") = true;

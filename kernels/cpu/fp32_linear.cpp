@@ -19,6 +19,7 @@ struct Fp32Kernel {
   using Weight = float;
   using Input = float;
   static constexpr int64_t K_ALIGN = 1;
+  static constexpr int64_t K_GROUP = 1;
   static constexpr int64_t MT_MAX = trellm::blocked_linear::MT_REGISTERS;
 
   template <int MT>

@@ -74,6 +74,7 @@ struct HalfKernel {
   using Weight = H;
   using Input = float;
   static constexpr int64_t K_ALIGN = 1;
+  static constexpr int64_t K_GROUP = 1;
   static constexpr int64_t MT_MAX = TILE_TOKENS;
 
   template <int MT>

@@ -257,6 +257,7 @@ struct Int8Kernel {
   using Weight = int8_t;
   using Input = TileInput;
   static constexpr int64_t K_ALIGN = TILE_K_ALIGN;
+  static constexpr int64_t K_GROUP = 1;
   static constexpr int64_t MT_MAX = TILE_TOKENS;
 
   template <int MT>

@@ -9,6 +9,10 @@ can hold is timed at COUNTS tokens through each call that layout serves:
   - onednn: oneDNN's prepacked layout (`mkldnn._reorder_linear_weight`, what torch's CPU freezing path uses);
   - torch: the dense tensor for torch's `linear`, in the dtype ("torch") or, for bf16/fp16, widened to fp32 a slice
     at a time ("torch-fp32").
+Each call is timed on weights read from memory, as a decode step reads them (between two calls of one weight, every
+other layer's weights pass through the cache): the timed calls cycle through copies whose bytes together exceed the
+last-level cache. Timed on one weight that stays in cache, a call that hides memory latency poorly looks as fast as
+one that hides it well (perf/RESULTS.md, "bf16 on bf16 dot products").
 The weight is held in one layout only (one copy of each weight): the one whose best call is least slow relative to
 the best of all at each count, summed over the counts. Each token-count range then runs that layout's fastest call.
 Where the written-down rule's layout or call (linear.static_layout) is within TIE of the fastest it is kept, so timing
@@ -22,7 +26,9 @@ TRELLM_CPU_LINEAR=cpp, onednn or torch forces today's static rule or a layout in
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -45,9 +51,11 @@ TIE = 0.10                        # a layout or call must be this much faster to
 MAX_TIMED_ELEMENTS = 4 << 20      # a larger weight is timed on its first output rows (a multiple of CPU_BLOCK)
 HOPELESS = 4.0                    # a call this many times slower than the best is timed once at the next count
 ROUNDS = 3                        # interleaved rounds of timing at each count
-# How the entries were timed: part of the cache key, so entries timed the older way (one call after another, a
-# median each), which a busy moment could skew for good, are timed again once.
-TIMING = "timing interleaved-min"
+# How the entries were timed: part of the cache key, so entries timed an older way (one call after another, a median
+# each, which a busy moment could skew for good; or on one weight left in cache) are timed again once.
+TIMING = "timing interleaved-min streamed"
+STREAM_MAX_BYTES = 64 << 20       # the copies cycled by each call: twice the last-level cache, at most this much
+MAX_COPIES = 64
 LAYOUT_CALLS = {"cpp": ("cpp", "cpp-unpacked"), "onednn": ("onednn",), "torch": ("torch", "torch-fp32")}
 
 
@@ -147,6 +155,30 @@ def time_call(call: str, tokens: int, fn: Callable[[], object], quick: bool = Fa
     return min(runs)
 
 
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache sysfs reports for cpu0 (0 where it reports none)."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=0)
+
+
+def copies_to_stream(part_bytes: int) -> int:
+    """How many copies of a timed weight of `part_bytes` the calls cycle through so that each reads its copy from
+    memory: together twice the last-level cache (at most STREAM_MAX_BYTES and MAX_COPIES)."""
+    target = min(STREAM_MAX_BYTES, 2 * last_level_cache_bytes())
+    return max(1, min(MAX_COPIES, -(-target // max(1, part_bytes))))
+
+
 def measure(w: torch.Tensor, layouts: list[str], timer) -> tuple[dict[str, list[float]], int]:
     """Microseconds of every call of `layouts` at each of COUNTS tokens, on the first rows of `w` (all of them
     unless the weight is larger than MAX_TIMED_ELEMENTS), and the rows timed. timer(call, tokens, fn, quick) ->
@@ -154,7 +186,8 @@ def measure(w: torch.Tensor, layouts: list[str], timer) -> tuple[dict[str, list[
     runs, the others one run each) and each keeps its fastest, so a burst of other work on the host (another model
     loading) slows one round of every call rather than all of one call's.
     A call HOPELESS times slower than the best at one count is timed once, `quick`, at the next: a call may still
-    win at larger counts (widening a weight costs the same at any count), so none is skipped."""
+    win at larger counts (widening a weight costs the same at any count), so none is skipped.
+    Each run of a call takes the next of copies_to_stream copies of its layout, so it reads the weight from memory."""
     from trellm_kernels.linear import CPU_BLOCK, CALLS, hold
     rows = w.shape[0]
     if w.numel() > MAX_TIMED_ELEMENTS:
@@ -162,19 +195,20 @@ def measure(w: torch.Tensor, layouts: list[str], timer) -> tuple[dict[str, list[
     part = w[:rows].contiguous()
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(n, w.shape[1], generator=g).to(w.dtype) for n in COUNTS]
-    held = {layout: hold(part, layout) for layout in layouts}
-    calls = [(call, held[layout]) for layout in layouts for call in calls_of(layout, w.dtype)]
+    copies = copies_to_stream(part.numel() * part.element_size())
+    held = {layout: [hold(part if c == 0 else part.clone(), layout) for c in range(copies)] for layout in layouts}
+    calls = [(call, itertools.cycle(held[layout])) for layout in layouts for call in calls_of(layout, w.dtype)]
     us: dict[str, list[float]] = {call: [] for call, _ in calls}
     for i, x in enumerate(inputs):
         best = min(us[c][-1] for c, _ in calls) if i else 0.0
         quick = {c for c, _ in calls if i and us[c][-1] > HOPELESS * best}
         fastest = {c: float("inf") for c, _ in calls}
         for r in range(ROUNDS):
-            for call, weight in calls[r % len(calls):] + calls[:r % len(calls)]:   # each round starts elsewhere
+            for call, weights in calls[r % len(calls):] + calls[:r % len(calls)]:   # each round starts elsewhere
                 if call in quick and r:
                     continue
                 fn = CALLS[call]   # warmed up in the first round: later rounds time one run each
-                seconds = timer(call, COUNTS[i], lambda x=x, fn=fn, weight=weight: fn(x, weight, None),
+                seconds = timer(call, COUNTS[i], lambda x=x, fn=fn, weights=weights: fn(x, next(weights), None),
                                 call in quick or r > 0)
                 fastest[call] = min(fastest[call], seconds)
         for call, _ in calls:

@@ -608,6 +608,38 @@ def test_a_burst_of_other_work_while_timing_does_not_move_the_choice(ops, tmp_pa
     assert noisy.us == quiet.us
 
 
+def test_the_choice_times_each_call_on_weights_read_from_memory(ops, monkeypatch):
+    """A decode step reads every weight from memory, so the timing does too: each run of a call takes the next of
+    several copies of its layout, together twice the last-level cache (bounded), so no run finds its weight where the
+    previous run left it; each copy holds the weight. Without a cache size known, one copy."""
+    w = torch.randn(64, 48)
+    part_bytes = w.numel() * w.element_size()
+    monkeypatch.setattr(linear_choice, "last_level_cache_bytes", lambda: 3 * part_bytes)
+    assert linear_choice.copies_to_stream(part_bytes) == 6
+    seen: dict[str, list] = {}
+    real = dict(linear.CALLS)
+    for name, fn in real.items():
+        monkeypatch.setitem(linear.CALLS, name, lambda x, weight, b, name=name, fn=fn:
+                            seen.setdefault(name, []).append(weight) or fn(x, weight, b))
+
+    def timer(call, tokens, fn, quick):
+        for _ in range(1 if quick else 4):
+            fn()
+        return 1e-6
+    layouts = linear_choice.layouts_for(w.dtype, tuple(w.shape))
+    linear_choice.measure(w, layouts, timer)
+    for name, weights in seen.items():
+        ids = [id(x) for x in weights]
+        assert len(set(ids)) == 6, name
+        assert all(len(set(ids[i:i + 6])) == len(ids[i:i + 6]) for i in range(len(ids))), name   # a full cycle
+        assert all(torch.equal(x.tensor(), w) for x in weights[:6]), name
+    monkeypatch.setattr(linear_choice, "last_level_cache_bytes", lambda: 0)
+    assert linear_choice.copies_to_stream(part_bytes) == 1
+    monkeypatch.setattr(linear_choice, "last_level_cache_bytes", lambda: 1 << 40)
+    assert linear_choice.copies_to_stream(16 << 20) == linear_choice.STREAM_MAX_BYTES // (16 << 20)
+    assert linear_choice.copies_to_stream(1024) == linear_choice.MAX_COPIES
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_every_call_the_choice_can_pick_gives_the_linear(ops, dtype):
     """Each layout this host can hold, through each of its calls, at the token counts of every range: torch's

@@ -5,6 +5,7 @@ Each path cycles through 16 distinct weights so that every call reads its weight
 does (one weight would stay in the cache and flatter the small formats less than the large).
 
     python perf/bench_quantized_linear.py [--out 2816 --in 512 --tokens 1,4,16,48,128,512 --group 128]
+    python perf/bench_quantized_linear.py --layouts bfloat16   # each layout the timed choice can hold, by its own call
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from trellm_backend.tools.launch import openmp_wait_defaults
 os.environ.update(openmp_wait_defaults(os.environ))   # the OpenMP wait policy the server runs with, before torch loads
 import torch  # noqa: E402
 
-from trellm_kernels import cpu_ops, dispatch, linear
+from trellm_kernels import cpu_ops, dispatch, linear, linear_choice
 from trellm_kernels.int4 import Int4Weight, quantize_int4, to_cpu_int4pack
 
 
@@ -37,9 +38,13 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,16,48,128,512")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--weights", type=int, default=16, help="distinct weights cycled")
+    ap.add_argument("--layouts", metavar="DTYPE", help="instead: every layout of this dtype the timed choice can "
+                    "hold here (linear_choice.layouts_for), each through its own call, in alternated rounds")
     args = ap.parse_args()
     cpu_ops.load()
     torch.manual_seed(0)
+    if args.layouts:
+        return by_layout(args, getattr(torch, args.layouts))
     dense = [torch.randn(args.out, args.in_f) for _ in range(args.weights)]
     fp32 = [linear.prepare_weight(w) for w in dense]          # the engine's fp32 path (TRELLM_CPU_LINEAR)
     int8 = [linear.prepare_weight(w, "int8") for w in dense]
@@ -63,6 +68,29 @@ def main() -> None:
                per_call_us(lambda i: linear.linear(x, nibbles[i % n]), max(3, calls // 8)),
                per_call_us(lambda i: linear.linear(xb, bf16[i % n]), calls)]
         print(f"| {m} | " + " | ".join(f"{v:.0f}" for v in row) + " |", flush=True)
+
+
+def by_layout(args, dtype: torch.dtype, rounds: int = 3) -> None:
+    """us per call of each layout's own call (cpp, onednn, torch), the fastest of `rounds` rounds that alternate
+    the layouts, each call on the next of the cycled weights."""
+    layouts = linear_choice.layouts_for(dtype, (args.out, args.in_f))
+    held = {layout: [linear.hold(torch.randn(args.out, args.in_f).to(dtype), layout) for _ in range(args.weights)]
+            for layout in layouts}
+    n = args.weights
+    cpp = f"; cpp: {linear.linear_path(held['cpp'][0])}" if "cpp" in held else ""
+    print(f"{args.out} x {args.in_f} {args.layouts}, {torch.get_num_threads()} threads, {n} weights cycled, "
+          f"us per call (fastest of {rounds} alternated rounds){cpp}")
+    print("| tokens | " + " | ".join(layouts) + " |")
+    print("|---|" + "---|" * len(layouts))
+    for m in (int(t) for t in args.tokens.split(",")):
+        x = torch.randn(m, args.in_f).to(dtype)
+        calls = max(5, 2000 // m)
+        best = {layout: float("inf") for layout in layouts}
+        for _ in range(rounds):
+            for layout in layouts:
+                fn = linear.CALLS[layout]
+                best[layout] = min(best[layout], per_call_us(lambda i: fn(x, held[layout][i % n], None), calls))
+        print(f"| {m} | " + " | ".join(f"{best[layout]:.0f}" for layout in layouts) + " |", flush=True)
 
 
 if __name__ == "__main__":

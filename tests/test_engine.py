@@ -210,8 +210,9 @@ def test_kernel_interpreter_tests_in_their_own_process():
 
 def test_gemma_logprobs_follow_the_capped_logits(variant_dirs):
     """Gemma 3's final_logit_softcapping is monotonic, so greedy tokens cannot show it; the logprobs do. Each
-    sampled token's logprob is transformers' log-softmax of the capped logits, far closer to it than to the uncapped
-    ones'."""
+    sampled token's logprob is transformers' log-softmax of the capped logits within float32 rounding, and the answer's
+    logprobs together are far closer to those than to the uncapped ones' (a token whose logits sit far below the cap
+    barely moves, so the margin is taken over the answer, not per token)."""
     import json
     from transformers import AutoModelForCausalLM
     folder = variant_dirs["gemma3-text"]
@@ -223,7 +224,10 @@ def test_gemma_logprobs_follow_the_capped_logits(variant_dirs):
     with torch.no_grad():
         logits = model(torch.tensor([prompt + out["tokens"]])).logits[0, len(prompt) - 1:-1].double()
     uncapped = torch.atanh(logits / cap) * cap     # what the model computed before transformers capped it
+    errors = []
     for i, (token, logprob) in enumerate(zip(out["tokens"], out["logprobs"])):
         want = torch.log_softmax(logits[i], -1)[token].item()
         other = torch.log_softmax(uncapped[i], -1)[token].item()
-        assert abs(logprob - want) * 100 < abs(logprob - other), (i, logprob, want, other)
+        assert abs(logprob - want) < 1e-5, (i, logprob, want)
+        errors.append((abs(logprob - want), abs(logprob - other)))
+    assert sum(e for e, _ in errors) * 100 < sum(o for _, o in errors), errors

@@ -45,10 +45,14 @@ using trellm::v16;
 // kb and vb point at the first slot's keys and values of the item's first KV head; a slot's item heads span
 // `item_width` elements.
 // Quantized caches: ksc (non-null) holds the item's key scales as float, [n_kv][BS] from the first slot's.
+// A bf16 cache with bf16 queries on a CPU with AVX512-BF16 (qh non-null: the item's queries unscaled, [rows][D], D a
+// multiple of 32): each dot product is D/32 VDPBF16PS on the bf16 values as they lie (the products exact, summed in
+// float), times `qh_scale` once summed, so no key is widened to float, once per row as the float path must.
 template <typename kv_t>
 inline void slot_scores_16(const float* qs, int64_t rows, int64_t heads, int64_t G, int64_t D, const kv_t* kb,
                            const kv_t* vb, int64_t slot_stride, int64_t item_width, int64_t n, v16* part,
-                           float* s, int64_t s_stride, const float* ksc, int64_t BS) {
+                           float* s, int64_t s_stride, const float* ksc, int64_t BS,
+                           const c10::BFloat16* qh = nullptr, float qh_scale = 1.f) {
   constexpr int64_t kLine = 64 / sizeof(kv_t);
   for (int64_t jj = 0; jj < 16; ++jj) {
     if (jj >= n) {
@@ -57,36 +61,58 @@ inline void slot_scores_16(const float* qs, int64_t rows, int64_t heads, int64_t
     }
     const kv_t* kj = kb + jj * slot_stride;
     for (int64_t e = 0; e < item_width; e += kLine) __builtin_prefetch(vb + jj * slot_stride + e);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t h = (r % heads) / G;
-      const kv_t* kh = kj + h * D;
-      const float* qr = qs + r * D;
-#if defined(TRELLM_AVX2)
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        __m256 q0, q1, k0, k1;
-        trellm::load8x2(qr + d, q0, q1);
-        trellm::load8x2(kh + d, k0, k1);
-        a0 = _mm256_fmadd_ps(q0, k0, a0);
-        a1 = _mm256_fmadd_ps(q1, k1, a1);
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<kv_t, c10::BFloat16>) {
+      if (qh != nullptr) {
+        for (int64_t r = 0; r < rows;)
+          for (int64_t h = 0; h * G < heads; ++h)
+            for (int64_t g = 0; g < G; ++g, ++r) {
+              const c10::BFloat16* kh = kj + h * D;
+              const c10::BFloat16* qr = qh + r * D;
+              __m512 a = _mm512_setzero_ps();
+              for (int64_t d = 0; d < D; d += 32) {
+                const __m512i qv = _mm512_loadu_si512(qr + d), kv = _mm512_loadu_si512(kh + d);
+                a = _mm512_dpbf16_ps(a, (__m512bh)qv, (__m512bh)kv);
+              }
+              part[r * 16 + jj] = (v16)a;
+            }
+        continue;
       }
-      if (ksc) {
-        const __m256 sc = _mm256_set1_ps(ksc[h * BS + jj]);
-        a0 = _mm256_mul_ps(a0, sc);
-        a1 = _mm256_mul_ps(a1, sc);
-      }
-      float* lanes = reinterpret_cast<float*>(part + r * 16 + jj);
-      _mm256_storeu_ps(lanes, a0);
-      _mm256_storeu_ps(lanes + 8, a1);
-#else
-      v16 a = {};
-      for (int64_t d = 0; d < D; d += 16) a += load16(qr + d) * load16(kh + d);
-      part[r * 16 + jj] = ksc ? a * ksc[h * BS + jj] : a;
-#endif
     }
+#endif
+    // Row r = (position, KV head h, one of its G query heads), in that order: counted, not divided out per slot.
+    for (int64_t r = 0; r < rows;)
+      for (int64_t h = 0; h * G < heads; ++h)
+        for (int64_t g = 0; g < G; ++g, ++r) {
+          const kv_t* kh = kj + h * D;
+          const float* qr = qs + r * D;
+#if defined(TRELLM_AVX2)
+          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 16) {
+            __m256 q0, q1, k0, k1;
+            trellm::load8x2(qr + d, q0, q1);
+            trellm::load8x2(kh + d, k0, k1);
+            a0 = _mm256_fmadd_ps(q0, k0, a0);
+            a1 = _mm256_fmadd_ps(q1, k1, a1);
+          }
+          if (ksc) {
+            const __m256 sc = _mm256_set1_ps(ksc[h * BS + jj]);
+            a0 = _mm256_mul_ps(a0, sc);
+            a1 = _mm256_mul_ps(a1, sc);
+          }
+          float* lanes = reinterpret_cast<float*>(part + r * 16 + jj);
+          _mm256_storeu_ps(lanes, a0);
+          _mm256_storeu_ps(lanes + 8, a1);
+#else
+          v16 a = {};
+          for (int64_t d = 0; d < D; d += 16) a += load16(qr + d) * load16(kh + d);
+          part[r * 16 + jj] = ksc ? a * ksc[h * BS + jj] : a;
+#endif
+        }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const v16 sums = trellm::sum_lanes_16(part + r * 16);
+    v16 sums = trellm::sum_lanes_16(part + r * 16);
+    if (qh != nullptr) sums *= qh_scale;
     std::memcpy(s + r * s_stride, &sums, n * sizeof(float));
   }
 }
@@ -196,6 +222,20 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
     const scalar_t* qrow = q + ((q_start + w.row_begin + p) * H + w.kv_begin * G) * D;
     for (int64_t i = 0; i < heads * D; ++i) qs[p * heads * D + i] = static_cast<float>(qrow[i]) * scale;
   }
+  // bf16 queries and keys with bf16 dot products: the scores from the bf16 values (slot_scores_16).
+  const c10::BFloat16* qh = nullptr;
+#if defined(__AVX512BF16__)
+  thread_local std::vector<c10::BFloat16> qh_buf;
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) {
+    if (!transposed && D % 32 == 0) {
+      if (qh_buf.size() < static_cast<size_t>(rows * D)) qh_buf.resize(rows * D);
+      for (int64_t p = 0; p < n_pos; ++p)
+        std::memcpy(qh_buf.data() + p * heads * D, q + ((q_start + w.row_begin + p) * H + w.kv_begin * G) * D,
+                    heads * D * sizeof(c10::BFloat16));
+      qh = qh_buf.data();
+    }
+  }
+#endif
   std::fill(acc, acc + rows * D, 0.f);
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   std::fill(l, l + rows, 0.f);
@@ -246,7 +286,7 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
         for (int64_t j0 = 0; j0 < valid; j0 += 16)
           slot_scores_16(qs, rows, heads, G, D, kb + j0 * slot_stride, vblk + j0 * slot_stride, slot_stride,
                          n_kv * D, std::min<int64_t>(16, valid - j0), part, s + j0, BS, kQuant ? ksc + j0 : nullptr,
-                         BS);
+                         BS, qh, scale);
       } else {
         for (int64_t j = 0; j < valid; ++j) {
           for (int64_t r = 0; r < rows; ++r) {
@@ -274,8 +314,18 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
       const int64_t n = visible - first;
       if (softcap > 0.f)
         for (int64_t j = 0; j < n; ++j) sr[j] = softcap * std::tanh(sr[j] / softcap);
+      // The block's largest score, 16 lanes at a time (a scalar max chain costs its latency per slot).
       float block_max = sr[0];
-      for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sr[j]);
+      int64_t jm = 0;
+      if (n >= 16) {
+        v16 mx = load16(sr);
+        for (jm = 16; jm + 16 <= n; jm += 16) {
+          const v16 x = load16(sr + jm);
+          mx = mx > x ? mx : x;
+        }
+        for (int i = 0; i < 16; ++i) block_max = std::max(block_max, mx[i]);
+      }
+      for (; jm < n; ++jm) block_max = std::max(block_max, sr[jm]);
       const float new_max = std::max(m[r], block_max);
       const float correction = m[r] == -std::numeric_limits<float>::infinity() ? 0.f : exp_approx(m[r] - new_max);
       // 16 lanes at a time (exp16): GCC leaves exp_approx's loop scalar on AVX-512 builds.

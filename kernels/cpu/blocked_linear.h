@@ -1,13 +1,14 @@
 // The one driver of the linear operators (cpu/fp32_linear.cpp, half_linear.cpp, bf16_linear.cpp, int8_linear.cpp):
 // y[m, n] = epilogue of sum_k x[m, k] * w[n, k], with the weight packed at load (kernels/linear.py) into blocks of
 // BLOCK outputs, [N/BLOCK][K][BLOCK], or for a kernel whose `K_GROUP` is G > 1 (dot products of G values of k at
-// once), [N/BLOCK][K/G][BLOCK][G]. Here, once for every weight type: the checks, the split of the blocks over torch's threads,
-// the chunks of M_CHUNK tokens whose x rows stay in L2 while a thread's blocks pass over them, and the split of each
-// block's rows into tiles of nearly equal size (26 tokens make tiles of 9, 9 and 8, not 12, 12 and 2). A weight
-// type brings only its tile: `Kernel::tile<MT>(rows, K, blk, next, epilogue, y, N)` computes rows [0, MT) of x
-// times one block (`next`: the block that follows, to prefetch, or null; `epilogue`: the block's bias or scales, or
-// null), for MT up to its `Kernel::MT_MAX`. x is float32, or for a kernel whose `Input` is int16 the activations
-// quantized per row (`Rows::scales`; each row padded with a zero to an even length, `Kernel::K_ALIGN`).
+// once), [N/BLOCK][K/G][BLOCK][G]. Here, once for every weight type: the checks, the split of the blocks over
+// torch's threads, the chunks of M_CHUNK tokens whose x rows stay in L2 while a thread's blocks pass over them, and
+// the split of each block's rows into tiles of nearly equal size (26 tokens make tiles of 9, 9 and 8, not 12, 12
+// and 2). A weight type brings only its tile: `Kernel::tile<MT>(rows, K, blk, next, epilogue, y, N)` computes rows
+// [0, MT) of x times one block (`next`: the block that follows, to prefetch, or null; `epilogue`: the block's bias
+// or scales, or null), for MT up to its `Kernel::MT_MAX`. x is float32 (bf16 for the bf16 operator), or for a
+// kernel whose `Input` is int16 the activations quantized per row (`Rows::scales`; each row padded with a zero to an
+// even length, `Kernel::K_ALIGN`).
 // Each y[m, n] is summed over k in order in one lane whatever the tile, so a token's result does not depend on what
 // else is in the batch.
 #pragma once
@@ -56,7 +57,8 @@ void run(const char* name, at::Tensor y, at::Tensor x, const float* x_scales, at
   TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && packed.is_contiguous(), name, ": contiguous tensors");
   constexpr int64_t G = Kernel::K_GROUP;
   TORCH_CHECK(packed.dim() == (G == 1 ? 3 : 4) && packed.size(2) == BLOCK && (G == 1 || packed.size(3) == G), name,
-              ": the weight must be packed [N/", BLOCK, ", K", G == 1 ? "" : "/G", ", ", BLOCK, G == 1 ? "" : ", G", "]");
+              ": the weight must be packed [N/", BLOCK, ", K", G == 1 ? "" : "/G", ", ", BLOCK,
+              G == 1 ? "" : ", G", "]");
   const int64_t M = x.size(0), K = packed.size(1) * G, NB = packed.size(0), N = NB * BLOCK;
   const int64_t ldx = (K + Kernel::K_ALIGN - 1) / Kernel::K_ALIGN * Kernel::K_ALIGN;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == ldx, name, ": x must be [M, ", ldx, "] for the weight's K = ", K);

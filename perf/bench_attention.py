@@ -147,7 +147,7 @@ def main():
                                  f"max error {(out - ref).abs().max().item():.3g}")
                     times[n] = time_option(OPTIONS[n], call, args.repeats, kw)
                 ratio = times["reference"] / times["cpp"] if "reference" in times and "cpp" in times else float("nan")
-                print(f"{case:<28}{dtype_name:<10}{kv_name:<10}" + "".join(f"{times[n]:>12.2f}" for n in names)
+                print(f"{case:<28}{dtype_name:<10}{kv_name:<10}" + "".join(f"{times[n]:>12.3f}" for n in names)
                       + f"{ratio:>9.1f}x")
 
 

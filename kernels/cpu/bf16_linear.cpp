@@ -50,24 +50,14 @@ struct Bf16PairKernel {
         acc1[m] = _mm512_dpbf16_ps(acc1[m], xb, w1);
       }
     }
-    const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-    for (int m = 0; m < MT; ++m) {
-      _mm512_storeu_ps(y + m * N, bias ? _mm512_add_ps(acc0[m], b0) : acc0[m]);
-      _mm512_storeu_ps(y + m * N + 16, bias ? _mm512_add_ps(acc1[m], b1) : acc1[m]);
-    }
+    trellm::blocked_linear::store_tile<MT>(acc0, acc1, bias, y, N);
   }
 };
 
 }  // namespace
 
 void bf16_linear_cpu(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                bias->numel() == packed.size(0) * BLOCK, "bf16_linear: a float32 bias of N values");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = trellm::blocked_linear::bias_data(bias, packed, "bf16_linear");
   trellm::blocked_linear::run<Bf16PairKernel>("bf16_linear", y, x, nullptr, packed, bp);
 }
 #else

@@ -17,6 +17,9 @@
 #include <ATen/Parallel.h>
 
 #include <array>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <utility>
 
 namespace trellm::blocked_linear {
@@ -33,6 +36,27 @@ struct Rows {
   const float* scales;
   Rows at(int64_t m) const { return {x + m * ldx, ldx, scales != nullptr ? scales + m : nullptr}; }
 };
+
+// The float32 bias of the packed weight's N outputs, or null without one.
+inline const float* bias_data(const c10::optional<at::Tensor>& bias, const at::Tensor& packed, const char* name) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == packed.size(0) * BLOCK,
+              name, ": a float32 bias of N values");
+  return bias->data_ptr<float>();
+}
+
+#if defined(__AVX512F__)
+// An AVX-512 tile's result: rows [0, MT) of its 32 outputs, as two 16-lane sums each, plus the bias where given.
+template <int MT>
+inline void store_tile(const __m512* acc0, const __m512* acc1, const float* bias, float* y, int64_t N) {
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) {
+    _mm512_storeu_ps(y + m * N, bias ? _mm512_add_ps(acc0[m], b0) : acc0[m]);
+    _mm512_storeu_ps(y + m * N + 16, bias ? _mm512_add_ps(acc1[m], b1) : acc1[m]);
+  }
+}
+#endif
 
 template <class Kernel>
 using TileFn = void (*)(Rows<typename Kernel::Input>, int64_t, const typename Kernel::Weight*,

@@ -108,12 +108,7 @@ struct HalfKernel {
 }  // namespace
 
 void half_linear_cpu(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                bias->numel() == packed.size(0) * BLOCK, "half_linear: a float32 bias of N values");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = trellm::blocked_linear::bias_data(bias, packed, "half_linear");
   if (packed.scalar_type() == at::kBFloat16)
     trellm::blocked_linear::run<HalfKernel<c10::BFloat16>>("half_linear", y, x, nullptr, packed, bp);
   else

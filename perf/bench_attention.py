@@ -113,12 +113,15 @@ def main():
     ap.add_argument("--chunk", type=int, default=256, help="new tokens of the prefill case")
     ap.add_argument("--prefix", type=int, default=256, help="cached tokens before the prefill chunk")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", type=int, help="torch's threads (default: its own choice)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--options", default="reference,dispatch,cpp,sdpa,flex")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--kv-dtypes", default="auto", help="KV cache dtypes, comma-separated: auto (the dtype's own), "
                     "int8, fp8_e4m3")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if cpu_ops.load() is None:
         sys.exit(cpu_ops.error())
     H, KVH, D, bs = 8, 4, 64, args.block_size

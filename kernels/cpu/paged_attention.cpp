@@ -178,7 +178,7 @@ inline void accumulate_head_rows(float* acc, int64_t D, const float* p, int64_t 
   for (int64_t g = 0; g < G; g += GR_MAX) {
     float* ag = acc + g * D;
     const float* pg = p + g * p_stride;
-    switch (std::min<int64_t>(GR_MAX, G - g)) {
+    switch (std::min<int64_t>(GR_MAX, G - g)) {   // cases above GR_MAX never run; they instantiate GR 1
       case 4: accumulate_values_rows<NV, 4 <= GR_MAX ? 4 : 1>(ag, D, pg, p_stride, n, v, stride); break;
       case 3: accumulate_values_rows<NV, 3 <= GR_MAX ? 3 : 1>(ag, D, pg, p_stride, n, v, stride); break;
       case 2: accumulate_values_rows<NV, 2>(ag, D, pg, p_stride, n, v, stride); break;
@@ -242,7 +242,7 @@ void attend(const WorkItem& w, const scalar_t* q, const kv_t* kc, const kv_t* vc
   constexpr bool kHalf = std::is_same_v<kv_t, c10::BFloat16> || std::is_same_v<kv_t, c10::Half>;
   const bool direct_values = kFloat || ((kQuant || (kHalf && !transposed)) && (D == 64 || D == 128));
   // AVX-512, bf16/fp16 values: the G query rows of a KV head sum each value vector together, widened once for all of
-  // them. (Float values gain nothing from it: the anchor workload in fp32 ran 5-10% slower grouped.)
+  // them. Float values stay per row: they need no widening, and grouped the fp32 anchor ran slower (perf/RESULTS.md).
 #if defined(__AVX512F__)
   const bool group_values = kHalf && direct_values && G > 1;
 #else

@@ -104,6 +104,7 @@ class Soak(Traffic):
         self.idle: dict[str, dict] = {}
         self.stuck: list[dict] = []
         self.left_out: dict[str, str] = {}      # kinds left out of the deck, with why (--kinds names them back in)
+        self.stack_dump: dict = {}              # the server's stacks, taken once when a request is about to hang
 
     def begin(self, kind: str) -> int:
         token = uuid.uuid4().int
@@ -191,6 +192,19 @@ class Soak(Traffic):
                 self.end(token)
             i += 1
             next_at = self.now() + self.args.burst_every
+
+    def watchdog(self) -> None:
+        """Once a request has gone half its deadline without an answer, take the server's stacks (once a run):
+        what a hang's report needs and a later look at the server cannot give."""
+        while not self.stop.wait(1.0) and not self.stack_dump:
+            now = self.now()
+            with self.lock:
+                late = sorted({kind for kind, started in self.inflight.values()
+                               if now - started > self.deadline / 2 and not kind.startswith("kill_inflight")})
+            if late:
+                path = os.path.join(self.server.root, "stacks.txt")
+                self.stack_dump = {"at_s": round(now, 1), "late_kinds": late, "path": path}
+                self.stack_dump["python"] = self.server.dump_stacks(path)
 
     def rss_sampler(self) -> None:
         while not self.stop.wait(self.args.rss_every):
@@ -289,7 +303,8 @@ class Soak(Traffic):
         self.t0 = time.monotonic()
         workers = [threading.Thread(target=self.worker, args=(i,), daemon=True) for i in range(self.args.workers)]
         burster = threading.Thread(target=self.burster, daemon=True)
-        for t in workers + [burster, threading.Thread(target=self.rss_sampler, daemon=True)]:
+        helpers = [threading.Thread(target=f, daemon=True) for f in (self.rss_sampler, self.watchdog)]
+        for t in workers + [burster] + helpers:
             t.start()
         kill_at = self.args.duration * self.args.kill_at
         while self.now() < kill_at:

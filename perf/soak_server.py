@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,6 +105,41 @@ class Launcher:
             elif os.path.basename(cmdline.split(b"\0")[0]) == b"tritonserver":
                 out[pid] = ("tritonserver", "")
         return out
+
+    def dump_stacks(self, path: str) -> dict[str, str]:
+        """What every server process is doing, for a request that hung: each stub writes its threads' Python stacks
+        to the server log (SIGUSR1, backend/triton/stack_dumps.py), one stub at a time; then, where gdb is installed,
+        the native stacks of every thread of tritonserver and the stubs go to `path`. Returns {process: the server
+        log's text of its Python stacks}."""
+        python: dict[str, str] = {}
+        procs = self.processes()
+        for pid, (name, _) in sorted(procs.items()):
+            if name.startswith("stub:"):
+                at = self.log_size()
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    continue
+                time.sleep(1.0)
+                with open(self.log, "rb") as f:
+                    f.seek(at)
+                    python[f"{name} ({pid})"] = f.read().decode(errors="replace")
+        with open(path, "w") as out:
+            for key, text in python.items():
+                out.write(f"=== Python stacks of {key}\n{text}\n")
+            gdb = shutil.which("gdb")
+            for pid, (name, _) in sorted(procs.items()):
+                if gdb is None:
+                    break
+                out.write(f"=== native stacks of {name} ({pid})\n")
+                out.flush()
+                try:
+                    r = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 16"],
+                                       capture_output=True, text=True, timeout=120)
+                    out.write(r.stdout + r.stderr[-2000:])
+                except subprocess.TimeoutExpired:
+                    out.write("gdb: no answer in 120 s\n")
+        return python
 
     def rss(self) -> dict[str, float]:
         """Resident MiB of tritonserver and each stub serving the repository, and their total."""

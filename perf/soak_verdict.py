@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import asdict
@@ -227,12 +228,28 @@ def summarize(soak, args, startup: dict, launcher, left_processes: list[int]) ->
                        "crash_lines": crashes, "crash_lines_excused": excused,
                        "error_classes": dict(error_classes.most_common(20))},
         "shm_regions": {"used": len(soak.shm_regions), "left_after_stop": soak.shm_left},
+        "stack_dump": soak.stack_dump,
         "unexpected": unexpected[:200],
         "unexpected_count": len(unexpected),
         "processes_left": left_processes,
         "failures": failures,
         "passed": not failures,
     }
+
+
+def compact_stacks(text: str, frames: int = 5) -> str:
+    """faulthandler's dump of every thread, one line per thread: its innermost `frames` calls, innermost first."""
+    threads: list[list[str]] = []
+    for line in text.splitlines():
+        if "(most recent call first)" in line:
+            threads.append([])
+        elif threads and "<no Python frame>" in line:
+            threads[-1].append("(native code only)")
+        elif threads and line.strip().startswith("File "):
+            m = re.match(r'\s*File "([^"]+)", line (\d+) in (\S+)', line)
+            if m and len(threads[-1]) < frames:
+                threads[-1].append(f"{m.group(3)} ({os.path.basename(m.group(1))}:{m.group(2)})")
+    return "\n".join("  " + " < ".join(t) for t in threads) or "  (no stacks written)"
 
 
 def _ms(v):
@@ -299,3 +316,14 @@ def print_summary(s: dict) -> None:
         for line in s["unexpected"][:30]:
             print(f"  {line}")
     print("\nPASS" if s["passed"] else "\nFAIL:" + "".join(f"\n  {line}" for line in s["failures"]))
+    if s["hung"]:
+        # stderr, whose tail a test's report keeps: which requests hung, from when, and the stacks taken meanwhile
+        starts = Counter((h["kind"], round(h.get("t_start", -h.get("since_s", 0)))) for h in s["hung_requests"])
+        print("hung (kind @ start s: count): " + ", ".join(f"{k} @ {t}: {n}" for (k, t), n in starts.items()),
+              file=sys.stderr)
+        dump = s.get("stack_dump") or {}
+        if dump:
+            print(f"stacks at {dump['at_s']} s (late: {', '.join(dump['late_kinds'])}; all in {dump['path']}):",
+                  file=sys.stderr)
+            for process, text in dump.get("python", {}).items():
+                print(f"{process}:\n{compact_stacks(text)}", file=sys.stderr)

@@ -2,7 +2,6 @@
 runs in a background thread and answers through each request's response sender (backend/triton/responses.py)."""
 import itertools
 from functools import partial
-import faulthandler
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from trellm_backend.triton.metrics import MetricsReporter, cache_config_labels
 from trellm_backend.triton.parameters import model_parameters
 from trellm_backend.triton.responses import ResponseGroup, SequenceSink, fail, is_stop_request, lora_control, send
 from trellm_backend.triton.shutdown import watch_server_shutdown
+from trellm_backend.triton.stack_dumps import enable_stack_dumps
 from trellm_backend.triton.tokenization import load_tokenizer
 from trellm_backend.tracing import RequestTrace, RequestTracer, make_tracer, triton_carrier
 
@@ -34,7 +34,7 @@ class TritonPythonModel:
         return auto_complete_llm_inputs(auto_complete_model_config)
 
     def initialize(self, args):
-        faulthandler.enable()   # a crash in native code writes every thread's Python stack to the server log
+        enable_stack_dumps()   # a crash, or SIGUSR1 on a stub that stopped answering: stacks to the server log
         logging.basicConfig(level=logging.INFO, format="[trellm] %(message)s")
         params = model_parameters(json.loads(args["model_config"]))
         # Checks the folder, the KV budget and memory first; a failure names the file and value (Triton's load error).

@@ -1,6 +1,5 @@
 """Triton adapter: llm's token ids -> text_output, with the model folder's tokenizer (backend/engine/detokenizer.py).
 Each request is one llm response; a batch of them is decoded in two tokenizer calls."""
-import faulthandler
 import json
 
 import numpy as np
@@ -8,12 +7,13 @@ import triton_python_backend_utils as pb_utils
 
 from trellm_backend.engine.detokenizer import TokenRun, run_texts
 from trellm_backend.triton.parameters import model_parameters, resolve_model_path
+from trellm_backend.triton.stack_dumps import enable_stack_dumps
 from trellm_backend.triton.tokenization import load_tokenizer, require_tokenizer_files
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        faulthandler.enable()   # a crash in native code writes every thread's Python stack to the server log
+        enable_stack_dumps()   # a crash, or SIGUSR1 on a stub that stopped answering: stacks to the server log
         params = model_parameters(json.loads(args["model_config"]))
         path = resolve_model_path(params["model_path"], args["model_repository"])
         require_tokenizer_files(path)

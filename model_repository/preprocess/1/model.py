@@ -1,6 +1,5 @@
 """Triton adapter: text_input (or chat messages, with any tools) -> input_ids with the model folder's tokenizer
 (backend/triton/tokenization.py). Also reports request parameters that name no input (a typo in an HTTP generate body)."""
-import faulthandler
 import json
 
 import numpy as np
@@ -8,13 +7,14 @@ import triton_python_backend_utils as pb_utils
 
 from trellm_backend.triton.fields import request_parameters_error
 from trellm_backend.triton.parameters import model_parameters, resolve_model_path
+from trellm_backend.triton.stack_dumps import enable_stack_dumps
 from trellm_backend.triton.tokenization import (decode_utf8, encode_prompt, load_tokenizer, prompt_char_limit,
                                                  require_tokenizer_files)
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        faulthandler.enable()   # a crash in native code writes every thread's Python stack to the server log
+        enable_stack_dumps()   # a crash, or SIGUSR1 on a stub that stopped answering: stacks to the server log
         params = model_parameters(json.loads(args["model_config"]))
         path = resolve_model_path(params["model_path"], args["model_repository"])
         require_tokenizer_files(path)   # names the folder, where AutoTokenizer's own error would not

@@ -5,7 +5,6 @@ requests run concurrently in the engine, and no thread is started per request. T
 `max_concurrent_requests` workers, and a request beyond that many in flight is refused at once with UNAVAILABLE
 rather than queued without bound behind them."""
 import concurrent.futures
-import faulthandler
 import json
 import threading
 import uuid
@@ -16,6 +15,7 @@ import triton_python_backend_utils as pb_utils
 from trellm_backend.triton.fields import VLLM_INPUTS, request_parameters_error, tensors_from_values
 from trellm_backend.triton.parameters import model_parameters, resolve_model_path
 from trellm_backend.triton.responses import fail, send
+from trellm_backend.triton.stack_dumps import enable_stack_dumps
 from trellm_backend.triton.vllm import FROM_LLM, parse_vllm_request, vllm_outputs
 from trellm_backend.triton.tokenization import decode_utf8, encode_prompt, load_tokenizer, prompt_char_limit
 from trellm_backend.tracing import traces_endpoint, triton_carrier
@@ -28,7 +28,7 @@ DEFAULT_MAX_CONCURRENT_REQUESTS = 256
 
 class TritonPythonModel:
     def initialize(self, args):
-        faulthandler.enable()   # a crash in native code writes every thread's Python stack to the server log
+        enable_stack_dumps()   # a crash, or SIGUSR1 on a stub that stopped answering: stacks to the server log
         params = model_parameters(json.loads(args["model_config"]))
         self.llm_model = params["llm_model"]
         self.traced = traces_endpoint() is not None    # then each request's trace is passed on to llm

@@ -146,3 +146,32 @@ def test_soak_for_a_minute(default_model_path, tmp_path):
     assert s["ttft_ms"]["n"] > 20 and s["ttft_ms"]["p99"] is not None, s["ttft_ms"]
     assert s["rss_mib"]["start"]["total"] > 0 and s["rss_mib"]["end"]["total"] > 0, s["rss_mib"]
     assert s["processes_left"] == [], s["processes_left"]
+
+
+def test_a_stub_on_sigusr1_writes_every_threads_stack_and_goes_on():
+    """What the soak's watchdog (and an operator) asks of a stub that stopped answering: its threads' Python
+    stacks on stderr (tritonserver's log), the process still running, and the soak's one-line-per-thread digest of
+    them naming the call each thread waits in."""
+    import signal
+    import time
+    from soak_verdict import compact_stacks
+    code = ("import sys, threading\n"
+            "from trellm_backend.triton.stack_dumps import enable_stack_dumps; enable_stack_dumps();"
+            "ev = threading.Event()\n"
+            "def waiting_for_the_engine(): ev.wait()\n"
+            "threading.Thread(target=waiting_for_the_engine, daemon=True).start()\n"
+            "print('ready', flush=True); sys.stdin.readline(); print('alive', flush=True)")
+    proc = subprocess.Popen([sys.executable, "-c", code],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        out, err = proc.communicate("go\n", timeout=30)
+    finally:
+        proc.kill()
+    assert out.strip() == "alive"
+    assert err.count("(most recent call first)") >= 2, err
+    digest = compact_stacks(err).splitlines()
+    assert any(line.strip().startswith("wait (threading.py") and "waiting_for_the_engine" in line for line in digest), \
+        digest

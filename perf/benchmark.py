@@ -44,6 +44,7 @@ os.environ.update(openmp_wait_defaults(os.environ))
 
 from tqdm import tqdm  # noqa: E402
 
+import cpu_use  # noqa: E402
 import grpc_load  # noqa: E402
 import report  # noqa: E402
 from workload import PROFILE_NAMES, PromptMaker, make_items, profiles, run_at_once  # noqa: E402
@@ -67,13 +68,15 @@ async def measure(args, plan, model: str) -> tuple[list[dict], bool]:
     names = await grpc_load.model_inputs(args.url, model)
     send_min_tokens = "min_tokens" in names
     send_ids = "input_ids" in names and "text_input" not in names   # `llm` itself: prompts as token ids
-    levels = await run_plan(url, model, plan, send_min_tokens, send_ids, args.metrics_url, args.no_progress)
+    levels = await run_plan(url, model, plan, send_min_tokens, send_ids, args.metrics_url, args.no_progress,
+                            args.cpu_use)
     return levels, send_min_tokens
 
 
 async def run_plan(url: str, model: str, plan, send_min_tokens: bool, send_ids: bool, metrics_url: str | None,
-                   no_progress: bool) -> list[dict]:
-    """Every level of `plan` against `model` at `url` (gRPC, or an OpenAI server when it starts with http://)."""
+                   no_progress: bool, cpu=None) -> list[dict]:
+    """Every level of `plan` against `model` at `url` (gRPC, or an OpenAI server when it starts with http://);
+    with `cpu` (a cpu_use.CPUUse) each level also carries its CPU seconds by process (`cpu_s`)."""
     levels = []
     total = sum(len(items) for _, _, items in plan)
     with tqdm(total=total, unit="req", desc=model, file=sys.stderr, disable=no_progress) as bar:
@@ -82,10 +85,13 @@ async def run_plan(url: str, model: str, plan, send_min_tokens: bool, send_ids: 
         await grpc_load.run_level(url, model, [warmup], 1, send_min_tokens, send_ids=send_ids)
         for name, concurrency, items in plan:
             bar.set_postfix_str(f"{name} c={concurrency}")
+            before = cpu.snapshot() if cpu else None
             timings, wall, kv_peak = await grpc_load.run_level(url, model, items, concurrency,
                                                                 send_min_tokens, metrics_url, bar.update,
                                                                 send_ids=send_ids)
             levels.append(report.summarize(name, concurrency, timings, wall, kv_peak))
+            if cpu:
+                levels[-1]["cpu_s"] = cpu_use.cpu_seconds(before, cpu.snapshot())
     return levels
 
 
@@ -329,6 +335,8 @@ def parse_args(argv):
                     help="a LoRA adapter (PEFT folder; repeat for more): the requests are measured again with the "
                          "adapters in turn")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--cpu-by-process", action="store_true",
+                    help="with --start-server: each level's CPU ms per output token by process and engine thread")
     args = ap.parse_args(argv)
     chosen_profiles = args.profiles.split(",")
     unknown = set(chosen_profiles) - set(PROFILE_NAMES)
@@ -357,6 +365,10 @@ def main(argv=None) -> int:
         args.llm_param.append("enable_prefix_caching=false")
         print("several entry points on the same requests: prefix caching off (enable_prefix_caching=false)",
               file=sys.stderr)
+    if args.cpu_by_process and not args.start_server:
+        print("--cpu-by-process needs --start-server (it counts the processes of the server it starts)",
+              file=sys.stderr)
+        return 2
     server = front_door = None
     adapters = dict(p.split("=", 1) for p in args.lora if "=" in p)
     if len(adapters) != len(args.lora):
@@ -379,6 +391,9 @@ def main(argv=None) -> int:
             [port] = free_ports(1)
             front_door = start_front_door(server, port, None)
             args.openai_url = f"http://localhost:{port}"
+    args.cpu_use = None
+    if args.cpu_by_process:
+        args.cpu_use = cpu_use.CPUUse(server.proc.pid, {"front door": front_door.pid} if front_door else None)
     if args.metrics_url is None:
         args.metrics_url = f"http://{args.url.rsplit(':', 1)[0]}:8002/metrics"
     args.engine_settings = served_engine_settings(args.model_repository, dict(p.split("=", 1) for p in args.llm_param))
@@ -427,12 +442,16 @@ def main(argv=None) -> int:
     pngs = report.plot(levels, os.path.join(args.out, ""), {VLLM_SERVED_LABEL: vllm_levels} if vllm_levels else None,
                        f"this server ({models[0]})")
     print(report.table(levels, baselines))
+    if args.cpu_use:
+        print("\n" + cpu_use.table(levels))
     if baselines:
         print()
         print(report.comparison(levels, baselines, args.baseline_profile, args.model))
     for m, other in others.items():
         print(f"\n{m} (same server, same requests):")
         print(report.table(other, []))
+        if args.cpu_use:
+            print("\n" + cpu_use.table(other))
         for mine, theirs in zip(levels, other):
             print(f"{mine['profile']} c={mine['concurrency']}: {models[0]} / {m} output tok/s = "
                   f"{mine['output_tok_s'] / theirs['output_tok_s']:.2f}")

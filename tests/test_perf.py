@@ -248,3 +248,30 @@ def test_locust_users_stream_without_failures(triton_server, tmp_path):
             row = rows[(kind, event)]
             assert int(row["Request Count"]) > 0 and int(row["Failure Count"]) == 0, row
         assert 0 < float(rows[(kind, "e2e")]["Average Content Size"]) <= 8   # tokens per answer, at most as asked
+
+
+def test_cpu_by_process_counts_an_engine_threads_time_under_its_name():
+    """--cpu-by-process's accounting: a process whose busy thread is named as the engine loop names its stepping
+    thread shows that thread's CPU time on its own row, the idle ones under "other", and the table turns it into
+    milliseconds per output token."""
+    import cpu_use
+    code = ("import threading, time, sys\n"
+            "from trellm_backend.engine.cores import name_os_thread\n"
+            "def spin():\n"
+            "    name_os_thread(); end = time.process_time() + 0.6\n"
+            "    while time.process_time() < end: pass\n"
+            "    print('done', flush=True); sys.stdin.readline()\n"
+            "threading.Thread(target=spin, name='trellm-engine').start()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        use = cpu_use.CPUUse(proc.pid)
+        before = use.snapshot()
+        assert proc.stdout.readline().strip() == "done"
+        rows = cpu_use.cpu_seconds(before, use.snapshot())
+    finally:
+        proc.communicate("\n", timeout=30)
+    assert rows["tritonserver trellm-engine"] >= 0.4, rows
+    assert rows.get("tritonserver other", 0.0) < 0.3, rows
+    text = cpu_use.table([{"profile": "low", "concurrency": 1, "cpu_s": rows, "wall_s": 1.0, "output_tokens": 100}])
+    engine_line = next(line for line in text.splitlines() if line.startswith("tritonserver trellm-engine"))
+    assert abs(float(engine_line.split()[-1]) - 1000 * rows["tritonserver trellm-engine"] / 100) < 1e-3

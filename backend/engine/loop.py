@@ -31,7 +31,7 @@ from typing import Callable, Protocol
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.request import Request, RequestOutput
 from trellm_backend.engine.stats import SchedulerStats
-from trellm_backend.engine.cores import release_thread_pool, yield_threads
+from trellm_backend.engine.cores import name_os_thread, release_thread_pool, yield_threads
 
 log = logging.getLogger("trellm")
 
@@ -259,6 +259,7 @@ class EngineLoop:
         return merged
 
     def _respond(self) -> None:
+        name_os_thread()
         while True:
             for msg in self._take_outbox():
                 if msg is None:
@@ -282,6 +283,7 @@ class EngineLoop:
                 log.debug("last response of a request not delivered", exc_info=True)
 
     def _watch_cancellations(self) -> None:
+        name_os_thread()
         while not self._stopping:
             start = time.perf_counter()
             sinks = list(self._sinks.items())
@@ -431,6 +433,7 @@ class EngineLoop:
             self._outbox.put(Fail(self._forget(rid), message))
 
     def _run(self) -> None:
+        name_os_thread()
         while not self._stopping:
             try:
                 self._iterate()

@@ -153,12 +153,34 @@ def chunk_from_result(result) -> Chunk:
                  top_logprobs=json.loads(top) if top else None)
 
 
+# At most this long between a gRPC channel's attempts to reach a server that went away (gRPC's own backoff grows to
+# 120 s): a long-lived client, the front door's, serves again within it once the server is back.
+MAX_RECONNECT_BACKOFF_MS = 1000
+
+
+def channel_args() -> list[tuple[str, int]]:
+    """tritonclient's gRPC channel options, plus a connection of the channel's own and a short reconnect backoff.
+    gRPC shares one connection per address among a process's channels, and with it its reconnect backoff: after a
+    server restart a new client failed "failed to connect to all addresses" while another client's channel waited
+    out its backoff, the server up meanwhile."""
+    from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, KeepAliveOptions
+    keepalive = KeepAliveOptions()
+    return [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+            ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
+
+
 class LLMClient:
     def __init__(self, url: str = "localhost:8001", model: str = "ensemble"):
         import tritonclient.grpc as grpcclient
         self._grpc = grpcclient
         self.url, self.model = url, model
-        self.client = grpcclient.InferenceServerClient(url)
+        self.client = grpcclient.InferenceServerClient(url, channel_args=channel_args())
         self._engine_model: str | None = None    # an ensemble's decoupled step, found on first use
 
     def __enter__(self):
@@ -262,7 +284,7 @@ class AsyncLLMClient:
         import tritonclient.grpc.aio as aio
         self._grpc = aio
         self.url, self.model = url, model
-        self.client = aio.InferenceServerClient(url)
+        self.client = aio.InferenceServerClient(url, channel_args=channel_args())
         self._engine_model: str | None = None    # an ensemble's decoupled step, found on first use
         self._stops: set = set()                 # stop requests on their way (held so they are not collected)
 

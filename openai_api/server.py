@@ -28,7 +28,7 @@ from trellm_openai.keys import KeyStore, Limiter
 from trellm_openai.protocol import APIError, Generation
 from trellm_openai.relay import OneLineBadRequests, Relay, body_nests_deeper_than, read_at_most
 from trellm_openai.tools import TOOL_CALL_PARSERS, CallStream, final_message
-from trellm_client.client import AsyncLLMClient, ServerUnavailable, ensemble_steps, infer_input
+from trellm_client.client import AsyncLLMClient, ServerUnavailable, channel_args, ensemble_steps, infer_input
 
 log = logging.getLogger("trellm.openai")
 MAX_BODY_BYTES = 4 << 20           # a prompt of about a million tokens of English is still far below this
@@ -71,7 +71,7 @@ class FrontDoor:
         self.triton_url = triton_url
         self.triton_metrics_url = triton_metrics_url
         self._http: object | None = None        # the aiohttp session that reads triton_metrics_url, made on first use
-        self.triton = aio.InferenceServerClient(triton_url)
+        self.triton = aio.InferenceServerClient(triton_url, channel_args=channel_args())
         self.clients: dict[str, AsyncLLMClient] = {}
         self.keys = KeyStore(keys_file)
         self.limiter = Limiter()

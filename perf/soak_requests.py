@@ -18,7 +18,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from trellm_client.client import build_inputs, chunk_from_result, infer_input
+from trellm_client.client import build_inputs, channel_args, chunk_from_result, infer_input
 from trellm_client.client import llm_inputs as client_llm_inputs, vllm_inputs as client_vllm_inputs
 
 CONNECTION_WORDS = ("socket closed", "connect", "connection", "unavailable", "not healthy", "broken pipe", "reset",
@@ -148,7 +148,7 @@ class Requests:
         q: queue.Queue = queue.Queue()
         start = time.monotonic()
         end = start + (deadline or self.deadline)
-        client = grpcclient.InferenceServerClient(self.server_grpc)
+        client = grpcclient.InferenceServerClient(self.server_grpc, channel_args=channel_args())
         ttft, n, reason, settled = None, 0, "", False
         try:
             client.start_stream(callback=lambda result, error: q.put((time.monotonic(), result, error)))

@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from soak_requests import (Record, Requests, StreamOutcome, close_stream, ensemble_inputs, error_class,
                            grpc_error_outcome, llm_inputs, next_response, send, tensor, vllm_inputs, words)
-from trellm_client.client import AsyncLLMClient, LLMClient, build_inputs, chunk_from_result
+from trellm_client.client import AsyncLLMClient, LLMClient, build_inputs, channel_args, chunk_from_result
 
 PROMPTS = ["The Python language", "A function definition", "Lists and tuples", "The import statement",
            "Once upon a time", "Exceptions are raised when", "A dictionary maps", "Modules and packages"]
@@ -186,7 +186,7 @@ class Traffic(Requests):
         return kinds
 
     def _mf_unary(self, rng):
-        client = grpcclient.InferenceServerClient(self.server_grpc)
+        client = grpcclient.InferenceServerClient(self.server_grpc, channel_args=channel_args())
         try:
             client.infer(self.ensemble, ensemble_inputs("hello", max_tokens=2), client_timeout=self.deadline)
             return StreamOutcome("ok")
@@ -361,7 +361,7 @@ class Traffic(Requests):
             return [self.record(kind, "overload", r.outcome if r else "hung", start, message=r.message if r else "")
                     for r in results]
         q: queue.Queue = queue.Queue()
-        client = grpcclient.InferenceServerClient(self.server_grpc)
+        client = grpcclient.InferenceServerClient(self.server_grpc, channel_args=channel_args())
         outcomes: list[tuple[str, str]] = []
         settled = False
         try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 
@@ -101,3 +102,75 @@ def test_cli_goes_through_the_openai_front_door(triton_server):
         stop_front_door(door)
     run = cli("--openai", url, "generate", PROMPT)
     assert run.returncode == 2 and "no OpenAI front door" in run.stderr
+
+
+def test_clients_reach_a_restarted_server_as_soon_as_it_serves(tmp_path):
+    """A server restarted (by the supervisor, say) while other channels of the process keep asking it, as the OpenAI
+    front door's do under traffic: once it serves again, a new client and the door answer within a second or so.
+    gRPC's reconnect backoff grows to minutes and is shared by every channel of a process to the same address, so
+    new clients failed with "failed to connect to all addresses" for seconds while the server was up."""
+    import json
+    import os
+    import time
+    import urllib.request
+    import tritonclient.grpc.aio as aio
+    from conftest import REPO
+    from trellm_backend.tools.launch import TritonServer, start_front_door, stop_front_door
+    server = TritonServer(os.path.join(REPO, "model_repository"), *free_ports(3),
+                          log_path=str(tmp_path / "server.log")).start()
+    [door_port] = free_ports(1)
+    door = start_front_door(server, door_port, None)
+
+    def door_answers() -> bool:
+        body = json.dumps({"model": "ensemble", "prompt": "Hello", "max_tokens": 2}).encode()
+        req = urllib.request.Request(f"http://localhost:{door_port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    async def new_client_answers() -> bool:
+        async with AsyncLLMClient(server.grpc_url) as client:
+            try:
+                return len([t async for t in client.stream("Hello", max_tokens=2)]) > 0
+            except ConnectionError:
+                return False
+
+    async def seconds_until(ask, limit: float = 15.0) -> float:
+        start = time.monotonic()
+        while not await ask():
+            assert time.monotonic() - start < limit, f"no answer {limit} s after the server was back"
+            await asyncio.sleep(0.1)
+        return time.monotonic() - start
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        other = aio.InferenceServerClient(server.grpc_url)    # another gRPC user of the process, tritonclient's defaults
+        try:
+            assert await new_client_answers() and door_answers()
+            server.stop(timeout=0)
+            # The server away for a while and starting again, while the other channel and the door keep asking:
+            # their failed connections back off, longer each time.
+            away_until = time.monotonic() + 10
+            start = None
+            while start is None or not start.done():
+                with contextlib.suppress(Exception):
+                    await other.is_server_live()
+                await loop.run_in_executor(None, door_answers)
+                await asyncio.sleep(0.2)
+                if start is None and time.monotonic() > away_until:
+                    start = loop.run_in_executor(None, server.start)
+            await start
+            first = await new_client_answers()      # the first try, the moment the server is back
+            return first, await seconds_until(lambda: loop.run_in_executor(None, door_answers))
+        finally:
+            await other.close()
+    try:
+        new_client_answered, door_wait = asyncio.run(scenario())
+    finally:
+        stop_front_door(door)
+        server.stop()
+    assert new_client_answered, "a new client failed against a server that was back (the other channel's backoff)"
+    assert door_wait < 2.0, f"the front door answered {door_wait:.1f} s after the server was back"

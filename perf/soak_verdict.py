@@ -317,13 +317,17 @@ def print_summary(s: dict) -> None:
             print(f"  {line}")
     print("\nPASS" if s["passed"] else "\nFAIL:" + "".join(f"\n  {line}" for line in s["failures"]))
     if s["hung"]:
-        # stderr, whose tail a test's report keeps: which requests hung, from when, and the stacks taken meanwhile
-        starts = Counter((h["kind"], round(h.get("t_start", -h.get("since_s", 0)))) for h in s["hung_requests"])
-        print("hung (kind @ start s: count): " + ", ".join(f"{k} @ {t}: {n}" for (k, t), n in starts.items()),
-              file=sys.stderr)
-        dump = s.get("stack_dump") or {}
-        if dump:
-            print(f"stacks at {dump['at_s']} s (late: {', '.join(dump['late_kinds'])}; all in {dump['path']}):",
-                  file=sys.stderr)
-            for process, text in dump.get("python", {}).items():
-                print(f"{process}:\n{compact_stacks(text)}", file=sys.stderr)
+        print_hung(s, sys.stderr)
+
+
+def print_hung(s: dict, out) -> None:
+    """Which requests hung, from when, and the stubs' stacks taken meanwhile, one line per thread (the soak prints
+    them on stderr, whose tail a test's report keeps)."""
+    starts = Counter((h["kind"], f"@ {h['t_start']:.0f} s" if "t_start" in h else f"in it for {h['since_s']} s")
+                     for h in s["hung_requests"])
+    print("hung (kind, start: count): " + ", ".join(f"{k} {t}: {n}" for (k, t), n in starts.items()), file=out)
+    dump = s.get("stack_dump") or {}
+    if dump:
+        print(f"stacks at {dump['at_s']} s (late: {', '.join(dump['late_kinds'])}; all in {dump['path']}):", file=out)
+        for process, text in dump.get("python", {}).items():
+            print(f"{process}:\n{compact_stacks(text)}", file=out)

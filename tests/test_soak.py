@@ -152,9 +152,10 @@ def test_a_stub_on_sigusr1_writes_every_threads_stack_and_goes_on():
     """What the soak's watchdog (and an operator) asks of a stub that stopped answering: its threads' Python
     stacks on stderr (tritonserver's log), the process still running, and the soak's one-line-per-thread digest of
     them naming the call each thread waits in."""
+    import io
     import signal
     import time
-    from soak_verdict import compact_stacks
+    from soak_verdict import compact_stacks, print_hung
     code = ("import sys, threading\n"
             "from trellm_backend.triton.stack_dumps import enable_stack_dumps; enable_stack_dumps();"
             "ev = threading.Event()\n"
@@ -175,3 +176,12 @@ def test_a_stub_on_sigusr1_writes_every_threads_stack_and_goes_on():
     digest = compact_stacks(err).splitlines()
     assert any(line.strip().startswith("wait (threading.py") and "waiting_for_the_engine" in line for line in digest), \
         digest
+    # A soak's report of a hang: the hung requests by kind and start, then the stubs' stacks in that digest.
+    report = io.StringIO()
+    print_hung({"hung_requests": [{"kind": "burst_grpc_llm", "t_start": 2.2}] * 50 + [
+                    {"kind": "grpc_llm_stream", "since_s": 70.0, "outcome": "stuck"}],
+                "stack_dump": {"at_s": 32.2, "late_kinds": ["burst_grpc_llm"], "path": "stacks.txt",
+                               "python": {"stub:llm (123)": err}}}, report)
+    text = report.getvalue()
+    assert "burst_grpc_llm @ 2 s: 50" in text and "grpc_llm_stream in it for 70.0 s: 1" in text, text
+    assert "stub:llm (123):" in text and "waiting_for_the_engine" in text, text

@@ -79,7 +79,8 @@ def crash_lines(log: bytes, kill_span: tuple[int, int] | None = None,
         line = raw.decode(errors="replace").rstrip()
         if not (CRASH.match(line) or STOP_TIMEOUT in line):
             continue
-        of_the_abort = UPSTREAM_ABORT.decode() in line or line.startswith("Signal (6)")
+        # "terminate called recursively": a second thread throwing while the first abort runs, part of the same one
+        of_the_abort = UPSTREAM_ABORT.decode() in line or line.startswith(("Signal (6)", "terminate called recursively"))
         if abort_in_span and of_the_abort and kill_span[0] <= start < kill_span[1]:
             excused.append(line.strip())
         elif models_stuck_at_stop and start > last_stop and (STOP_TIMEOUT in line or line.startswith("Signal (6)")):

@@ -85,6 +85,11 @@ def test_the_verdict_excuses_only_what_the_stub_kill_causes():
     crashes, excused_lines = crash_lines(log, (start, start + len(ABORT)))
     assert len(excused_lines) == 3 and len(crashes) == 3 and crashes[2] == "Signal (6) received.", crashes
     assert crash_lines(b"Signal (11) received.\n", (0, 100)) == (["Signal (11) received."], [])
+    # The same abort hit by two threads at once (seen here once in 36 runs): its second "terminate" is that abort too.
+    twice = ABORT + b"terminate called recursively\nSignal (6) received.\n"
+    crashes, excused_lines = crash_lines(twice, (0, len(twice)))
+    assert crashes == [] and len(excused_lines) == 5, (crashes, excused_lines)
+    assert "terminate called recursively" in crash_lines(twice)[0]
     # A final stop that waited out the exit timeout: excused (with its abort) when only models were left to unload,
     # a failure when an inference was still counted in flight (a leak of this server's making).
     stop = (b"Signal (15) received.\nI1127 server.cc:321] \"Timeout 10: Found 0 model versions that have in-flight "

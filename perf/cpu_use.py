@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
-from trellm_backend.tools.supervisor import server_children
+from trellm_backend.tools.supervisor import proc_stat, server_children
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # The engine loop names its OS threads (engine/cores.py name_os_thread); the stepping thread's OpenMP workers
@@ -24,14 +24,10 @@ def thread_ticks(pid: int) -> dict[str, int]:
     except OSError:
         return {}
     for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name = stat[stat.find("(") + 1:stat.rfind(")")]
-        fields = stat[stat.rfind(")") + 2:].split()
-        out[name] += int(fields[11]) + int(fields[12])    # utime, stime (fields 14 and 15 of stat)
+        stat = proc_stat(f"/proc/{pid}/task/{tid}/stat")
+        if stat is not None:
+            name, fields = stat
+            out[name] += int(fields[11]) + int(fields[12])    # utime, stime (fields 14 and 15 of stat)
     return out
 
 

@@ -65,18 +65,26 @@ class Child(NamedTuple):
     region: str = ""
 
 
+def proc_stat(path: str) -> tuple[str, list[str]] | None:
+    """A /proc/PID/stat (or /proc/PID/task/TID/stat) file as (comm, the fields after it: state, ppid, ...); None once
+    the process or thread is gone."""
+    stat = _read(path)
+    if not stat:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis.
+    return stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:].split()
+
+
 def server_children(server_pid: int) -> dict[int, Child]:
     """The server's child processes by pid."""
     children = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        stat = _read(f"/proc/{entry}/stat")
-        if not stat:
+        stat = proc_stat(f"/proc/{entry}/stat")
+        if stat is None:
             continue
-        # "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis.
-        comm = stat[stat.find("(") + 1:stat.rfind(")")]
-        state, ppid = stat[stat.rfind(")") + 2:].split()[:2]
+        comm, (state, ppid) = stat[0], stat[1][:2]
         if int(ppid) != server_pid:
             continue
         stub = stub_command(_read(f"/proc/{entry}/cmdline", "rb") or b"")

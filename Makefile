@@ -6,6 +6,7 @@ HTTP_PORT  ?= 8000
 GRPC_PORT  ?= 8001
 METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
+OPENAI_GRPC_PORT ?= 9001
 PROMPT     ?= The Python language reference says that a function
 
 .PHONY: setup model serve test clean
@@ -18,7 +19,8 @@ model: setup
 
 serve: model
 	$(PY) -m trellm_backend.tools.launch --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT) --openai-tool-call-parser hermes \
+		--metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT) --openai-grpc-port $(OPENAI_GRPC_PORT) \
+		--openai-tool-call-parser hermes \
 		--demo-prompt "$(PROMPT)"
 
 test: model

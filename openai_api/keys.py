@@ -141,5 +141,9 @@ class Limiter:
     def finish(self, key: Key, tokens: int) -> None:
         """A request of `key` ended having used `tokens` (prompt + completion): count them, free its stream."""
         self.streams[key.name] = max(0, self.streams.get(key.name, 0) - 1)
+        self.count_tokens(key, tokens)
+
+    def count_tokens(self, key: Key, tokens: int) -> None:
+        """Count `tokens` (prompt + completion) against `key`'s minute."""
         if key.tpm is not None and tokens > 0:
             self.windows.hit(RateLimitItemPerMinute(key.tpm), key.name, "tokens", cost=tokens)

@@ -23,7 +23,7 @@ import numpy as np
 from aiohttp import web
 
 from trellm_backend import tracing
-from trellm_openai import protocol
+from trellm_openai import grpc_relay, protocol
 from trellm_openai.keys import KeyStore, Limiter
 from trellm_openai.protocol import APIError, Generation
 from trellm_openai.relay import OneLineBadRequests, Relay, body_nests_deeper_than, read_at_most
@@ -134,7 +134,10 @@ class FrontDoor:
         return models.get(model)
 
     async def _refresh_models(self) -> dict[str, tuple[str, str | None]]:
-        index = await self.triton.get_model_repository_index(as_json=True)
+        # Triton's gRPC port is on loopback, or public with its repository API behind the launcher's admin key.
+        admin_key = os.environ.get("TRELLM_TRITON_ADMIN_KEY")
+        index = await self.triton.get_model_repository_index(
+            as_json=True, headers={"triton-grpc-protocol-triton-admin-key": admin_key} if admin_key else None)
         models, adapters = {}, []
         for m in index.get("models", []):
             if m.get("state") != "READY":
@@ -528,6 +531,13 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--keys-file", default=os.environ.get("TRELLM_API_KEYS_FILE"),
                     help="API keys and their limits (openai_api/keys.py); without one the front door is open")
+    ap.add_argument("--grpc-port", type=int, default=0,
+                    help="also serve Triton's KServe gRPC API on this port, relayed to --triton-url with keys and "
+                         "limits, admin calls refused (openai_api/grpc_relay.py; default 0: not served)")
+    ap.add_argument("--grpc-max-message-bytes", type=int, default=grpc_relay.MAX_MESSAGE_BYTES,
+                    help="the largest gRPC request message the relay takes")
+    ap.add_argument("--grpc-max-streams-per-connection", type=int, default=grpc_relay.MAX_STREAMS_PER_CONNECTION,
+                    help="calls and streams at once on one gRPC connection")
     ap.add_argument("--triton-metrics-url", default="http://localhost:8002/metrics",
                     help="tritonserver's metrics, appended to this server's /metrics ('' for none)")
     ap.add_argument("--model-repository", default=default_repository(),
@@ -545,13 +555,22 @@ def main(argv=None) -> int:
         door = FrontDoor(args.triton_url, args.keys_file, args.model_repository, args.triton_metrics_url,
                          args.tool_call_parser, args.triton_http_url)
         runner = await serve(door, args.host, args.port)
-        print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 "
+        relay = grpc_server = None
+        if args.grpc_port:
+            relay = grpc_relay.GrpcRelay(args.triton_url, door.keys, door.limiter, door.metrics)
+            grpc_server = await grpc_relay.serve(relay, args.host, args.grpc_port, args.grpc_max_message_bytes,
+                                                 args.grpc_max_streams_per_connection)
+        grpc_line = f", Triton's KServe gRPC on {args.host}:{args.grpc_port}" if args.grpc_port else ""
+        print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1{grpc_line} "
               f"({'keys from ' + args.keys_file if args.keys_file else 'open: no keys file'})", flush=True)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)   # a clean stop exports its spans
         try:
             await stop.wait()
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace=1.0)
+                await relay.close()
             await runner.cleanup()
     try:
         asyncio.run(run())

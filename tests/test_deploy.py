@@ -56,6 +56,9 @@ def test_compose_file_validates_and_feeds_the_nginx_template():
     with open(os.path.join(REPO, "Dockerfile")) as f:
         assert f.readline().startswith("#") and "FROM nvcr.io/nvidia/tritonserver:26.09-py3" in f.read()
     lb = services["balancer"]
+    # gRPC clients reach each server's front door relay, never Triton's own gRPC port (loopback in the container)
+    relay = next(a.split("=", 1)[1] for a in services["triton"]["command"] if a.startswith("--openai-grpc-port="))
+    assert f"triton:{relay};" in lb["environment"]["TRITON_GRPC_SERVERS"]
     assert f"{NGINX_TEMPLATE}:/etc/nginx/templates/default.conf.template:ro" in lb["volumes"]
     with open(NGINX_TEMPLATE) as f:
         variables = set(re.findall(r"\$\{([A-Z_]+)\}", f.read()))
@@ -65,13 +68,14 @@ def test_compose_file_validates_and_feeds_the_nginx_template():
 
 def start_nginx(workdir: str, http_port: int, grpc_port: int, openai_port: int, replicas, front_doors) -> subprocess.Popen:
     """nginx in the foreground on loopback ports, with the compose file's template behind a minimal main config
-    whose logs, pid and temp folders live in `workdir`."""
+    whose logs, pid and temp folders live in `workdir`; `front_doors`: (HTTP port, gRPC relay port, process)."""
     with open(NGINX_TEMPLATE) as f:
         balancer = string.Template(f.read()).safe_substitute(   # nginx's own $variables stay
             # HTTP goes to each replica's front door, which relays Triton's v2 routes (as the compose file has it)
-            TRITON_HTTP_SERVERS=" ".join(f"server 127.0.0.1:{port};" for port, _ in front_doors),
-            TRITON_GRPC_SERVERS=" ".join(f"server 127.0.0.1:{r.grpc_port};" for r in replicas),
-            TRITON_OPENAI_SERVERS=" ".join(f"server 127.0.0.1:{port};" for port, _ in front_doors),
+            TRITON_HTTP_SERVERS=" ".join(f"server 127.0.0.1:{port};" for port, _, _ in front_doors),
+            # gRPC goes to each replica's front door's relay (Triton's own gRPC port is on loopback)
+            TRITON_GRPC_SERVERS=" ".join(f"server 127.0.0.1:{port};" for _, port, _ in front_doors),
+            TRITON_OPENAI_SERVERS=" ".join(f"server 127.0.0.1:{port};" for port, _, _ in front_doors),
             LB_HTTP_PORT=f"127.0.0.1:{http_port}", LB_GRPC_PORT=f"127.0.0.1:{grpc_port}",
             LB_OPENAI_PORT=f"127.0.0.1:{openai_port}")
     assert not re.search(r"\$\{[A-Z_]+\}", balancer), "a template variable the test does not set"
@@ -130,8 +134,8 @@ def topology(default_model_path, tmp_path_factory):
         if errors:
             raise errors[0]
         for r in replicas:    # each replica's OpenAI front door, as the compose file runs one per container
-            port = free_ports(1)[0]
-            front_doors.append((port, start_front_door(r, port, None)))
+            port, grpc_port = free_ports(2)
+            front_doors.append((port, grpc_port, start_front_door(r, port, None, grpc_port=grpc_port)))
         lb_http, lb_grpc, lb_openai = free_ports(3)
         nginx = start_nginx(str(root), lb_http, lb_grpc, lb_openai, replicas, front_doors)
         yield replicas, f"127.0.0.1:{lb_http}", f"127.0.0.1:{lb_grpc}", f"http://127.0.0.1:{lb_openai}/v1"
@@ -139,7 +143,7 @@ def topology(default_model_path, tmp_path_factory):
         if nginx is not None:
             nginx.terminate()
             nginx.wait(timeout=30)
-        for _, proc in front_doors:
+        for _, _, proc in front_doors:
             stop_front_door(proc)
         for r in replicas:
             r.stop()

@@ -163,9 +163,11 @@ def test_ports_probes_and_metrics_are_what_a_live_server_has(triton_server):
     c = container()
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     defaults = launch.parser().parse_args([])      # what the container's command leaves to the launcher
-    assert (ports["grpc"], ports["metrics"]) == (defaults.grpc_port, defaults.metrics_port)
+    assert ports["metrics"] == defaults.metrics_port
     assert "http" not in ports and not defaults.http_public, "Triton's own HTTP port is the pod's loopback only"
+    assert not defaults.grpc_public, "Triton's own gRPC port is the pod's loopback only"
     assert f"--openai-port={ports['openai']}" in c["command"]
+    assert f"--openai-grpc-port={ports['grpc']}" in c["command"], "the pod's gRPC port is the front door's relay"
     # Startup (inside the container): the probe's own command, pointed at the live server, passes; at a port with
     # no server, fails.
     for probe in ("startupProbe",):

@@ -34,6 +34,12 @@ from trellm_backend.tracing import traces_endpoint
 from trellm_openai.tools import TOOL_CALL_PARSERS
 
 DEFAULT_REPOSITORY = default_repository()
+# Triton's APIs that change or expose the server (a model.py uploaded with a load runs inside it): on a public port
+# they want ADMIN_HEADER with the launcher's admin key (Triton's --http-restricted-api, --grpc-restricted-protocol).
+ADMIN_APIS = ("model-repository", "shared-memory", "trace", "logging")
+ADMIN_HEADER = "triton-admin-key"
+GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER    # Triton prefixes the metadata key a gRPC call sends
+ADMIN_KEY_ENV = "TRELLM_TRITON_ADMIN_KEY"     # how the front door learns it (its model list reads the repository index)
 MODEL_CONTROL_MODES = ("none", "poll", "explicit")
 # Error lines of tritonserver's log that a CPU-only host always prints: not failures of this repository.
 HARMLESS_ERRORS = ("cuda", "nvml", "dcgm", "gpu", "pinned memory")
@@ -138,11 +144,14 @@ class TritonServer:
     def __init__(self, model_repository: str = DEFAULT_REPOSITORY, http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, log_path: str | None = None, extra_args: list[str] | None = None,
                  model_control_mode: str = "none", load_models: list[str] | None = None,
-                 otlp_traces_endpoint: str | None = None):
+                 otlp_traces_endpoint: str | None = None, http_public: bool = False, grpc_public: bool = False,
+                 admin_key: str | None = None):
         """model_control_mode "explicit" loads only `load_models` at start (all models with "*"); others are then
         loaded and unloaded through the repository API (POST /v2/repository/models/<name>/load|unload).
         `otlp_traces_endpoint` (an OTLP/HTTP URL, .../v1/traces): every request is traced there, by tritonserver
-        (its ensemble and step spans) and by the engine (tracing.py); a front door started for this server too."""
+        (its ensemble and step spans) and by the engine (tracing.py); a front door started for this server too.
+        Triton's HTTP and gRPC ports listen on 127.0.0.1 unless `http_public`/`grpc_public`; a public one serves
+        ADMIN_APIS only to calls with ADMIN_HEADER: `admin_key` (required then)."""
         if model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode={model_control_mode!r}; one of {MODEL_CONTROL_MODES}")
         if load_models and model_control_mode != "explicit":
@@ -153,6 +162,10 @@ class TritonServer:
         self.log_path = log_path
         self.extra_args = extra_args or []
         self.otlp_traces_endpoint = otlp_traces_endpoint
+        if (http_public or grpc_public) and not admin_key:
+            raise ValueError("a public Triton port needs an admin key for its repository, shared-memory, trace and "
+                             "logging APIs")
+        self.http_public, self.grpc_public, self.admin_key = http_public, grpc_public, admin_key
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -164,13 +177,29 @@ class TritonServer:
     def grpc_url(self) -> str:
         return f"localhost:{self.grpc_port}"
 
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """What an HTTP call to ADMIN_APIS sends (nothing while the HTTP port is on loopback)."""
+        return {ADMIN_HEADER: self.admin_key} if self.http_public else {}
+
+    @property
+    def grpc_admin_headers(self) -> dict[str, str]:
+        """What a gRPC call to ADMIN_APIS sends (nothing while the gRPC port is on loopback)."""
+        return {GRPC_ADMIN_HEADER: self.admin_key} if self.grpc_public else {}
+
+    def address_args(self) -> list[str]:
+        """tritonserver's flags for where its HTTP and gRPC ports listen, and which of their APIs want the key."""
+        restricted = f"{','.join(ADMIN_APIS)}:{ADMIN_HEADER}={self.admin_key}"
+        return [*(["--http-restricted-api=" + restricted] if self.http_public else ["--http-address=127.0.0.1"]),
+                *(["--grpc-restricted-protocol=" + restricted] if self.grpc_public else ["--grpc-address=127.0.0.1"])]
+
     def start(self, timeout: float = 300.0) -> "TritonServer":
         cmd, env_add = prepare_server()
         cmd = cmd + [
             f"--model-repository={self.model_repository}", f"--http-port={self.http_port}",
             f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}", "--exit-timeout-secs=10",
             f"--model-control-mode={self.model_control_mode}", *(f"--load-model={m}" for m in self.load_models),
-            *trace_args(self.otlp_traces_endpoint), *self.extra_args]
+            *self.address_args(), *trace_args(self.otlp_traces_endpoint), *self.extra_args]
         env = {**os.environ, **openmp_wait_defaults(os.environ), **env_add, **trace_env(self.otlp_traces_endpoint)}
         self._log = open(self.log_path, "ab") if self.log_path else None
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=self._log,
@@ -319,14 +348,47 @@ def parser() -> argparse.ArgumentParser:
                     help="tritonserver's own HTTP port on every interface; by default it listens on 127.0.0.1 only, "
                          "and the front door's port (--openai-port) serves its KServe v2 routes, relayed after a "
                          "check of each body (Triton 2.51's HTTP parser crashes on a deeply nested one)")
+    ap.add_argument("--grpc-public", action="store_true",
+                    help="tritonserver's own gRPC port on every interface; by default it listens on 127.0.0.1 only, "
+                         "and the front door's gRPC port (--openai-grpc-port) relays its health, metadata and "
+                         "inference calls, with keys and limits")
+    ap.add_argument("--openai-grpc-port", type=int, default=0, metavar="PORT",
+                    help="with --openai-port, the front door also serves Triton's KServe gRPC API on this port "
+                         "(default 0: not served; `make serve`, compose and Kubernetes use 9001)")
+    ap.add_argument("--admin-key-file", default=None, metavar="FILE",
+                    help="with --http-public or --grpc-public: the value Triton's repository, shared-memory, trace "
+                         f"and logging APIs then want in a `{ADMIN_HEADER}` header (default: a new random key, "
+                         "written to a file only its owner reads, its path printed)")
     return ap
+
+
+def admin_key(path: str | None) -> tuple[str, str]:
+    """(the admin key, the file holding it): read from `path`, or a new random one in a new owner-only file."""
+    if path:
+        with open(path) as f:
+            key = f.read().strip()
+        if not key or any(c.isspace() or c in ",:=" for c in key):
+            raise ValueError(f"{path}: an admin key is one word without ',', ':' or '=' (Triton's flag syntax)")
+        return key, path
+    import secrets
+    key = secrets.token_urlsafe(32)
+    fd, path = tempfile.mkstemp(prefix="trellm-admin-key-")     # mode 0600
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key, path
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args, extra = ap.parse_known_args(argv)
-    if not args.http_public:
-        extra = [*extra, "--http-address=127.0.0.1"]
+    if args.openai_grpc_port and not args.openai_port:
+        ap.error("--openai-grpc-port needs --openai-port: the gRPC relay is part of the front door")
+    key = key_file = None
+    if args.http_public or args.grpc_public:
+        try:
+            key, key_file = admin_key(args.admin_key_file)
+        except (OSError, ValueError) as e:
+            ap.error(str(e))
 
     log_path = None if args.verbose else (
         args.log_file or os.path.join(tempfile.gettempdir(), f"trellm-tritonserver-{args.http_port}.log"))
@@ -335,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = TritonServer(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
                               log_path=log_path, extra_args=extra, model_control_mode=args.model_control_mode,
-                              load_models=args.load_model, otlp_traces_endpoint=args.otlp_traces_endpoint)
+                              load_models=args.load_model, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                              http_public=args.http_public, grpc_public=args.grpc_public, admin_key=key)
     except ValueError as e:
         ap.error(str(e))
     stop = {"now": False}
@@ -362,17 +425,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}" + "".join(f"\n  {line}" for line in errors), file=sys.stderr, flush=True)
             return 1
         log_line = f"\n  log     {log_path}" if log_path else ""
-        where = "every interface" if args.http_public else "127.0.0.1 only"
-        http_line = (f"\n  HTTP    http://localhost:{args.http_port}  (Triton's own, on {where}: POST "
-                     "/v2/models/ensemble/generate_stream)")
+        admin_line = (f"\n  admin   {', '.join(ADMIN_APIS)} on the public Triton ports want the key in {key_file}: "
+                      f"HTTP header {ADMIN_HEADER}, gRPC metadata {GRPC_ADMIN_HEADER}") if key_file else ""
+        where = {True: "every interface", False: "127.0.0.1 only"}
+        http_line = (f"\n  HTTP    http://localhost:{args.http_port}  (Triton's own, on {where[args.http_public]}: "
+                     "POST /v2/models/ensemble/generate_stream)")
+        grpc_line = f"\n  gRPC    localhost:{args.grpc_port}  (Triton's own, on {where[args.grpc_public]})"
         if args.openai_port:
             front_door = start_front_door(server, args.openai_port, args.openai_keys_file,
-                                          args.openai_tool_call_parser)
+                                          args.openai_tool_call_parser, grpc_port=args.openai_grpc_port)
             http_line = (f"\n  HTTP    http://localhost:{args.openai_port}  (the front door: OpenAI /v1/chat/completions,"
                          f" and Triton's KServe v2 routes, relayed to 127.0.0.1:{args.http_port})") + (
                              http_line if args.http_public else "")
-        print(f"\ntritonserver is ready{http_line}\n  gRPC    localhost:{args.grpc_port}\n  metrics http://localhost:"
-              f"{args.metrics_port}/metrics{log_line}\nStop with Ctrl-C.\n", flush=True)
+            if args.openai_grpc_port:
+                grpc_line = (f"\n  gRPC    localhost:{args.openai_grpc_port}  (the front door: Triton's KServe gRPC "
+                             f"inference and metadata, relayed to 127.0.0.1:{args.grpc_port})") + (
+                                 grpc_line if args.grpc_public else "")
+        print(f"\ntritonserver is ready{http_line}{grpc_line}\n  metrics http://localhost:"
+              f"{args.metrics_port}/metrics{admin_line}{log_line}\nStop with Ctrl-C.\n", flush=True)
         if args.demo_prompt:
             from trellm_client.client import LLMClient
             print(f"> {args.demo_prompt}", flush=True)
@@ -403,20 +473,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def start_front_door(server: "TritonServer", port: int, keys_file: str | None,
-                     tool_call_parser: str | None = None, traced: bool = True) -> subprocess.Popen:
-    """The front door as a child process: OpenAI's routes, talking to `server` over gRPC, and the KServe v2 HTTP
-    routes relayed to its HTTP port; returns once it listens. It traces where the server does, unless `traced`
-    is false (perf/trace_overhead.py compares the two)."""
+                     tool_call_parser: str | None = None, traced: bool = True, grpc_port: int = 0,
+                     host: str = "0.0.0.0") -> subprocess.Popen:
+    """The front door as a child process: OpenAI's routes, talking to `server` over gRPC, the KServe v2 HTTP
+    routes relayed to its HTTP port, and with `grpc_port` the KServe gRPC API relayed to its gRPC port; returns once
+    it listens. It traces where the server does, unless `traced` is false (perf/trace_overhead.py compares the
+    two)."""
     cmd = [sys.executable, "-m", "trellm_openai", "--triton-url", server.grpc_url, "--port", str(port),
            "--triton-http-url", f"127.0.0.1:{server.http_port}",
            "--triton-metrics-url", f"http://localhost:{server.metrics_port}/metrics",
-           "--model-repository", server.model_repository]
+           "--model-repository", server.model_repository, "--host", host]
+    if grpc_port:
+        cmd += ["--grpc-port", str(grpc_port)]
     if keys_file:
         cmd += ["--keys-file", keys_file]
     if tool_call_parser:
         cmd += ["--tool-call-parser", tool_call_parser]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **trace_env(server.otlp_traces_endpoint if traced else None)})
+                            env={**os.environ, **trace_env(server.otlp_traces_endpoint if traced else None),
+                                 **({ADMIN_KEY_ENV: server.admin_key} if server.grpc_public else {})})
     line = proc.stdout.readline()   # its "OpenAI-compatible API on ..." line, or nothing if it failed to start
     if proc.poll() is not None or "OpenAI-compatible API" not in line:
         raise RuntimeError(f"the OpenAI front door did not start (exit {proc.wait()}): {line.strip()}")

@@ -121,9 +121,11 @@ def remove_shm_regions(regions: set[str]) -> None:
                 pass
 
 
-def ready_models(http_url: str, timeout: float = 5.0) -> list[str]:
-    """Names of the models the server reports READY in its repository index."""
-    req = urllib.request.Request(f"http://{http_url}/v2/repository/index", data=b'{"ready": true}', method="POST")
+def ready_models(http_url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> list[str]:
+    """Names of the models the server reports READY in its repository index (`headers`: the admin key, where the
+    HTTP port is public and its repository API wants one)."""
+    req = urllib.request.Request(f"http://{http_url}/v2/repository/index", data=b'{"ready": true}', method="POST",
+                                 headers=headers or {})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return sorted({m["name"] for m in json.load(r) if m.get("state") == "READY"})
 
@@ -171,7 +173,7 @@ class Supervisor:
     def _look_at_index(self) -> list[str]:
         """The READY models now, remembered for a restart that finds the server gone or unresponsive."""
         try:
-            models = ready_models(self.server.http_url)
+            models = ready_models(self.server.http_url, headers=self.server.admin_headers)
         except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
             return self._loaded
         if models:
@@ -199,7 +201,7 @@ class Supervisor:
             # An unload also leaves its stub unreaped for a while, and a reload starts a new one: only a model that is
             # still READY with no live stub has lost it.
             try:
-                ready = set(ready_models(self.server.http_url))
+                ready = set(ready_models(self.server.http_url, headers=self.server.admin_headers))
             except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
                 ready = set()
             for pid in sorted(suspects):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -210,17 +209,27 @@ class GrpcRelay:
     # -- streams ------------------------------------------------------------------------------------------------
     async def _stream(self, request_iterator, context: grpc.aio.ServicerContext):
         """Relay one ModelStreamInfer: the client's requests go up as they come (each admitted against its key),
-        Triton's responses come down as they come; ends when both sides have."""
+        Triton's responses come down as they come; ends when both sides have.
+
+        The upstream call is read and written by tasks of its own: grpc.aio cancels a call whose awaiting task is
+        cancelled, and this handler's task is cancelled when the client leaves, which must not become a cancel
+        upstream while nothing is in flight."""
         key = await self._key(context)
-        call = self._upstream(STREAM, streaming=True)(
-            metadata=self._forwarded(context), timeout=context.time_remaining())
+        call = self._upstream(STREAM, streaming=True)(metadata=self._forwarded(context),
+                                                      timeout=context.time_remaining())
         state = StreamState()
         write_lock = asyncio.Lock()
         refused: list = []           # the decision that ends the stream with RESOURCE_EXHAUSTED, if one does
+        client_gone = asyncio.Event()
 
         async def write(raw: bytes) -> None:
-            async with write_lock:
-                await context.write(raw)
+            if client_gone.is_set():
+                return
+            try:
+                async with write_lock:
+                    await context.write(raw)
+            except Exception:   # noqa: BLE001 - the client has left: the upstream is still read to its end
+                client_gone.set()
 
         async def pump() -> None:
             """The client's requests, up."""
@@ -244,24 +253,25 @@ class GrpcRelay:
                     # Every request's end must reach the relay, also a decoupled model's flag-only final response,
                     # which Triton sends only when asked; the relay asks, and passes such a response on only to a
                     # client that asked itself.
-                    asked = request.parameters[_EMPTY_FINAL].bool_param if _EMPTY_FINAL in request.parameters \
-                        else None
+                    asked = _EMPTY_FINAL in request.parameters and request.parameters[_EMPTY_FINAL].bool_param
                     if not asked:
                         request.parameters[_EMPTY_FINAL].bool_param = True
                         raw = request.SerializeToString()
                     state.in_flight += 1
-                    state.empty_finals_asked.append(bool(asked))
+                    state.empty_finals_asked.append(asked)
                     await call.write(raw)
+            except Exception:   # noqa: BLE001 - the client left, or the upstream ended: the reader says which
+                pass
             finally:
                 with _quiet():
                     await call.done_writing()
 
-        pump_task = asyncio.ensure_future(pump())
-        try:
+        async def read() -> None:
+            """Triton's responses, down, until the upstream stream ends."""
             while True:
                 raw = await call.read()
                 if raw is grpc.aio.EOF:
-                    break
+                    return
                 response = service_pb2.ModelStreamInferResponse.FromString(raw)
                 forward = True
                 params = response.infer_response.parameters
@@ -277,6 +287,10 @@ class GrpcRelay:
                     state.tokens += (n_out if not cumulative else 0) + ((n_in + cumulative * n_out) if final else 0)
                 if forward:
                     await write(raw)
+
+        pump_task, read_task = asyncio.ensure_future(pump()), asyncio.ensure_future(read())
+        try:
+            await asyncio.shield(read_task)
             if not pump_task.done():     # the upstream ended on its own: the client's further requests have nowhere to go
                 pump_task.cancel()
             await asyncio.gather(pump_task, return_exceptions=True)
@@ -288,15 +302,14 @@ class GrpcRelay:
             pump_task.cancel()
             await self._pass_error(e, context)
         except asyncio.CancelledError:
-            # The client left. With nothing in flight the upstream stream is half-closed and read to its end
-            # (off this task, which is being cancelled); a request in flight is cancelled, as for a direct client.
-            pump_task.cancel()
+            # The client left. With nothing in flight the upstream stream is half-closed and read to its end, off
+            # this task; a request in flight is cancelled, as it is for a client of Triton's own port.
+            client_gone.set()
             if state.in_flight:
                 call.cancel()
-            else:
-                task = asyncio.ensure_future(_close_quietly(call))
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+            task = asyncio.ensure_future(_end_upstream(call, read_task, pump_task))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
             raise
         finally:
             for _ in range(state.in_flight):
@@ -316,19 +329,16 @@ class _quiet:
                                                        asyncio.InvalidStateError, RuntimeError))
 
 
-async def _close_quietly(call) -> None:
-    """Half-close an upstream stream whose client left, read it to its end; cancel it only after CLOSE_GRACE_S."""
-    try:
-        with _quiet():
-            await call.done_writing()
-        deadline = time.monotonic() + CLOSE_GRACE_S
-        while time.monotonic() < deadline:
-            raw = await asyncio.wait_for(call.read(), max(0.01, deadline - time.monotonic()))
-            if raw is grpc.aio.EOF:
-                return
-    except (asyncio.TimeoutError, grpc.aio.AioRpcError):
-        pass
-    call.cancel()
+async def _end_upstream(call, read_task: asyncio.Task, pump_task: asyncio.Task) -> None:
+    """End the upstream stream of a client that left: half-closed and read to its end, cancelled only if it has not
+    ended within CLOSE_GRACE_S."""
+    with _quiet():
+        await call.done_writing()
+    done, _ = await asyncio.wait([read_task], timeout=CLOSE_GRACE_S)
+    if not done:
+        call.cancel()
+    pump_task.cancel()
+    await asyncio.gather(read_task, pump_task, return_exceptions=True)
 
 
 async def serve(relay: GrpcRelay, host: str, port: int, max_message_bytes: int = MAX_MESSAGE_BYTES,

@@ -3,7 +3,11 @@ is reported as three locust events, `ttft`, `inter_token` and `e2e` (millisecond
 `grpc-stream` and `http-sse`.
 
     .venv-locust/bin/locust -f perf/locustfile.py --headless -u 8 -r 4 -t 60s \\
-        --host http://localhost:8000 --grpc-url localhost:8001 [--max-tokens 64] [GrpcStreamUser|HttpStreamUser]
+        --host http://localhost:9000 --grpc-url localhost:9001 [--api-key KEY] [--max-tokens 64] \
+        [GrpcStreamUser|HttpStreamUser]
+
+(the front door's HTTP port and gRPC relay, as `make serve` starts them; Triton's own ports on the server's host
+work too, without a key.)
 
 Runs from `.venv-locust` (locust + tritonclient[grpc]; see scripts/setup.sh).
 """
@@ -36,6 +40,8 @@ def _options(parser):
     parser.add_argument("--grpc-url", default="localhost:8001", help="Triton gRPC address for GrpcStreamUser")
     parser.add_argument("--model", default="ensemble", help="entry point (TRT-LLM-shaped tensors)")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--api-key", default="", help="the front door's API key, sent as `authorization: Bearer KEY` "
+                                                      "on gRPC and HTTP (none by default)")
 
 
 def _report(user, request_type: str, sent: float, arrivals: list, n_tokens: int, error: Exception | None):
@@ -64,7 +70,8 @@ class GrpcStreamUser(User):
         self.client = grpcclient.InferenceServerClient(opts.grpc_url)
         self.responses = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.responses.put((time.perf_counter(), result,
-                                                                                    error)))
+                                                                                    error)),
+                                 headers={"authorization": f"Bearer {opts.api_key}"} if opts.api_key else None)
 
     def on_stop(self):
         self.client.stop_stream(cancel_requests=True)
@@ -115,6 +122,9 @@ class HttpStreamUser(User):
 
     def on_start(self):
         self.session = requests.Session()
+        api_key = self.environment.parsed_options.api_key
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
 
     def on_stop(self):
         self.session.close()

@@ -66,8 +66,28 @@ def _csv_metrics(path) -> dict[str, dict[str, float]]:
     return rows
 
 
-@pytest.mark.parametrize("model, backend", [("ensemble", "tensorrtllm"), ("vllm_model", "vllm")])
-def test_genai_perf_streaming_profile(triton_server, default_model_path, tmp_path, model, backend):
+@pytest.fixture(scope="module")
+def relay(triton_server, tmp_path_factory):
+    """The front door's gRPC relay on the session's server, with a keys file: (its address, the key's header)."""
+    from conftest import free_ports
+    from trellm_backend.tools.launch import start_front_door, stop_front_door
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("sk-genai-perf name=genai-perf\n")
+    http_port, grpc_port = free_ports(2)
+    door = start_front_door(triton_server, http_port, str(keys), grpc_port=grpc_port, host="127.0.0.1")
+    yield f"127.0.0.1:{grpc_port}", "authorization:Bearer sk-genai-perf"
+    stop_front_door(door)
+
+
+@pytest.mark.parametrize("model, backend, via", [("ensemble", "tensorrtllm", "triton"), ("vllm_model", "vllm", "triton"),
+                                                 ("ensemble", "tensorrtllm", "relay"), ("vllm_model", "vllm", "relay")])
+def test_genai_perf_streaming_profile(triton_server, default_model_path, tmp_path, model, backend, via, request):
+    """`via`: Triton's own gRPC port (loopback), or the front door's gRPC relay with an API key (-H)."""
+    if via == "relay":
+        url, header = request.getfixturevalue("relay")
+        target = ["-u", url, "--header", header]
+    else:
+        target = ["-u", triton_server.grpc_url]
     if not os.path.exists(GENAI_PERF):
         pytest.fail(f"genai-perf is not installed ({GENAI_PERF} is missing): run `make setup` or "
                     "`bash scripts/setup.sh`, which installs it into .venv-genai-perf unless WITH_GENAI_PERF=0")
@@ -83,7 +103,7 @@ def test_genai_perf_streaming_profile(triton_server, default_model_path, tmp_pat
         else ["return_finish_reason:true", "return_cumulative_logprob:true"])
     artifacts = tmp_path / "artifacts"
     _run([GENAI_PERF, "profile", "-m", model, "--backend", backend, "--endpoint-type", "kserve", "--streaming",
-          "-u", triton_server.grpc_url, "--tokenizer", default_model_path,
+          *target, "--tokenizer", default_model_path,
           "--synthetic-input-tokens-mean", str(INPUT_TOKENS), "--synthetic-input-tokens-stddev", "0",
           "--output-tokens-mean", str(OUTPUT_TOKENS), "--output-tokens-mean-deterministic", "--random-seed", "0",
           "--num-dataset-entries", str(REQUESTS), "--concurrency", str(CONCURRENCY),

@@ -232,14 +232,26 @@ def test_benchmark_smoke_writes_json_and_plots(triton_server, default_model_path
 
 @pytest.mark.server
 def test_locust_users_stream_without_failures(triton_server, tmp_path):
+    """Through the front door with an API key, as against a deployment: its HTTP port's v2 routes and its gRPC
+    relay."""
+    from conftest import free_ports
+    from trellm_backend.tools.launch import start_front_door, stop_front_door
     locust = os.path.join(REPO, ".venv-locust", "bin", "locust")
     prefix = tmp_path / "locust"
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-locust name=locust\n")
+    http_port, grpc_port = free_ports(2)
+    door = start_front_door(triton_server, http_port, str(keys), grpc_port=grpc_port, host="127.0.0.1")
     # --stop-timeout lets each user finish its answer: a stream cancelled mid-answer leaves the ensemble request
     # in flight on Triton 2.51, and the server's shutdown then waits out its exit timeout.
     cmd = [locust, "-f", os.path.join(REPO, "perf", "locustfile.py"), "--headless", "-u", "2", "-r", "2",
-           "-t", "5s", "--stop-timeout", "10", "--host", f"http://{triton_server.http_url}",
-           "--grpc-url", triton_server.grpc_url, "--max-tokens", "8", "--csv", str(prefix), "--only-summary"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+           "-t", "5s", "--stop-timeout", "10", "--host", f"http://127.0.0.1:{http_port}",
+           "--grpc-url", f"127.0.0.1:{grpc_port}", "--api-key", "sk-locust", "--max-tokens", "8",
+           "--csv", str(prefix), "--only-summary"]
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    finally:
+        stop_front_door(door)
     assert run.returncode == 0, run.stdout + run.stderr
     with open(f"{prefix}_stats.csv") as f:
         rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f) if r["Type"]}

@@ -1,12 +1,15 @@
-"""What the front door's KServe v2 relay costs against Triton's own HTTP port, in one run on one server: the time to
+"""What the front door's KServe v2 relays cost against Triton's own ports, in one run on one server: the time to
 first token at concurrency 1 (requests alternating between the two paths) and the output throughput of a burst of
-streams at `--concurrency` (the two paths in turn, twice, A B B A).
+`--streams` streams (the two paths in turn, twice, A B B A).
 
-    .venv/bin/python perf/relay_overhead.py [--model-dir hf_models/anchor] [--requests 40] [--concurrency 16]
+    .venv/bin/python perf/relay_overhead.py [--protocol http|grpc] [--model-dir hf_models/anchor] [--requests 40]
+                                            [--streams 48]
 
-Both paths send the same /v2/models/ensemble/generate_stream bodies (64-token prompts of the anchor profile's
-kind, `--max-tokens` each, ignore_eos) and read the server-sent events as they come. Prints each path's TTFT p50 and
-mean, their difference, each path's output tokens a second and the ratio door / direct.
+HTTP: both paths send the same /v2/models/ensemble/generate_stream bodies and read the server-sent events as they
+come. gRPC: both paths open one ModelStreamInfer per request with tritonclient.grpc.aio (the relay with an API key,
+as a client of a deployment would). Requests are 64-token prompts of the anchor profile's kind, `--max-tokens`
+each, ignore_eos. Prints each path's TTFT p50 and mean, their difference, each path's output tokens a second and
+the ratio door / direct.
 """
 from __future__ import annotations
 
@@ -42,7 +45,35 @@ async def stream(session, url: str, prompt: str, max_tokens: int) -> tuple[float
     return first if first is not None else time.perf_counter() - start, tokens
 
 
+async def grpc_stream(client, prompt: str, max_tokens: int, headers: dict | None) -> tuple[float, int]:
+    """One ModelStreamInfer of one request: seconds to the first response with text, and the output tokens."""
+    import numpy as np
+    from tritonclient.grpc import aio
+
+    def tensor(name, value):
+        arr = np.array([[value]], dtype=object if isinstance(value, bytes) else None)
+        t = aio.InferInput(name, list(arr.shape), {np.dtype(object): "BYTES", np.dtype(bool): "BOOL"}.get(
+            arr.dtype, "INT32"))
+        t.set_data_from_numpy(arr.astype(np.int32) if arr.dtype.kind == "i" else arr)
+        return t
+
+    async def requests():
+        yield {"model_name": "ensemble", "inputs": [
+            tensor("text_input", prompt.encode()), tensor("max_tokens", max_tokens), tensor("ignore_eos", True),
+            tensor("stream", True), tensor("return_num_output_tokens", True)]}
+    start, first, tokens = time.perf_counter(), None, 0
+    async for result, error in client.stream_infer(requests(), headers=headers):
+        if error is not None:
+            raise RuntimeError(str(error))
+        tokens = max(tokens, int(result.as_numpy("num_output_tokens").reshape(-1)[0]))
+        if first is None and result.as_numpy("text_output").reshape(-1)[0]:
+            first = time.perf_counter() - start
+    return first if first is not None else time.perf_counter() - start, tokens
+
+
 async def run(paths: dict[str, str], prompts: list[str], args) -> dict:
+    if args.protocol == "grpc":
+        return await run_grpc(paths, prompts, args)
     import aiohttp
     out = {name: {"ttft": [], "tok_s": []} for name in paths}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
@@ -60,8 +91,33 @@ async def run(paths: dict[str, str], prompts: list[str], args) -> dict:
     return out
 
 
+async def run_grpc(paths: dict[str, tuple[str, dict | None]], prompts: list[str], args) -> dict:
+    """run() over gRPC: `paths` maps a name to (address, headers)."""
+    from tritonclient.grpc import aio
+    out = {name: {"ttft": [], "tok_s": []} for name in paths}
+    clients = {name: (aio.InferenceServerClient(url), headers) for name, (url, headers) in paths.items()}
+    try:
+        for name, (client, headers) in clients.items():     # warm-up, not counted
+            await grpc_stream(client, prompts[0], 4, headers)
+        for i in range(args.requests):                        # concurrency 1, alternating
+            for name in (list(clients) if i % 2 == 0 else list(reversed(clients))):
+                client, headers = clients[name]
+                out[name]["ttft"].append((await grpc_stream(client, prompts[i % len(prompts)], 8, headers))[0])
+        for name in list(clients) + list(reversed(clients)):  # throughput at --streams, A B B A
+            client, headers = clients[name]
+            start = time.perf_counter()
+            results = await asyncio.gather(*(grpc_stream(client, prompts[j % len(prompts)], args.max_tokens, headers)
+                                             for j in range(args.streams)))
+            out[name]["tok_s"].append(sum(n for _, n in results) / (time.perf_counter() - start))
+    finally:
+        for client, _ in clients.values():
+            await client.close()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--protocol", choices=("http", "grpc"), default="http")
     ap.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
     ap.add_argument("--requests", type=int, default=40, help="TTFT requests per path")
     ap.add_argument("--streams", type=int, default=48, help="streams of each throughput burst")
@@ -72,15 +128,21 @@ def main() -> int:
     from trellm_backend.tools.testbed import free_ports, private_repository
     repo = private_repository(os.path.join(REPO, "model_repository"), os.path.join(args.out, "model_repository"),
                               {"llm": {"enable_prefix_caching": "false"}}, model_dir=args.model_dir)
-    *server_ports, port = free_ports(4)
-    server = TritonServer(repo, *server_ports, log_path=os.path.join(args.out, "server.log"),
-                          extra_args=["--http-address=127.0.0.1"])
+    *server_ports, port, grpc_port = free_ports(5)
+    server = TritonServer(repo, *server_ports, log_path=os.path.join(args.out, "server.log"))
     server.start()
-    door = start_front_door(server, port, None)
+    keys = os.path.join(args.out, "keys.txt")
+    with open(keys, "w") as f:
+        f.write("sk-relay-overhead name=relay-overhead\n")
+    door = start_front_door(server, port, keys if args.protocol == "grpc" else None, grpc_port=grpc_port)
     prompts = [item.prompt for item in make_items(PromptMaker(args.model_dir), Profile("relay", [1], [1], (64, 64),
                                                                                          (8, 8)), 16, 0)]
     try:
-        paths = {"Triton HTTP (loopback)": f"127.0.0.1:{server.http_port}", "front door relay": f"127.0.0.1:{port}"}
+        if args.protocol == "grpc":
+            paths = {"Triton gRPC (loopback)": (f"127.0.0.1:{server.grpc_port}", None),
+                     "front door gRPC relay": (f"127.0.0.1:{grpc_port}", {"authorization": "Bearer sk-relay-overhead"})}
+        else:
+            paths = {"Triton HTTP (loopback)": f"127.0.0.1:{server.http_port}", "front door relay": f"127.0.0.1:{port}"}
         out = asyncio.run(run(paths, prompts, args))
     finally:
         stop_front_door(door)

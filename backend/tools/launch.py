@@ -138,6 +138,13 @@ def trace_env(endpoint: str | None) -> dict[str, str]:
     return {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint} if endpoint else {}
 
 
+# How long a stop may take in all before the server's process group is killed: the engines' drain, then the server's
+# own exit (its exit timeout and the unload). A stub inside a native call that does not return (a kernel that runs for
+# minutes) ignores SIGTERM and keeps its request in flight, and the server waits for it past its exit timeout.
+STOP_GRACE_S = 30.0
+KILL_WAIT_S = 5.0      # after SIGKILL: a process inside an uninterruptible call dies only when the call returns
+
+
 class TritonServer:
     """A tritonserver process. Use as a context manager, or call start() and stop()."""
 
@@ -212,8 +219,8 @@ class TritonServer:
         return self
 
     def kill(self, regions: set[str] | None = None) -> None:
-        """SIGKILL the server's process group at once, wait for it, and remove its stubs' shared memory (`regions`:
-        read earlier, while the stubs lived)."""
+        """SIGKILL the server's process group at once (its stubs are in it), wait for the server (KILL_WAIT_S at
+        most), and remove its stubs' shared memory (`regions`: read earlier, while the stubs lived)."""
         if self.proc is None:
             return
         if regions is None:
@@ -222,7 +229,11 @@ class TritonServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.proc.wait()
+        try:
+            self.proc.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:    # init reaps it once it dies; the stop stays bounded
+            print(f"tritonserver (pid {self.proc.pid}) has not exited {KILL_WAIT_S:.0f} s after SIGKILL; leaving it",
+                  file=sys.stderr, flush=True)
         remove_shm_regions(regions)
         self.proc = None
         if self._log:
@@ -246,17 +257,18 @@ class TritonServer:
                     pass
         start = time.monotonic()
         idle_reads = 0
-        while time.monotonic() < start + timeout and idle_reads < 2:   # twice: the gauges refresh every 0.1 s
-            n = self.requests_in_flight()
+        # Twice idle: the gauges refresh every 0.1 s.
+        while idle_reads < 2 and (left := start + timeout - time.monotonic()) > 0:
+            n = self.requests_in_flight(timeout=min(left, 2.0))     # a slow read must not outlast the drain
             if n is None and time.monotonic() > start + 3:
                 break    # no metrics to read (--allow-metrics=false): nothing tells when the streams have ended
             idle_reads = idle_reads + 1 if n == 0 else 0
             time.sleep(0.1)
 
-    def requests_in_flight(self) -> int | None:
+    def requests_in_flight(self, timeout: float = 2.0) -> int | None:
         """Requests running or waiting in the server's engines; None when the metrics cannot be read."""
         try:
-            samples = metric_samples(self.metrics_port, timeout=2)
+            samples = metric_samples(self.metrics_port, timeout=timeout)
         except OSError:
             return None
         queues = ("vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -280,23 +292,26 @@ class TritonServer:
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s" +
                            (f"; see {self.log_path}" if self.log_path else ""))
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Drain the engines (at most `timeout` seconds), SIGTERM the server's process group, then SIGKILL whatever
-        is left after `timeout` seconds more."""
+    def stop(self, timeout: float = STOP_GRACE_S, drain_s: float | None = None) -> None:
+        """Stop the server within `timeout` seconds in all: drain the engines (`drain_s` seconds at most; by default
+        half the timeout, the other half being the server's own exit), SIGTERM the server's process group and wait
+        for it until the timeout has passed, then SIGKILL the group. A caller that drained already passes
+        `drain_s=0`."""
         if self.proc is None:
             return
+        deadline = time.monotonic() + timeout
         pgid = self.proc.pid
         regions = stub_shm_regions(pgid)     # read while the stubs live: a stub killed below leaves its region
-        self.drain(timeout)
+        self.drain(timeout / 2 if drain_s is None else min(drain_s, timeout))
         try:
             os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:
             pass
         try:
-            self.proc.wait(timeout=timeout)
+            self.proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
         except subprocess.TimeoutExpired:
             pass
-        self.kill(regions)     # stubs that outlived the server, or a server that did not stop
+        self.kill(regions)     # stubs that outlived the server, or a server that did not stop in time
 
     def __enter__(self):
         return self.start()
@@ -324,6 +339,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--verbose", action="store_true", help="show tritonserver's log live instead of writing a file")
     ap.add_argument("--no-restart", action="store_true",
                     help="exit when tritonserver stops serving instead of restarting it (tools/supervisor.py)")
+    ap.add_argument("--stop-grace-s", type=float, default=STOP_GRACE_S, metavar="S",
+                    help="on SIGTERM or Ctrl-C, how long the stop may take in all (the engines' drain, then "
+                         "tritonserver's own exit) before tritonserver's process group is killed (default 30)")
     ap.add_argument("--probe-interval", type=float, default=0.0, metavar="S",
                     help="also restart after 3 failed one-token generate probes, one every S seconds (default 0: "
                          "off; a dead stub and a server exit are noticed without it)")
@@ -463,13 +481,19 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\nstopping tritonserver ...", file=sys.stderr, flush=True)
+        print(f"\nstopping tritonserver (at most {args.stop_grace_s:g} s) ...", file=sys.stderr, flush=True)
         return 0
     finally:
+        stop["now"] = True    # a signal from here on is ignored: it must not cut short the stop, which is bounded
+        # One deadline for the whole stop, past which the server's process group is killed.
+        deadline = time.monotonic() + args.stop_grace_s
+        drain_s = None
         if front_door is not None:
-            server.drain(30.0)    # the front door still relays its streams' ends (abort) while the engines drain
-            stop_front_door(front_door)
-        server.stop()
+            # The front door still relays its streams' ends (abort) while the engines drain.
+            server.drain(args.stop_grace_s / 2)
+            stop_front_door(front_door, timeout=min(10.0, max(deadline - time.monotonic(), 0.0)))
+            drain_s = 0.0
+        server.stop(max(deadline - time.monotonic(), 0.0), drain_s=drain_s)
 
 
 def start_front_door(server: "TritonServer", port: int, keys_file: str | None,
@@ -498,11 +522,12 @@ def start_front_door(server: "TritonServer", port: int, keys_file: str | None,
     return proc
 
 
-def stop_front_door(proc: subprocess.Popen) -> None:
-    """Stop a front door start_front_door started: SIGTERM, then SIGKILL if it has not exited within 10 s."""
+def stop_front_door(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Stop a front door start_front_door started: SIGTERM, then SIGKILL if it has not exited within `timeout`
+    seconds."""
     proc.terminate()
     try:
-        proc.wait(timeout=10)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

@@ -369,9 +369,12 @@ def parse_args(argv=None):
     ap.add_argument("--recovery-timeout", type=float, default=300.0)
     ap.add_argument("--idle-timeout", type=float, default=60.0, help="how long the server may take to become idle")
     ap.add_argument("--base-port", type=int, default=0,
-                    help="Triton's HTTP port (gRPC +1, metrics +2, the front door +3); default: free ports")
+                    help="Triton's HTTP port (gRPC +1, metrics +2, the front door +3, its gRPC relay +4); default: "
+                         "free ports")
     ap.add_argument("--direct-http", action="store_true",
                     help="no front door: the HTTP traffic goes straight to Triton's (loopback) HTTP port")
+    ap.add_argument("--grpc-through-door", action="store_true",
+                    help="send the gRPC traffic to the front door's gRPC relay instead of Triton's own port")
     ap.add_argument("--rss-every", type=float, default=15.0, help="seconds between RSS samples (the timeline)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kinds", type=lambda v: [k for k in v.split(",") if k], default=[],
@@ -418,9 +421,10 @@ def main(argv=None) -> int:
     with open(os.path.join(model_path, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
 
-    launcher = Launcher(repo, root, args.base_port, args.direct_http)
+    launcher = Launcher(repo, root, args.base_port, args.direct_http, args.grpc_through_door)
     print(f"soak: serving {repo} (log {launcher.log}) on HTTP {launcher.traffic_http_port}"
-          f"{' (the front door)' if launcher.door_port else ''}, gRPC {launcher.grpc_port}, "
+          f"{' (the front door)' if launcher.door_port else ''}, gRPC {launcher.traffic_grpc_port}"
+          f"{' (the front door)' if launcher.door_grpc_port else ''}, "
           f"metrics {launcher.metrics_port}", flush=True)
     left: list[int] = []
     summary = None

@@ -137,7 +137,7 @@ class Requests:
 
     @property
     def server_grpc(self) -> str:
-        return f"localhost:{self.server.grpc_port}"
+        return f"localhost:{getattr(self.server, 'traffic_grpc_port', self.server.grpc_port)}"
 
     def grpc_stream(self, model, inputs, request_id="", after=None, after_n=3, deadline=None,
                     read_on=False, cancel_at_close=False) -> StreamOutcome:

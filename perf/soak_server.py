@@ -20,17 +20,21 @@ from trellm_backend.tools.testbed import command_line, free_ports, metric_sample
 class Launcher:
     """`python -m trellm_backend.tools.launch` as a subprocess on free ports (or --base-port, +1, +2, +3), with its
     front door, whose port the HTTP traffic goes to (`traffic_http_port`: the door relays Triton's v2 routes, as a
-    deployment has it), or with `direct_http` none, and HTTP straight to Triton's port."""
+    deployment has it), or with `direct_http` none, and HTTP straight to Triton's port. gRPC traffic goes to
+    Triton's own port, or with `grpc_through_door` to the front door's gRPC relay (`traffic_grpc_port`)."""
 
-    def __init__(self, repo: str, root: str, base_port: int = 0, direct_http: bool = False):
+    def __init__(self, repo: str, root: str, base_port: int = 0, direct_http: bool = False,
+                 grpc_through_door: bool = False):
         self.repo, self.root = repo, root
         if base_port:
-            ports = [base_port, base_port + 1, base_port + 2, base_port + 3]
+            ports = [base_port + i for i in range(5)]
         else:
-            ports = free_ports(4)
+            ports = free_ports(5)
         self.http_port, self.grpc_port, self.metrics_port = ports[:3]
-        self.door_port = 0 if direct_http else ports[3]
-        self.traffic_http_port = self.door_port or self.http_port
+        self.door_port = 0 if direct_http and not grpc_through_door else ports[3]
+        self.traffic_http_port = self.http_port if direct_http else self.door_port
+        self.door_grpc_port = ports[4] if grpc_through_door else 0
+        self.traffic_grpc_port = self.door_grpc_port or self.grpc_port
         self.log = os.path.join(root, "server.log")
         self.stdout_path, self.stderr_path = os.path.join(root, "launcher.out"), os.path.join(root, "launcher.err")
         self.proc: subprocess.Popen | None = None
@@ -42,7 +46,9 @@ class Launcher:
                 [sys.executable, "-m", "trellm_backend.tools.launch", f"--model-repository={self.repo}",
                  f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
                  f"--metrics-port={self.metrics_port}", f"--log-file={self.log}",
-                 *([f"--openai-port={self.door_port}"] if self.door_port else [])], stdout=out, stderr=err)
+                 *([f"--openai-port={self.door_port}"] if self.door_port else []),
+                 *([f"--openai-grpc-port={self.door_grpc_port}"] if self.door_grpc_port else [])],
+                stdout=out, stderr=err)
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the launcher exited with code {self.proc.returncode}:\n{self.stderr()}")

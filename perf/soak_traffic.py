@@ -319,7 +319,7 @@ class Traffic(Requests):
         target = rng.choice(["llm", "vllm"] if self.vllm else ["llm"]) if how == "grpc" else \
             rng.choice(["ensemble", "vllm"] if self.vllm else ["ensemble"])
         model = {"llm": self.llm, "vllm": self.vllm, "ensemble": self.ensemble}[target]
-        port = self.server.grpc_port if how == "grpc" else self.server.traffic_http_port
+        port = self.server.traffic_grpc_port if how == "grpc" else self.server.traffic_http_port
         proc = subprocess.Popen([sys.executable, SOAK, "--child", how, str(port), target, model,
                                  str(self.vocab_size)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         try:

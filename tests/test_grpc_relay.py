@@ -24,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import free_ports
 from trellm_backend.tools import launch
-from trellm_backend.tools.testbed import perf_analyzer_env
+from trellm_backend.tools.testbed import listening_addresses, perf_analyzer_env
 from trellm_client.client import infer_input
 
 pytestmark = pytest.mark.server
@@ -35,26 +35,6 @@ sk-twice     name=twice    rpm=2
 sk-one       name=one      concurrency=1
 """
 GOOD = {"authorization": "Bearer sk-good"}
-
-
-def listening_addresses(port: int) -> set[str]:
-    """The local addresses TCP sockets listen on at `port` (/proc/net/tcp and tcp6; an IPv4-mapped IPv6 address as
-    its IPv4 one)."""
-    import ipaddress
-    found = set()
-    for name in ("tcp", "tcp6"):
-        with open(f"/proc/net/{name}") as f:
-            rows = f.read().splitlines()[1:]
-        for row in rows:
-            local, state = row.split()[1], row.split()[3]
-            address, _, hex_port = local.partition(":")
-            if state != "0A" or int(hex_port, 16) != port:     # 0A: LISTEN
-                continue
-            # each 32-bit word of the address in the host's (little-endian) order
-            raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
-            ip = ipaddress.ip_address(raw)
-            found.add(str(ip.ipv4_mapped if ip.version == 6 and ip.ipv4_mapped else ip))
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from conftest import REPO, free_ports
 from repository_helpers import processes_mentioning
 from trellm_backend.tools.launch import TritonServer, openmp_wait_defaults
 from trellm_backend.tools.supervisor import Supervisor, server_children, stub_shm_regions
-from trellm_backend.tools.testbed import private_repository, rss_bytes, wait_until
+from trellm_backend.tools.testbed import listening_addresses, private_repository, rss_bytes, wait_until
 from trellm_client.client import LLMClient
 
 pytestmark = pytest.mark.server
@@ -296,34 +296,13 @@ def test_sigterm_stops_server_and_stubs(default_model_path, tmp_path):
         assert not any(re.match(r"[IWE]\d{4} ", line) for line in before_ready), before_ready
         assert "Started GRPCInferenceService" in log.read_text()
         assert listening_addresses(http) == {"127.0.0.1"}, "Triton's own HTTP port is on loopback by default"
-        assert "0.0.0.0" in listening_addresses(grpc) or "::" in listening_addresses(grpc)
+        assert listening_addresses(grpc) == {"127.0.0.1"}, "Triton's own gRPC port is on loopback by default"
         assert len(processes_mentioning(str(repo))) >= 4      # the server and a stub per Python model
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=60) == 0
         assert processes_mentioning(str(repo)) == []
     finally:
         stop_launcher(launcher, str(repo))
-
-
-def listening_addresses(port: int) -> set[str]:
-    """The local addresses a socket listens on at `port` (from /proc/net/tcp and tcp6)."""
-    import ipaddress
-    found = set()
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        try:
-            with open(table) as f:
-                rows = f.readlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            local, state = row.split()[1], row.split()[3]
-            address, hex_port = local.split(":")
-            if state == "0A" and int(hex_port, 16) == port:    # LISTEN
-                raw = bytes.fromhex(address)
-                # the kernel prints each 32-bit word in host (little-endian) order
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
-                found.add(str(ipaddress.ip_address(raw)))
-    return found
 
 
 def stop_launcher(launcher: subprocess.Popen, repo: str) -> None:

@@ -26,6 +26,29 @@ def perf_analyzer_env() -> dict[str, str]:
     return env
 
 
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses TCP sockets listen on at `port`, from /proc/net/tcp and tcp6 (an IPv4-mapped IPv6
+    address as its IPv4 one: gRPC binds 127.0.0.1 that way)."""
+    import ipaddress
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.readlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            address, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:    # 0A: LISTEN
+                continue
+            # the kernel prints each 32-bit word in host (little-endian) order
+            ip = ipaddress.ip_address(b"".join(bytes.fromhex(address[i:i + 8])[::-1]
+                                               for i in range(0, len(address), 8)))
+            found.add(str(ip.ipv4_mapped if ip.version == 6 and ip.ipv4_mapped else ip))
+    return found
+
+
 def free_ports(n: int) -> list[int]:
     """`n` distinct loopback ports that were free a moment ago (all held at once while they are picked)."""
     socks = []

@@ -129,3 +129,39 @@ def test_a_flag_only_final_reaches_the_relay_and_only_the_clients_that_asked():
         got = [service_pb2.ModelStreamInferResponse.FromString(r) async for r in call]
         assert [r.infer_response.parameters["triton_final_response"].bool_param for r in got] == [False, True]
     asyncio.run(with_relay(body))
+
+
+def test_a_message_over_the_bound_is_refused_and_the_relay_goes_on():
+    from trellm_backend.tools.testbed import free_ports
+
+    async def body():
+        fake = FakeTriton()
+        upstream = grpc.aio.server()
+        upstream.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(grpc_relay.SERVICE, {
+            grpc_relay.STREAM: grpc.stream_stream_rpc_method_handler(fake.stream)}),))
+        upstream_port = upstream.add_insecure_port("127.0.0.1:0")
+        await upstream.start()
+        relay = grpc_relay.GrpcRelay(f"127.0.0.1:{upstream_port}", KeyStore(None), Limiter())
+        port = free_ports(1)[0]
+        server = await grpc_relay.serve(relay, "127.0.0.1", port, max_message_bytes=4096)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                big = service_pb2.ModelInferRequest(model_name="m", id="answer", raw_input_contents=[b"x" * 8192])
+                call = channel.stream_stream(STREAM)()
+                await call.write(big.SerializeToString())
+                try:
+                    await call.read()
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                else:
+                    raise AssertionError("an 8 KiB message passed a 4 KiB bound")
+                assert fake.empty_finals_asked == []       # nothing of it went upstream
+                call = channel.stream_stream(STREAM)()     # the next stream is served
+                await call.write(request("answer"))
+                assert service_pb2.ModelStreamInferResponse.FromString(await call.read()).infer_response.id == "answer"
+                call.cancel()
+        finally:
+            await server.stop(0)
+            await relay.close()
+            await upstream.stop(0)
+    asyncio.run(body())

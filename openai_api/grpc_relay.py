@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf import duration_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from tritonclient.grpc import service_pb2
 
@@ -235,7 +236,12 @@ class GrpcRelay:
             """The client's requests, up."""
             try:
                 async for raw in request_iterator:
-                    request = service_pb2.ModelInferRequest.FromString(raw)
+                    try:
+                        request = service_pb2.ModelInferRequest.FromString(raw)
+                    except DecodeError:
+                        await write(service_pb2.ModelStreamInferResponse(
+                            error_message="the message is not a ModelInferRequest").SerializeToString())
+                        continue
                     decision = self.limiter.admit(key)
                     if not decision.allowed:
                         if self.metrics is not None:

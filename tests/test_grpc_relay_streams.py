@@ -165,3 +165,18 @@ def test_a_message_over_the_bound_is_refused_and_the_relay_goes_on():
             await relay.close()
             await upstream.stop(0)
     asyncio.run(body())
+
+
+def test_a_message_that_is_no_request_gets_an_error_response_and_the_stream_goes_on():
+    async def body(channel, fake):
+        call = channel.stream_stream(STREAM)()
+        await call.write(b"\xff\xff\xff not a protobuf")
+        error = service_pb2.ModelStreamInferResponse.FromString(await call.read())
+        assert "not a ModelInferRequest" in error.error_message
+        await call.write(request("answer"))
+        await call.done_writing()
+        answer = service_pb2.ModelStreamInferResponse.FromString(await call.read())
+        assert answer.infer_response.id == "answer" and await call.read() is grpc.aio.EOF
+        await wait_for(lambda: fake.ends)
+        assert fake.ends == ["half-closed"]
+    asyncio.run(with_relay(body))

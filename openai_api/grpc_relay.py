@@ -7,8 +7,9 @@ relay is the public one: health, metadata, config, statistics, ModelInfer and Mo
 are (no message is decoded on the way up, and only a stream's responses are read on the way down); the admin calls
 are refused with PERMISSION_DENIED. With a keys file every call but the server's health wants `authorization:
 Bearer <key>` metadata, and each inference request counts against its key's limits (keys.py) as an OpenAI request
-does: requests a minute and requests at once; tokens a minute where the responses carry their counts
-(num_input_tokens, num_output_tokens).
+does: requests a minute, requests at once, and tokens a minute. For a key with a token limit the relay asks the model
+for its token counts (the contracts' `return_num_input_tokens` and `return_num_output_tokens` flags, where the model
+declares them) and takes them out of the responses again when the client had not asked for them.
 
 Over a limit: a ModelInfer, or a stream's request while nothing else of that stream is in flight, ends with
 RESOURCE_EXHAUSTED, a `retry-after` trailer and a google.rpc.RetryInfo detail; a stream's request while others of
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -51,6 +53,9 @@ CLOSE_GRACE_S = 10.0
 # A request's end in a stream: Triton marks each response of a decoupled model; other models answer once.
 _FINAL = "triton_final_response"
 _EMPTY_FINAL = "triton_enable_empty_final_response"
+# The flags that make a model return its token counts, and the outputs they add.
+COUNT_FLAGS = {"return_num_input_tokens": "num_input_tokens", "return_num_output_tokens": "num_output_tokens"}
+CONFIG_MAX_AGE_S = 60.0           # how long a model's declared inputs are trusted before they are read again
 
 
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES,
@@ -95,12 +100,52 @@ def response_tokens(response: service_pb2.ModelInferResponse) -> tuple[int, int,
     return counts.get("num_input_tokens", 0), counts.get("num_output_tokens", 0), cumulative
 
 
+def without_counts(response: service_pb2.ModelInferResponse) -> None:
+    """Remove the token-count outputs the relay asked for on the client's behalf."""
+    for i in reversed(range(len(response.outputs))):
+        if response.outputs[i].name in COUNT_FLAGS.values():
+            del response.outputs[i]
+            if i < len(response.raw_output_contents):
+                del response.raw_output_contents[i]
+
+
+def ask_for_counts(request: service_pb2.ModelInferRequest, declared: set[str], batched: bool) -> bool:
+    """Set the count flags `declared` (the model's inputs) names to true in `request`, adding those it lacks (shape
+    [1, 1] for a batching model, else [1]) and asking for their outputs where the request names its outputs; whether
+    anything changed (then the counts are the relay's, not the client's)."""
+    changed = False
+    raw = len(request.raw_input_contents) > 0
+    for flag, output in COUNT_FLAGS.items():
+        if flag not in declared:
+            continue
+        index = next((i for i, t in enumerate(request.inputs) if t.name == flag), None)
+        if index is None:
+            tensor = request.inputs.add(name=flag, datatype="BOOL", shape=[1, 1] if batched else [1])
+            if raw:
+                request.raw_input_contents.append(b"\x01")
+            else:
+                tensor.contents.bool_contents.append(True)
+            changed = True
+        elif raw and index < len(request.raw_input_contents) and request.raw_input_contents[index] != b"\x01":
+            request.raw_input_contents[index] = b"\x01"
+            changed = True
+        elif not raw and list(request.inputs[index].contents.bool_contents) != [True]:
+            request.inputs[index].contents.bool_contents[:] = [True]
+            changed = True
+        if len(request.outputs) and all(o.name != output for o in request.outputs):
+            request.outputs.add(name=output)
+            changed = True
+    return changed
+
+
 @dataclass
 class StreamState:
     """What one relayed stream has in flight, and the tokens its responses counted."""
     in_flight: int = 0
     empty_finals_asked: list[bool] = field(default_factory=list)   # per request in flight, in order: the client's own
     tokens: int = 0            # counted at each request's final response (and new outputs as they come, for vLLM's)
+    counts_asked: dict[str, int] = field(default_factory=dict)   # request id -> requests in flight whose counts the
+                                                                  # relay asked for (taken out of their responses)
 
 
 class GrpcRelay:
@@ -111,6 +156,7 @@ class GrpcRelay:
         self.keys, self.limiter, self.metrics = keys, limiter, metrics
         self.channel: grpc.aio.Channel | None = None
         self._calls: dict[str, object] = {}            # method -> its multicallable on the channel
+        self._inputs: dict[tuple[str, str], tuple[float, tuple[set[str], bool] | None]] = {}
         self._closing: set[asyncio.Task] = set()      # upstream streams ending after their client left
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -134,6 +180,29 @@ class GrpcRelay:
             task.cancel()
         if self.channel is not None:
             await self.channel.close()
+
+    async def _declared(self, model: str, version: str) -> tuple[set[str], bool] | None:
+        """(the inputs `model` declares, whether it batches), read from Triton at most once per CONFIG_MAX_AGE_S;
+        None when Triton cannot say (an unknown model: its request fails on its own)."""
+        at, value = self._inputs.get((model, version), (-CONFIG_MAX_AGE_S, None))
+        if time.monotonic() - at < CONFIG_MAX_AGE_S:
+            return value
+        try:
+            raw = await self._upstream("ModelConfig")(service_pb2.ModelConfigRequest(
+                name=model, version=version).SerializeToString(), timeout=10)
+            config = service_pb2.ModelConfigResponse.FromString(raw).config
+            value = ({t.name for t in config.input}, config.max_batch_size > 0)
+        except grpc.aio.AioRpcError:
+            value = None
+        self._inputs[(model, version)] = (time.monotonic(), value)
+        return value
+
+    async def _with_counts(self, key, request: service_pb2.ModelInferRequest) -> bool:
+        """For a key with a token limit, make `request` ask for its token counts; whether they are the relay's."""
+        if key.tpm is None:
+            return False
+        declared = await self._declared(request.model_name, request.model_version)
+        return declared is not None and ask_for_counts(request, *declared)
 
     # -- checks ------------------------------------------------------------------------------------------------
     async def _key(self, context: grpc.aio.ServicerContext):
@@ -192,13 +261,21 @@ class GrpcRelay:
     async def _infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         key = await self._key(context)
         await self._admit_or_abort(key, context, INFER)
-        tokens = 0
+        tokens, relays_counts = 0, False
         try:
+            if key.tpm is not None:
+                parsed = service_pb2.ModelInferRequest.FromString(request)
+                if await self._with_counts(key, parsed):
+                    request, relays_counts = parsed.SerializeToString(), True
             raw = await self._upstream(INFER)(
                 request, metadata=self._forwarded(context), timeout=context.time_remaining())
             if key.tpm is not None:
-                n_in, n_out, _ = response_tokens(service_pb2.ModelInferResponse.FromString(raw))
+                response = service_pb2.ModelInferResponse.FromString(raw)
+                n_in, n_out, _ = response_tokens(response)
                 tokens = n_in + n_out
+                if relays_counts:
+                    without_counts(response)
+                    raw = response.SerializeToString()
             self._count(key, INFER, "OK")
             return raw
         except grpc.aio.AioRpcError as e:
@@ -260,8 +337,13 @@ class GrpcRelay:
                     # which Triton sends only when asked; the relay asks, and passes such a response on only to a
                     # client that asked itself.
                     asked = _EMPTY_FINAL in request.parameters and request.parameters[_EMPTY_FINAL].bool_param
+                    changed = not asked
                     if not asked:
                         request.parameters[_EMPTY_FINAL].bool_param = True
+                    if await self._with_counts(key, request):
+                        state.counts_asked[request.id] = state.counts_asked.get(request.id, 0) + 1
+                        changed = True
+                    if changed:
                         raw = request.SerializeToString()
                     state.in_flight += 1
                     state.empty_finals_asked.append(asked)
@@ -291,6 +373,12 @@ class GrpcRelay:
                 if key.tpm is not None and not response.error_message:
                     n_in, n_out, cumulative = response_tokens(response.infer_response)
                     state.tokens += (n_out if not cumulative else 0) + ((n_in + cumulative * n_out) if final else 0)
+                    request_id = response.infer_response.id
+                    if state.counts_asked.get(request_id):
+                        without_counts(response.infer_response)
+                        raw = response.SerializeToString()
+                        if final:
+                            state.counts_asked[request_id] -= 1
                 if forward:
                     await write(raw)
 

@@ -33,6 +33,7 @@ KEYS = """
 sk-good      name=good
 sk-twice     name=twice    rpm=2
 sk-one       name=one      concurrency=1
+sk-tokens    name=tokens   tpm=40
 """
 GOOD = {"authorization": "Bearer sk-good"}
 
@@ -195,6 +196,49 @@ def test_over_a_limit_is_resource_exhausted_with_retry_information(door):
     channel.close()
     # the first stream request over the limit ends its stream with the same code
     assert stream_status(relay, twice) == "StatusCode.RESOURCE_EXHAUSTED"
+
+
+def test_a_token_limit_counts_what_the_model_says_without_changing_the_answer(triton_server, door):
+    """Key `tokens` may use 40 tokens a minute. Its requests ask for no token counts; the relay asks the model for
+    them on its behalf, counts them, and takes them out again, so the client sees what it would see on Triton's own
+    port. Requests are admitted while the minute has tokens left, then refused with RESOURCE_EXHAUSTED."""
+    _, relay = door
+    key = {"authorization": "Bearer sk-tokens"}
+    results: queue.Queue = queue.Queue()
+    direct = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    direct.start_stream(callback=lambda result, error: results.put((result, error)))
+    counts = [infer_input(grpcclient, "return_num_input_tokens", np.array([[True]])),
+              infer_input(grpcclient, "return_num_output_tokens", np.array([[True]]))]
+    direct.async_stream_infer("ensemble", ensemble_inputs(grpcclient) + counts)
+    while True:
+        result, error = results.get(timeout=60)
+        assert error is None, error
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    direct.stop_stream()
+    per_request = int(result.as_numpy("num_input_tokens").reshape(-1)[0] + result.as_numpy("num_output_tokens")
+                      .reshape(-1)[0])
+    # the first request: the text Triton's own port gives, and no count outputs the client had not asked for
+    client = grpcclient.InferenceServerClient(relay)
+    client.start_stream(callback=lambda result, error: results.put((result, error)), headers=key)
+    client.async_stream_infer("ensemble", ensemble_inputs(grpcclient))
+    text, names = "", set()
+    while True:
+        result, error = results.get(timeout=60)
+        assert error is None, error
+        text += result.as_numpy("text_output").reshape(-1)[0].decode()
+        names |= {o.name for o in result.get_response().outputs}
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    assert text == stream_text(triton_server.grpc_url, None)[0]
+    assert "text_output" in names and not names & {"num_input_tokens", "num_output_tokens"}
+    admitted = 1
+    while stream_status(relay, key) is None:
+        admitted += 1
+        assert admitted < 10, "the token limit never refused"
+    assert admitted == -(-40 // per_request)      # admitted while the minute's 40 tokens were not all used
+    assert stream_status(relay, key) == "StatusCode.RESOURCE_EXHAUSTED"
 
 
 def test_a_stream_request_over_the_concurrency_limit_fails_alone(triton_server, door):

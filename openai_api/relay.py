@@ -6,7 +6,10 @@ the public one: it checks a body's size and nesting (a byte scan, no parse) and 
 it is, streams included. The routes are those clients of Triton's HTTP use (tritonclient's HTTP client,
 perf_analyzer, genai-perf, curl): health, server and model metadata, config, ready, stats, infer, generate and
 generate_stream. Repository control, shared memory, tracing and logging stay on loopback. An error of the relay's
-own has Triton's shape, {"error": "..."}. One more refusal reads a field: `stream: true` sent to `/generate`
+own has Triton's shape, {"error": "..."}. A model's infer, generate and generate_stream count against the caller's
+key as an OpenAI request does (keys.py): requests a minute and at once, refused with 429 and Retry-After; for a key
+with a token limit, generate bodies ask for the model's token counts, which are counted and taken out of the answer
+again when the client had not asked for them (an infer body is not rewritten: it counts requests only). One more refusal reads a field: `stream: true` sent to `/generate`
 (genai-perf's `--endpoint-type generate --streaming` does that): 2.51 answers it at once with an error while the
 model's generation runs on unread, so a client repeating it fills the engine with work nobody reads.
 """
@@ -16,6 +19,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 
 import numpy as np
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
@@ -33,6 +37,9 @@ _ROUTES = re.compile(r"(/health/(live|ready))?|/models/[^/]+(/versions/[^/]+)?"
                      r"(/(config|ready|stats|infer|generate|generate_stream))?")
 _HEALTH = re.compile(r"/health/(live|ready)")
 _GENERATE = re.compile(r"/models/[^/]+(/versions/[^/]+)?/generate")
+_COUNTED = re.compile(r"/models/([^/]+)(/versions/[^/]+)?/(infer|generate|generate_stream)")
+# The contracts' flags that make a model return its token counts, and the outputs they add.
+COUNT_FLAGS = {"return_num_input_tokens": "num_input_tokens", "return_num_output_tokens": "num_output_tokens"}
 # `"stream": true` (or [true]) as a key of the body: inside a JSON string a quote is escaped, so text cannot match.
 _STREAM_ON = re.compile(rb'"stream"\s*:\s*(true|\[\s*true\s*\])')
 log = logging.getLogger("trellm.openai")
@@ -101,18 +108,88 @@ class OneLineBadRequests(logging.Filter):
         return True
 
 
-def triton_error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+def triton_error(status: int, message: str, headers: dict | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+def ask_for_counts(raw: bytes) -> tuple[bytes, bool]:
+    """A generate body asking for the model's token counts, and whether that changed it (then the counts are the
+    relay's, and leave the answer)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw, False      # Triton answers the malformed body itself
+    if not isinstance(body, dict) or all(body.get(flag) is True for flag in COUNT_FLAGS):
+        return raw, False
+    body.update({flag: True for flag in COUNT_FLAGS})
+    return json.dumps(body).encode(), True
+
+
+class TokenCounts:
+    """The token counts in a generate answer's JSON objects (one, or one per server-sent event): prompt tokens, and
+    output tokens summed where each response counts its new ones (vLLM's UINT32 count), else the last count seen
+    (TRT-LLM's tokens so far); `strip` takes the counts out of each object."""
+
+    def __init__(self, cumulative: bool, strip: bool):
+        self.cumulative, self.strip = cumulative, strip
+        self.prompt = self.output = 0
+        self._pending = b""
+
+    def total(self) -> int:
+        return self.prompt + self.output
+
+    def _take(self, obj: dict) -> dict:
+        def number(v):
+            v = v[-1] if isinstance(v, list) and v else v
+            return int(v) if isinstance(v, (int, float)) else 0
+        if "num_input_tokens" in obj:
+            self.prompt = max(self.prompt, number(obj["num_input_tokens"]))
+        if "num_output_tokens" in obj:
+            n = number(obj["num_output_tokens"])
+            self.output = max(self.output, n) if self.cumulative else self.output + n
+        if self.strip:
+            for output in COUNT_FLAGS.values():
+                obj.pop(output, None)
+        return obj
+
+    def body(self, raw: bytes) -> bytes:
+        """A whole JSON answer (generate)."""
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            return raw
+        return json.dumps(self._take(obj)).encode() if isinstance(obj, dict) else raw
+
+    def events(self, chunk: bytes, end: bool = False) -> bytes:
+        """The complete server-sent events so far (generate_stream), their counts read; the rest waits."""
+        data = self._pending + chunk
+        last = data.rfind(b"\n\n")
+        cut = len(data) if end else last + 2 if last >= 0 else 0
+        done, self._pending = data[:cut], data[cut:]
+        out = []
+        for line in done.split(b"\n"):
+            if line.startswith(b"data:"):
+                try:
+                    obj = json.loads(line[5:])
+                except ValueError:
+                    obj = None
+                if isinstance(obj, dict):
+                    line = b"data: " + json.dumps(self._take(obj)).encode()
+            out.append(line)
+        return b"\n".join(out)
 
 
 class Relay:
     """The v2 routes of the front door's aiohttp application; `keys`: the door's API keys (openai_api/keys.py), asked
     for every route but health when a keys file is set."""
 
-    def __init__(self, triton_http_url: str, keys, max_depth: int, max_body_bytes: int = MAX_V2_BODY_BYTES):
+    def __init__(self, triton_http_url: str, keys, max_depth: int, max_body_bytes: int = MAX_V2_BODY_BYTES,
+                 limiter=None, metrics=None):
         self.upstream = "http://" + triton_http_url.removeprefix("http://")
         self.keys, self.max_depth, self.max_body_bytes = keys, max_depth, max_body_bytes
+        self.limiter, self.metrics = limiter, metrics      # keys.Limiter: None counts nothing
         self._session: ClientSession | None = None
+        self._cumulative: dict[str, tuple[float, bool]] = {}   # model -> (read at, its output count is cumulative)
 
     def session(self) -> ClientSession:
         if self._session is None:
@@ -147,6 +224,21 @@ class Relay:
                                      f"response; POST it to {request.path}_stream")
         return None
 
+    async def counts_cumulative(self, model: str) -> bool:
+        """Whether `model`'s num_output_tokens is the tokens so far (TRT-LLM's INT32) rather than each response's new
+        ones (vLLM's UINT32), from its metadata, read again after a minute."""
+        at, cumulative = self._cumulative.get(model, (-60.0, True))
+        if time.monotonic() - at < 60.0:
+            return cumulative
+        try:
+            async with self.session().get(f"{self.upstream}/v2/models/{model}") as r:
+                outputs = (await r.json()).get("outputs", []) if r.status == 200 else []
+            cumulative = all(o.get("datatype") != "UINT32" for o in outputs if o.get("name") == "num_output_tokens")
+        except (ClientError, OSError, ValueError):
+            pass
+        self._cumulative[model] = (time.monotonic(), cumulative)
+        return cumulative
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raw = await read_at_most(request, self.max_body_bytes)
         if raw is None:
@@ -154,6 +246,28 @@ class Relay:
         refused = await self.refusal(request, raw)
         if refused is not None:
             return refused
+        counted = _COUNTED.fullmatch(request.path[len("/v2"):]) if request.method == "POST" else None
+        if self.limiter is None or counted is None:
+            return await self.relay(request, raw)
+        key = self.keys.authenticate(request.headers.get("Authorization"))
+        decision = self.limiter.admit(key)
+        if not decision.allowed:
+            if self.metrics is not None:
+                self.metrics.rate_limited[key.name] += 1
+            return triton_error(429, decision.reason, headers={**(decision.headers or {}),
+                                                               "Retry-After": str(decision.retry_after_s)})
+        counts = None
+        if key.tpm is not None and counted.group(3) != "infer":
+            raw, strip = ask_for_counts(raw)
+            counts = TokenCounts(await self.counts_cumulative(counted.group(1)), strip)
+        try:
+            return await self.relay(request, raw, counts)
+        finally:
+            self.limiter.finish(key, counts.total() if counts else 0)
+
+    async def relay(self, request: web.Request, raw: bytes, counts: TokenCounts | None = None) -> web.StreamResponse:
+        """Pass the call on as it is (`counts`: read the token counts of a generate answer, and take out those the
+        relay asked for)."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         try:
             # The client's own Accept-Encoding or none: aiohttp's default one made Triton gzip answers that
@@ -165,12 +279,23 @@ class Relay:
         async with upstream:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers={
                 k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FORWARDED})
+            streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+            if counts is not None and upstream.status == 200 and not streamed:
+                body = counts.body(await upstream.read())
+                response.content_length = len(body)
+                await response.prepare(request)
+                await response.write(body)
+                await response.write_eof()
+                return response
             if upstream.headers.get("Content-Length") is not None:
                 response.content_length = int(upstream.headers["Content-Length"])
             await response.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():    # each server-sent event as soon as Triton sends it
-                    await response.write(chunk)
+                    await response.write(counts.events(chunk) if counts is not None and streamed else chunk)
+                rest = counts.events(b"", end=True) if counts is not None and streamed else b""
+                if rest:
+                    await response.write(rest)
             except ClientError as e:
                 # tritonserver went away mid-answer (a crash, a restart): one log line, and the client learns it as
                 # it would from Triton, an error event in a stream, a cut connection otherwise

@@ -82,7 +82,8 @@ class FrontDoor:
         self._models_lock = asyncio.Lock()     # one refresh at a time: requests arriving meanwhile wait for it
         self._tokenizers: dict[str, object] = {}
         # The KServe v2 HTTP routes, relayed to tritonserver's (loopback) HTTP port; None: not served here.
-        self.relay = Relay(triton_http_url, self.keys, MAX_JSON_DEPTH) if triton_http_url else None
+        self.relay = Relay(triton_http_url, self.keys, MAX_JSON_DEPTH, limiter=self.limiter,
+                           metrics=self.metrics) if triton_http_url else None
         # With OTEL_EXPORTER_OTLP_*ENDPOINT set: a span per OpenAI request (tracing.py), the parent of Triton's.
         self.tracer = tracing.make_tracer("trellm-openai")
 

@@ -163,6 +163,65 @@ def test_with_a_keys_file_the_v2_routes_want_a_key_but_health(triton_server, tmp
         launch.stop_front_door(proc)
 
 
+def test_the_v2_routes_count_against_the_keys_limits(triton_server, tmp_path):
+    """A key's requests a minute hold on the v2 routes as on OpenAI's (429 with Retry-After), and a token limit
+    counts the model's own counts: the relay asks for them and takes them out of the answer again, streamed or
+    whole, so the client reads what Triton's own port gives."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-twice name=twice rpm=2\nsk-tokens name=tokens tpm=60\n")
+    port = free_ports(1)[0]
+    proc = launch.start_front_door(triton_server, port, str(keys))
+    try:
+        url = f"127.0.0.1:{port}"
+        same = {"max_tokens": 8, "ignore_eos": True, "exclude_input_in_output": True}
+        body = json.dumps({"text_input": PROMPT, **same}).encode()
+        twice = {"Authorization": "Bearer sk-twice"}
+        assert [post(url, "/v2/models/ensemble/generate", body, twice)[0] for _ in range(2)] == [200, 200]
+        request = urllib.request.Request(f"http://{url}/v2/models/ensemble/generate", data=body, headers=twice)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 429 and 1 <= int(refused.value.headers["Retry-After"]) <= 60
+        assert "2 requests per minute" in json.loads(refused.value.read())["error"]
+
+        direct = http_generate(triton_server.http_url, PROMPT, **same, return_num_input_tokens=True,
+                               return_num_output_tokens=True)[0]
+        per_request = direct["num_input_tokens"] + direct["num_output_tokens"]
+        tokens = {"Authorization": "Bearer sk-tokens"}
+        status, whole = post(url, "/v2/models/ensemble/generate", body, tokens)
+        assert status == 200 and json.loads(whole)["text_output"] == direct["text_output"]
+        assert not {"num_input_tokens", "num_output_tokens"} & set(json.loads(whole))
+        stream_body = json.dumps({"text_input": PROMPT, **same, "stream": True}).encode()
+        status, streamed = post(url, "/v2/models/ensemble/generate_stream", stream_body, tokens)
+        events = [json.loads(line[5:]) for line in streamed.decode().splitlines() if line.startswith("data:")]
+        assert status == 200 and "".join(e["text_output"] for e in events) == direct["text_output"]
+        assert not any({"num_input_tokens", "num_output_tokens"} & set(e) for e in events)
+        admitted = 2
+        while post(url, "/v2/models/ensemble/generate", body, tokens)[0] == 200:
+            admitted += 1
+            assert admitted < 20, "the token limit never refused"
+        assert admitted == -(-60 // per_request)      # admitted while the minute's 60 tokens were not all used
+    finally:
+        launch.stop_front_door(proc)
+
+
+@pytest.mark.unit
+def test_token_counts_are_read_and_taken_out_of_events_cut_anywhere():
+    """generate_stream's events arrive in chunks cut at any byte: each event is rewritten whole, the counts read
+    once each (TRT-LLM's tokens so far: the last; vLLM's new tokens: summed), and the bytes that are not counts pass
+    as they are."""
+    from trellm_openai.relay import TokenCounts
+    events = [{"text_output": "a", "num_input_tokens": 5, "num_output_tokens": n} for n in (1, 2, 3)]
+    stream = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    for cut in range(1, len(stream)):
+        for cumulative, output in ((True, 3), (False, 6)):
+            counts = TokenCounts(cumulative, strip=True)
+            out = counts.events(stream[:cut]) + counts.events(stream[cut:]) + counts.events(b"", end=True)
+            assert out == b"data: {\"text_output\": \"a\"}\n\n" * 3, (cut, out)
+            assert counts.total() == 5 + output
+    kept = TokenCounts(True, strip=False)
+    assert kept.events(stream) == stream and kept.total() == 8
+
+
 def test_a_bad_connection_costs_the_door_one_log_line(triton_server, tmp_path):
     """sglang-router opens each worker with an HTTP/2 prior-knowledge preface: answered 400, logged in one line
     (aiohttp's default put a traceback in the log for each)."""

@@ -55,8 +55,10 @@ class FakeTriton:
             raise
 
 
-async def with_relay(body):
-    """Run `body(relay_channel, fake)` with the fake upstream and the relay served on loopback ports."""
+async def with_relay(body, **bounds):
+    """Run `body(relay_channel, fake)` with the fake upstream and the relay (grpc_relay.serve's `bounds`) served on
+    loopback ports."""
+    from trellm_backend.tools.testbed import free_ports
     fake = FakeTriton()
     upstream = grpc.aio.server()
     upstream.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(grpc_relay.SERVICE, {
@@ -64,10 +66,8 @@ async def with_relay(body):
     upstream_port = upstream.add_insecure_port("127.0.0.1:0")
     await upstream.start()
     relay = grpc_relay.GrpcRelay(f"127.0.0.1:{upstream_port}", KeyStore(None), Limiter())
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((relay.handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    port = free_ports(1)[0]
+    server = await grpc_relay.serve(relay, "127.0.0.1", port, **bounds)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             await body(channel, fake)
@@ -132,39 +132,22 @@ def test_a_flag_only_final_reaches_the_relay_and_only_the_clients_that_asked():
 
 
 def test_a_message_over_the_bound_is_refused_and_the_relay_goes_on():
-    from trellm_backend.tools.testbed import free_ports
-
-    async def body():
-        fake = FakeTriton()
-        upstream = grpc.aio.server()
-        upstream.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(grpc_relay.SERVICE, {
-            grpc_relay.STREAM: grpc.stream_stream_rpc_method_handler(fake.stream)}),))
-        upstream_port = upstream.add_insecure_port("127.0.0.1:0")
-        await upstream.start()
-        relay = grpc_relay.GrpcRelay(f"127.0.0.1:{upstream_port}", KeyStore(None), Limiter())
-        port = free_ports(1)[0]
-        server = await grpc_relay.serve(relay, "127.0.0.1", port, max_message_bytes=4096)
+    async def body(channel, fake):
+        big = service_pb2.ModelInferRequest(model_name="m", id="answer", raw_input_contents=[b"x" * 8192])
+        call = channel.stream_stream(STREAM)()
+        await call.write(big.SerializeToString())
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                big = service_pb2.ModelInferRequest(model_name="m", id="answer", raw_input_contents=[b"x" * 8192])
-                call = channel.stream_stream(STREAM)()
-                await call.write(big.SerializeToString())
-                try:
-                    await call.read()
-                except grpc.aio.AioRpcError as e:
-                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                else:
-                    raise AssertionError("an 8 KiB message passed a 4 KiB bound")
-                assert fake.empty_finals_asked == []       # nothing of it went upstream
-                call = channel.stream_stream(STREAM)()     # the next stream is served
-                await call.write(request("answer"))
-                assert service_pb2.ModelStreamInferResponse.FromString(await call.read()).infer_response.id == "answer"
-                call.cancel()
-        finally:
-            await server.stop(0)
-            await relay.close()
-            await upstream.stop(0)
-    asyncio.run(body())
+            await call.read()
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        else:
+            raise AssertionError("an 8 KiB message passed a 4 KiB bound")
+        assert fake.empty_finals_asked == []       # nothing of it went upstream
+        call = channel.stream_stream(STREAM)()     # the next stream is served
+        await call.write(request("answer"))
+        assert service_pb2.ModelStreamInferResponse.FromString(await call.read()).infer_response.id == "answer"
+        call.cancel()
+    asyncio.run(with_relay(body, max_message_bytes=4096))
 
 
 def test_a_message_that_is_no_request_gets_an_error_response_and_the_stream_goes_on():

@@ -21,6 +21,11 @@ noise on a shared host does not move a weight off today's path.
 Choices are cached on disk (TRELLM_CACHE_DIR, default ~/.cache/trellm) keyed by CPU model, flags, torch version,
 threads, dtype, shape, the layouts this host offers and the timing method, so a restart reads them (and a new
 candidate, such as a newly built operator, is timed); within a process each shape is timed once.
+Only timings taken in quiet are trusted: while a shape is timed, the host's CPU time spent by other processes is read
+from /proc/stat, and timings taken beside more than FOREIGN_CORES_MAX cores of other work, or out of order (a call
+that took longer at fewer tokens than at more), are timed again after a pause, within QUIET_WAIT_S a process; past
+that the weight takes the written-down rule and nothing is cached, so the next load times it again. A cached entry
+out of order is timed again too.
 TRELLM_CPU_LINEAR=cpp, onednn or torch forces today's static rule or a layout instead of `auto`.
 """
 from __future__ import annotations
@@ -32,7 +37,6 @@ import itertools
 import json
 import logging
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -57,6 +61,10 @@ TIMING = "timing interleaved-min streamed"
 STREAM_MAX_BYTES = 64 << 20       # the copies cycled by each call: twice the last-level cache, at most this much
 MAX_COPIES = 64
 LAYOUT_CALLS = {"cpp": ("cpp", "cpp-unpacked"), "onednn": ("onednn",), "torch": ("torch", "torch-fp32")}
+FOREIGN_CORES_MAX = 0.3           # other processes' CPU use while a shape is timed, in cores, above which it is retimed
+MIN_WATCH_S = 0.2                 # a timing shorter than this is watched this long (the kernel counts CPU time in ticks)
+QUIET_WAIT_S = 10.0               # per process: the time spent waiting for quiet and timing again, in all
+ORDER_SLACK, ORDER_SLACK_US = 1.25, 2.0   # how much longer a call may take at fewer tokens than at more (noise)
 
 
 def count_index(tokens: int) -> int:
@@ -216,6 +224,73 @@ def measure(w: torch.Tensor, layouts: list[str], timer) -> tuple[dict[str, list[
     return us, rows
 
 
+def out_of_order(us: dict[str, list[float]]) -> list[str]:
+    """The calls timed slower at some count than at a larger one (beyond ORDER_SLACK): more tokens never cost
+    less, so such a table caught other work on the host."""
+    bad = []
+    for call, times in us.items():
+        for i in range(len(times) - 1):
+            later = min(times[i + 1:])
+            if times[i] > ORDER_SLACK * later + ORDER_SLACK_US:
+                bad.append(f"{call} {times[i]:g} us at {COUNTS[i]} tokens, {later:g} us at more")
+                break
+    return bad
+
+
+def _cpu_busy_s() -> float:
+    """Seconds of CPU time the whole host has spent busy since boot (/proc/stat; 0 where it cannot be read)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class LoadWatch:
+    """Other processes' CPU use while the block runs, in cores (`foreign_cores`): the host's busy time less this
+    process's, over at least MIN_WATCH_S."""
+    foreign_cores = 0.0
+
+    def __enter__(self):
+        self.start, self.busy, self.own = time.monotonic(), _cpu_busy_s(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        left = MIN_WATCH_S - (time.monotonic() - self.start)
+        if left > 0:
+            time.sleep(left)
+        foreign = (_cpu_busy_s() - self.busy) - (time.process_time() - self.own)
+        self.foreign_cores = max(0.0, foreign) / (time.monotonic() - self.start)
+
+
+_quiet_wait_left = [QUIET_WAIT_S]
+
+
+def time_in_quiet(w: torch.Tensor, layouts: list[str], timer, static: str,
+                  static_calls: tuple[str, ...]) -> tuple[Choice, str]:
+    """The choice timed in quiet, and "" (cache it); or, when no quiet timing could be had within what is left of
+    QUIET_WAIT_S, the written-down rule and why (do not cache it)."""
+    while True:
+        start = time.monotonic()
+        with LoadWatch() as load:
+            us, rows = measure(w, layouts, timer)
+        disorder = out_of_order(us)
+        if load.foreign_cores <= FOREIGN_CORES_MAX and not disorder:
+            choice = decide(us, layouts, w.dtype, static, static_calls)
+            choice.timed_rows = rows
+            return choice, ""
+        why = (f"other processes used {load.foreign_cores:.2f} cores while it was timed"
+               if load.foreign_cores > FOREIGN_CORES_MAX else f"timings out of order ({'; '.join(disorder)})")
+        pause = min(1.0, _quiet_wait_left[0])
+        _quiet_wait_left[0] -= time.monotonic() - start + pause
+        if pause <= 0 or _quiet_wait_left[0] < 0:
+            calls = static_calls or tuple(calls_of(static, w.dtype)[0] for _ in COUNTS)
+            return Choice(static, calls, us, rows), why
+        time.sleep(pause)
+
+
 # -- the disk cache -----------------------------------------------------------------------------------------------
 _lock = threading.Lock()
 _memo: dict[str, Choice] = {}
@@ -269,7 +344,7 @@ def _from_cache(entry, layouts: list[str], dtype: torch.dtype) -> Choice | None:
     except (KeyError, TypeError, ValueError):
         return None
     ok = (choice.layout in layouts and len(choice.calls) == len(COUNTS)
-          and set(choice.calls) <= set(calls_of(choice.layout, dtype)))
+          and set(choice.calls) <= set(calls_of(choice.layout, dtype)) and not out_of_order(choice.us))
     return choice if ok else None
 
 
@@ -287,14 +362,16 @@ def choose(w: torch.Tensor, static: str, static_calls: tuple[str, ...] = (), tim
         choice = _from_cache(_read(path).get(key), layouts, w.dtype)
         if choice is None:
             t = time.perf_counter()
-            us, rows = measure(w, layouts, timer or time_call)
-            choice = decide(us, layouts, w.dtype, static, static_calls)
-            choice.timed_rows = rows
-            log.info("linear %dx%d %s timed in %.2f s (us at %s tokens%s): %s; holds %s",
+            choice, not_quiet = time_in_quiet(w, layouts, timer or time_call, static, static_calls)
+            rows = choice.timed_rows
+            log.info("linear %dx%d %s timed in %.2f s (us at %s tokens%s): %s; holds %s%s",
                      w.shape[1], w.shape[0], str(w.dtype).removeprefix("torch."), time.perf_counter() - t,
                      "/".join(map(str, COUNTS)), "" if rows == w.shape[0] else f", first {rows} outputs",
-                     "; ".join(f"{c} {'/'.join(f'{v:g}' for v in times)}" for c, times in us.items()),
-                     describe(choice.layout, choice.calls))
-            _write(path, key, choice)
+                     "; ".join(f"{c} {'/'.join(f'{v:g}' for v in times)}" for c, times in choice.us.items()),
+                     describe(choice.layout, choice.calls),
+                     f" (the written-down rule, not cached: {not_quiet}; timed again at the next load)"
+                     if not_quiet else "")
+            if not not_quiet:
+                _write(path, key, choice)
         _memo[memo_key] = choice
         return choice

@@ -18,6 +18,11 @@ from trellm_backend.tools.testbed import free_ports  # noqa: F401 - the tests im
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The suite's own cache of timed linear choices (kernels/linear_choice.py), never the user's: the suite times shapes
+# while it runs servers and other tests, and its tritonservers inherit this.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["TRELLM_CACHE_DIR"] = os.path.join(REPO, ".pytest_cache", "trellm")
+
 
 def pytest_sessionstart(session):
     """The host and the builds of the C++ operators the suite tests on it (tests/test_cpu_ops.py), first in the
@@ -47,7 +52,6 @@ def pytest_collection_modifyitems(config, items):
 
 pytest_plugins = ["rerun_on_upstream_abort", "pytester"]   # the first: tritonserver 2.51's own aborts
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(REPO, "hf_models", "tiny-llama")
 
 

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -542,6 +543,18 @@ def untimed_layouts(monkeypatch):
     monkeypatch.setattr(linear_choice, "_memo", {})
     monkeypatch.setattr(linear_choice, "layouts_for", lambda dtype, n: ["cpp", "onednn", "torch"])
     monkeypatch.setattr(linear, "hold", lambda w, layout, typical_tokens=64: linear.Weight(w))
+    monkeypatch.setattr(linear_choice, "LoadWatch", QuietHost)
+
+
+class QuietHost:
+    """linear_choice.LoadWatch on a host where nothing else runs (fake timers take no time to watch)."""
+    foreign_cores = 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
 
 
 def test_the_linear_choice_follows_the_timings_and_is_cached_by_host_and_shape(ops, tmp_path, monkeypatch,
@@ -606,6 +619,75 @@ def test_a_burst_of_other_work_while_timing_does_not_move_the_choice(ops, tmp_pa
     noisy = linear_choice.choose(w, "torch", timer=busy, path=str(tmp_path / "noisy.json"))
     assert quiet.layout == "cpp" and (noisy.layout, noisy.calls) == (quiet.layout, quiet.calls)
     assert noisy.us == quiet.us
+
+
+def test_timings_out_of_order_are_not_cached_and_a_cached_entry_out_of_order_is_timed_again(ops, tmp_path,
+                                                                                              monkeypatch,
+                                                                                              untimed_layouts):
+    """More tokens never cost less: a table where a call took longer at 1 token than at 4 (what a test run under
+    load wrote into a user's cache: torch 309 us at 1 token, 11.6 at 4) is timed again; still out of order once the
+    process's wait for quiet is spent, the weight takes the written-down rule and nothing is written. A cached entry
+    out of order is not read."""
+    cache = str(tmp_path / "linear-choice.json")
+    w = torch.zeros(64, 32, dtype=BF16)
+    table = {"cpp": [10, 20, 40, 100, 400], "cpp-unpacked": [50, 60, 70, 92, 200], "onednn": [12, 22, 42, 95, 300],
+             "torch": [309, 11.6, 320, 315, 1e4], "torch-fp32": [90, 95, 99, 120, 210]}
+    assert linear_choice.out_of_order(table) == ["torch 309 us at 1 tokens, 11.6 us at more"]
+    monkeypatch.setattr(linear_choice, "_quiet_wait_left", [0.0])
+    timer, asked = fake_timer(table)
+    choice = linear_choice.choose(w, "onednn", ("onednn",) * 5, timer=timer, path=cache)
+    assert (choice.layout, choice.calls) == ("onednn", ("onednn",) * 5) and asked
+    assert not os.path.exists(cache)
+    # with time left to wait, a second timing in order is taken and cached
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    monkeypatch.setattr(linear_choice, "_quiet_wait_left", [5.0])
+    monkeypatch.setattr(linear_choice.time, "sleep", lambda s: None)
+    calm = {**table, "torch": [100, 1000, 9000, 90000, 1e6]}
+    tables = [table, calm]           # what each timing of the shape measures: disordered, then in order
+    real_measure = linear_choice.measure
+    monkeypatch.setattr(linear_choice, "measure", lambda w, layouts, timer: (tables.pop(0), w.shape[0]))
+    choice = linear_choice.choose(w, "onednn", ("onednn",) * 5, timer=timer, path=cache)
+    assert choice.layout == "cpp" and tables == []
+    assert list(json.load(open(cache)).values())[0]["us"]["torch"][0] == 100
+    monkeypatch.setattr(linear_choice, "measure", real_measure)
+    # an entry out of order in the file is timed again
+    stored = json.load(open(cache))
+    key = next(iter(stored))
+    stored[key]["us"]["cpp"] = [500, 20, 40, 100, 400]
+    json.dump(stored, open(cache, "w"))
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    timer, asked = fake_timer(calm)
+    linear_choice.choose(w, "onednn", ("onednn",) * 5, timer=timer, path=cache)
+    assert asked and json.load(open(cache))[key]["us"]["cpp"][0] == 10
+
+
+def test_a_choice_timed_beside_a_busy_loop_is_not_cached(tmp_path, monkeypatch):
+    """Real timings, watched: beside a process spinning on a core the weight takes the written-down rule and the
+    cache stays empty; once it has stopped, the shape is timed again and cached."""
+    cache = str(tmp_path / "linear-choice.json")
+    w = torch.randn(128, 64)
+    static = linear.static_layout(w, "auto")
+    calls = linear.static_calls(static, w.dtype)
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    monkeypatch.setattr(linear_choice, "_quiet_wait_left", [0.5])
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        choice = linear_choice.choose(w, static, calls, path=cache)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert (choice.layout, choice.calls) == (static, calls) and not os.path.exists(cache)
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    monkeypatch.setattr(linear_choice, "_quiet_wait_left", [10.0])
+    linear_choice.choose(w, static, calls, path=cache)
+    assert len(json.load(open(cache))) == 1
+
+
+def test_the_suite_times_into_its_own_cache_folder():
+    """The suite's timings, taken beside its servers and tests, never reach the user's cache."""
+    user = os.path.join(os.path.expanduser("~"), ".cache", "trellm")
+    assert not os.path.abspath(linear_choice.cache_file()).startswith(user + os.sep)
 
 
 def test_the_choice_times_each_call_on_weights_read_from_memory(ops, monkeypatch):

@@ -287,3 +287,36 @@ def test_cpu_by_process_counts_an_engine_threads_time_under_its_name():
     text = cpu_use.table([{"profile": "low", "concurrency": 1, "cpu_s": rows, "wall_s": 1.0, "output_tokens": 100}])
     engine_line = next(line for line in text.splitlines() if line.startswith("tritonserver trellm-engine"))
     assert abs(float(engine_line.split()[-1]) - 1000 * rows["tritonserver trellm-engine"] / 100) < 1e-3
+
+
+def test_roofline_counts_every_weight_a_decode_step_reads_and_the_linears_flop(default_model_path, monkeypatch):
+    """perf/roofline.py's accounting against the checkpoint itself: a decode step reads every tensor of the file
+    but the embedding table (one row a token; the default model's LM head is a tensor of its own) once, at 4 bytes
+    in float32 and 2 in bfloat16, in whatever layout each weight is held; weight-only INT8 reads the layers'
+    linears at 1 byte with a float32 scale per output row. The linears' FLOP are 2 x their elements per token."""
+    import math
+    import torch
+    from safetensors import safe_open
+    import roofline
+    from trellm_backend.models.config import load_model_config
+    from trellm_backend.models.llama import LlamaModel
+    from trellm_backend.models.weights import load_state_dict
+    from trellm_kernels import dispatch
+    # The written-down layouts (C++ blocks, oneDNN's, dense), not timed at load: seconds on a busy host.
+    monkeypatch.setattr(dispatch, "_settings", dispatch.KernelSettings(cpu_linear="cpp"))
+    with safe_open(os.path.join(default_model_path, "model.safetensors"), "pt") as f:
+        shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    assert "lm_head.weight" in shapes
+    numel = {name: math.prod(shape) for name, shape in shapes.items()}
+    layer_linears = [name for name in shapes if name.endswith("_proj.weight")]
+    read = sum(numel.values()) - numel["model.embed_tokens.weight"]
+    linear = sum(numel[name] for name in layer_linears) + numel["lm_head.weight"]
+    cfg = load_model_config(default_model_path)
+    for dtype, quantization, expected in (
+            (torch.float32, "none", 4 * read), (torch.bfloat16, "none", 2 * read),
+            (torch.float32, "int8", 4 * read - 3 * sum(numel[n] for n in layer_linears)
+             + 4 * sum(shapes[n][0] for n in layer_linears))):
+        model = LlamaModel(cfg, load_state_dict(default_model_path, dtype), torch.device("cpu"), dtype, 64,
+                           quantization)
+        assert roofline.weight_bytes_per_step(model) == expected, (dtype, quantization)
+        assert roofline.linear_flop(model, 48) == 2 * linear * 48

@@ -10,6 +10,7 @@ template) that goes through the same loading path as any downloaded checkpoint.
     python -m trellm_backend.tools.default_model hf_models/llama-40m --size 40m   # the benchmark's model, random init
     python -m trellm_backend.tools.default_model hf_models/anchor --size anchor   # the CPU-throughput anchor, random init
     python -m trellm_backend.tools.default_model hf_models/anchor-moe --size anchor-moe   # its Mixtral twin, random init
+    python -m trellm_backend.tools.default_model hf_models/medium --size medium   # for perf/roofline.py, random init
     python -m trellm_backend.tools.default_model hf_models/tiny-draft --size tiny-draft   # a draft for tiny-llama
     python -m trellm_backend.tools.default_model hf_models/small --size small   # 4x wider, for quantization quality
 """
@@ -56,13 +57,19 @@ MODEL_SIZES = {
     "anchor-moe": dict(hidden_size=512, intermediate_size=704, num_hidden_layers=10, num_attention_heads=8,
                        num_key_value_heads=4, max_position_embeddings=4096, num_local_experts=8,
                        num_experts_per_tok=2),
+    # The roofline's larger shape (perf/roofline.py), random init: weights larger than a typical last-level cache, so
+    # a one-user decode step reads them from memory.
+    "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
+                   num_key_value_heads=8, max_position_embeddings=4096),
 }
 MIXTURES = {"anchor-moe"}     # sizes built as MixtralForCausalLM (the others are Llama)
-DEFAULT_TRAIN_STEPS = {"tiny": 300, "tiny-draft": 300, "small": 150, "40m": 0, "anchor": 0, "anchor-moe": 0}
+DEFAULT_TRAIN_STEPS = {"tiny": 300, "tiny-draft": 300, "small": 150, "40m": 0, "anchor": 0, "anchor-moe": 0,
+                       "medium": 0}
 # Sequences of 128 tokens per training step. "small" takes 4: a clean checkout's test run builds it, and at 16 its
 # single-threaded training was the suite's longest item (perf/RESULTS.md, "Quality on a larger model made here").
-TRAIN_BATCH = {"tiny": 16, "tiny-draft": 16, "small": 4, "40m": 16, "anchor": 16, "anchor-moe": 16}
-VOCAB_SIZES = {"tiny": 4096, "tiny-draft": 4096, "small": 4096, "40m": 4096, "anchor": 8192, "anchor-moe": 8192}
+TRAIN_BATCH = {"tiny": 16, "tiny-draft": 16, "small": 4, "40m": 16, "anchor": 16, "anchor-moe": 16, "medium": 16}
+VOCAB_SIZES = {"tiny": 4096, "tiny-draft": 4096, "small": 4096, "40m": 4096, "anchor": 8192, "anchor-moe": 8192,
+               "medium": 8192}
 
 
 def corpus_text() -> str:
@@ -169,7 +176,7 @@ def main():
     ap.add_argument("out_dir")
     ap.add_argument("--size", choices=sorted(MODEL_SIZES), default="tiny")
     ap.add_argument("--train-steps", type=int, default=None,
-                    help="default: 300 for tiny, 0 (random init) for 40m, anchor and anchor-moe")
+                    help="default: 300 for tiny, 0 (random init) for 40m, anchor, anchor-moe and medium")
     args = ap.parse_args()
     steps = DEFAULT_TRAIN_STEPS[args.size] if args.train_steps is None else args.train_steps
     print(build(args.out_dir, steps, size=args.size))

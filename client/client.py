@@ -158,6 +158,17 @@ def chunk_from_result(result) -> Chunk:
 MAX_RECONNECT_BACKOFF_MS = 1000
 
 
+def stop_stream(client, cancel: bool) -> None:
+    """`client.stop_stream(cancel_requests=cancel)` (a tritonclient.grpc client), without the thread tritonclient
+    leaves behind on a cancel: gRPC's thread that reads the stream's request queue waits on it for good, as the
+    cancel puts no end on it (one blocked thread per cancelled stream, which a long-running client runs out of)."""
+    stream = getattr(client, "_stream", None)
+    client.stop_stream(cancel_requests=cancel)
+    queue_ = getattr(stream, "_request_queue", None)
+    if cancel and queue_ is not None:
+        queue_.put(None)
+
+
 def channel_args() -> list[tuple[str, int]]:
     """tritonclient's gRPC channel options, plus a connection of the channel's own and a short reconnect backoff.
     gRPC shares one connection per address among a process's channels, and with it its reconnect backoff: after a
@@ -224,7 +235,7 @@ class LLMClient:
                     return
         finally:
             # A finished call is closed, not cancelled (AsyncLLMClient.stream_chunks says why).
-            self.client.stop_stream(cancel_requests=not finished)
+            stop_stream(self.client, cancel=not finished)
             if not finished:
                 self._stop_engine_request(request_id)
 

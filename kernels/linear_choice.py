@@ -62,7 +62,7 @@ STREAM_MAX_BYTES = 64 << 20       # the copies cycled by each call: twice the la
 MAX_COPIES = 64
 LAYOUT_CALLS = {"cpp": ("cpp", "cpp-unpacked"), "onednn": ("onednn",), "torch": ("torch", "torch-fp32")}
 FOREIGN_CORES_MAX = 0.3           # other processes' CPU use while a shape is timed, in cores, above which it is retimed
-MIN_WATCH_S = 0.2                 # a timing shorter than this is watched this long (the kernel counts CPU time in ticks)
+MIN_WATCH_S = 0.2                 # a timing shorter than this is watched this long (CPU time is counted in ticks)
 QUIET_WAIT_S = 10.0               # per process: the time spent waiting for quiet and timing again, in all
 ORDER_SLACK, ORDER_SLACK_US = 1.25, 2.0   # how much longer a call may take at fewer tokens than at more (noise)
 

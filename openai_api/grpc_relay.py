@@ -385,7 +385,7 @@ class GrpcRelay:
         pump_task, read_task = asyncio.ensure_future(pump()), asyncio.ensure_future(read())
         try:
             await asyncio.shield(read_task)
-            if not pump_task.done():     # the upstream ended on its own: the client's further requests have nowhere to go
+            if not pump_task.done():     # the upstream ended on its own: further requests have nowhere to go
                 pump_task.cancel()
             await asyncio.gather(pump_task, return_exceptions=True)
             if refused:

@@ -9,7 +9,8 @@ generate_stream. Repository control, shared memory, tracing and logging stay on 
 own has Triton's shape, {"error": "..."}. A model's infer, generate and generate_stream count against the caller's
 key as an OpenAI request does (keys.py): requests a minute and at once, refused with 429 and Retry-After; for a key
 with a token limit, generate bodies ask for the model's token counts, which are counted and taken out of the answer
-again when the client had not asked for them (an infer body is not rewritten: it counts requests only). One more refusal reads a field: `stream: true` sent to `/generate`
+again when the client had not asked for them (an infer body is not rewritten: it counts requests only).
+One more refusal reads a field: `stream: true` sent to `/generate`
 (genai-perf's `--endpoint-type generate --streaming` does that): 2.51 answers it at once with an error while the
 model's generation runs on unread, so a client repeating it fills the engine with work nobody reads.
 """

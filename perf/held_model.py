@@ -35,7 +35,7 @@ def main() -> int:
 
     from trellm_backend.tools.launch import TritonServer
     from trellm_backend.tools.testbed import free_ports, rss_bytes
-    from trellm_client.client import build_inputs, vllm_inputs
+    from trellm_client.client import build_inputs, stop_stream, vllm_inputs
     server = TritonServer(os.path.join(REPO, "model_repository"), *free_ports(3), log_path=os.path.join(
         REPO, "perf", "out", "held_model.log"), model_control_mode="explicit", load_models=["*"],
         extra_args=["--log-verbose=1"] if args.log_verbose else []).start()
@@ -57,7 +57,7 @@ def main() -> int:
                     raise error
                 if result.get_response().parameters["triton_final_response"].bool_param or n == args.cancel_after:
                     break
-            client.stop_stream(cancel_requests=args.cancel or args.cancel_after > 0)
+            stop_stream(client, cancel=args.cancel or args.cancel_after > 0)
             client.close()
         after = rss_bytes(server.proc.pid) / 2**20
         url = f"http://{server.http_url}/v2/repository"

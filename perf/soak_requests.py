@@ -18,7 +18,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from trellm_client.client import build_inputs, channel_args, chunk_from_result, infer_input
+from trellm_client.client import build_inputs, channel_args, chunk_from_result, infer_input, stop_stream
 from trellm_client.client import llm_inputs as client_llm_inputs, vllm_inputs as client_vllm_inputs
 
 CONNECTION_WORDS = ("socket closed", "connect", "connection", "unavailable", "not healthy", "broken pipe", "reset",
@@ -115,7 +115,7 @@ def close_stream(client, settled: bool = False) -> None:
     response or an error) is closed without a cancel: tritonserver 2.51 leaks the state, and holds the model, of a
     request cancelled just after its final response (triton-inference-server/server#8078, fixed in 2.57)."""
     try:
-        client.stop_stream(cancel_requests=not settled)
+        stop_stream(client, cancel=not settled)
         client.close()
     except Exception:  # noqa: BLE001 - a closed channel: nothing left to clean
         pass

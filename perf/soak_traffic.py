@@ -21,7 +21,8 @@ from tritonclient.utils import InferenceServerException
 
 from soak_requests import (Record, Requests, StreamOutcome, close_stream, ensemble_inputs, error_class,
                            grpc_error_outcome, llm_inputs, next_response, send, tensor, vllm_inputs, words)
-from trellm_client.client import AsyncLLMClient, LLMClient, build_inputs, channel_args, chunk_from_result
+from trellm_client.client import (AsyncLLMClient, LLMClient, build_inputs, channel_args, chunk_from_result,
+                                  stop_stream)
 
 PROMPTS = ["The Python language", "A function definition", "Lists and tuples", "The import statement",
            "Once upon a time", "Exceptions are raised when", "A dictionary maps", "Modules and packages"]
@@ -201,14 +202,14 @@ class Traffic(Requests):
         kinds = {
             "grpc_cancel_llm": lambda rng: self.grpc_stream(
                 self.llm, llm_inputs(self.random_ids(rng), **long_llm),
-                after=lambda c: c.stop_stream(cancel_requests=True)),
+                after=lambda c: stop_stream(c, cancel=True)),
             # On Triton 2.51 a cancel does not reach the ensemble's running llm step: it runs to its end, so bounded.
             "grpc_cancel_ensemble": lambda rng: self.grpc_stream(
                 self.ensemble, ensemble_inputs(rng.choice(PROMPTS), max_tokens=64, min_tokens=64, stream=True),
-                after=lambda c: c.stop_stream(cancel_requests=True)),
+                after=lambda c: stop_stream(c, cancel=True)),
             "grpc_cancel_right_after_send": lambda rng: self.grpc_stream(
                 self.llm, llm_inputs(self.random_ids(rng), **long_llm), after_n=0,
-                after=lambda c: c.stop_stream(cancel_requests=True)),
+                after=lambda c: stop_stream(c, cancel=True)),
             # Read to the final response, then cancelled: tritonserver 2.51 keeps such a stream's state for good
             # (soak.py leaves this kind out on servers before 2.57 unless --kinds names it).
             "grpc_cancel_after_final": lambda rng: self.grpc_stream(
@@ -220,7 +221,7 @@ class Traffic(Requests):
         if self.vllm:
             kinds["grpc_cancel_vllm"] = lambda rng: self.grpc_stream(
                 self.vllm, vllm_inputs(rng.choice(PROMPTS), {"max_tokens": 2000, "ignore_eos": True}),
-                after=lambda c: c.stop_stream(cancel_requests=True))
+                after=lambda c: stop_stream(c, cancel=True))
         return kinds
 
     def _cancel_llmclient(self, rng):

@@ -174,3 +174,34 @@ def test_clients_reach_a_restarted_server_as_soon_as_it_serves(tmp_path):
         server.stop()
     assert new_client_answered, "a new client failed against a server that was back (the other channel's backoff)"
     assert door_wait < 2.0, f"the front door answered {door_wait:.1f} s after the server was back"
+
+
+def test_a_cancelled_stream_leaves_no_thread_behind(triton_server):
+    """tritonclient's cancel of a stream whose request has ended (what the soak's grpc_cancel_after_final does) leaves
+    gRPC's request thread waiting for good, one per stream, until a long-running process can start no thread (a
+    30-minute soak of such cancels did); trellm_client's stop_stream ends it."""
+    import queue
+    import threading
+    import time
+    import tritonclient.grpc as grpcclient
+    from trellm_client.client import build_inputs, channel_args, stop_stream
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url, channel_args=channel_args())
+    try:
+        before = threading.active_count()
+        for _ in range(6):
+            responses: queue.Queue = queue.Queue()
+            client.start_stream(callback=lambda result, error: responses.put((result, error)))
+            client.async_stream_infer("ensemble", build_inputs(grpcclient, PROMPT, {"max_tokens": 2}),
+                                      enable_empty_final_response=True)
+            while True:
+                result, error = responses.get(timeout=60)
+                assert error is None, error
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+            stop_stream(client, cancel=True)
+        deadline = time.monotonic() + 10
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert threading.active_count() <= before, threading.enumerate()
+    finally:
+        client.close()

@@ -112,8 +112,8 @@ def test_tritonclient_grpc_works_through_the_relay_as_on_triton(triton_server, d
     assert client.get_server_metadata(headers=GOOD).name == "triton"
     assert client.get_inference_statistics("ensemble", headers=GOOD).model_stats[0].name == "ensemble"
     # a non-decoupled model's unary infer
-    ids = client.infer("preprocess", [infer_input(grpcclient, "text_input", np.array([[PROMPT.encode()]], dtype=object))],
-                       headers=GOOD)
+    text = infer_input(grpcclient, "text_input", np.array([[PROMPT.encode()]], dtype=object))
+    ids = client.infer("preprocess", [text], headers=GOOD)
     assert ids.as_numpy("input_ids").shape[-1] > 1
     # a stream: the same text as Triton's own port, and two requests on one stream each get their own answer
     expected = stream_text(triton_server.grpc_url, None)[0]
@@ -292,7 +292,8 @@ def test_a_bad_connection_costs_one_log_line_and_others_go_on(door):
     import socket
     _, relay = door
     host, port = relay.rsplit(":", 1)
-    for junk in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00" * 64, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\xff" * 40):
+    junks = (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00" * 64, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\xff" * 40)
+    for junk in junks:
         with socket.create_connection((host, int(port)), timeout=5) as s:
             s.sendall(junk)
             s.settimeout(2)

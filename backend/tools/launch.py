@@ -452,8 +452,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.openai_port:
             front_door = start_front_door(server, args.openai_port, args.openai_keys_file,
                                           args.openai_tool_call_parser, grpc_port=args.openai_grpc_port)
-            http_line = (f"\n  HTTP    http://localhost:{args.openai_port}  (the front door: OpenAI /v1/chat/completions,"
-                         f" and Triton's KServe v2 routes, relayed to 127.0.0.1:{args.http_port})") + (
+            http_line = (f"\n  HTTP    http://localhost:{args.openai_port}  (the front door: OpenAI "
+                         f"/v1/chat/completions, and Triton's KServe v2 routes, relayed to 127.0.0.1:{args.http_port})"
+                         ) + (
                              http_line if args.http_public else "")
             if args.openai_grpc_port:
                 grpc_line = (f"\n  gRPC    localhost:{args.openai_grpc_port}  (the front door: Triton's KServe gRPC "

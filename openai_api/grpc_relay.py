@@ -55,6 +55,12 @@ _FINAL = "triton_final_response"
 _EMPTY_FINAL = "triton_enable_empty_final_response"
 # The flags that make a model return its token counts, and the outputs they add.
 COUNT_FLAGS = {"return_num_input_tokens": "num_input_tokens", "return_num_output_tokens": "num_output_tokens"}
+# triton_final_response's map entry as Triton writes it (its value is a oneof, so `false` is written too): bytes of
+# a response that marks it not final need no parse. Text that happens to hold the `true` form only costs a parse.
+_NOT_FINAL = _FINAL.encode() + b"\x12\x02\x08\x00"
+_FINAL_TRUE = _FINAL.encode() + b"\x12\x02\x08\x01"
+_ASK_EMPTY_FINAL = service_pb2.ModelInferRequest(parameters={_EMPTY_FINAL: service_pb2.InferParameter(
+    bool_param=True)}).SerializeToString()
 CONFIG_MAX_AGE_S = 60.0           # how long a model's declared inputs are trusted before they are read again
 
 
@@ -337,14 +343,12 @@ class GrpcRelay:
                     # which Triton sends only when asked; the relay asks, and passes such a response on only to a
                     # client that asked itself.
                     asked = _EMPTY_FINAL in request.parameters and request.parameters[_EMPTY_FINAL].bool_param
-                    changed = not asked
-                    if not asked:
-                        request.parameters[_EMPTY_FINAL].bool_param = True
-                    if await self._with_counts(key, request):
+                    if key.tpm is not None and await self._with_counts(key, request):
                         state.counts_asked[request.id] = state.counts_asked.get(request.id, 0) + 1
-                        changed = True
-                    if changed:
+                        request.parameters[_EMPTY_FINAL].bool_param = True
                         raw = request.SerializeToString()
+                    elif not asked:
+                        raw += _ASK_EMPTY_FINAL      # a map entry appended to a message overrides the key's earlier one
                     state.in_flight += 1
                     state.empty_finals_asked.append(asked)
                     await call.write(raw)
@@ -360,6 +364,9 @@ class GrpcRelay:
                 raw = await call.read()
                 if raw is grpc.aio.EOF:
                     return
+                if key.tpm is None and _NOT_FINAL in raw and _FINAL_TRUE not in raw:
+                    await write(raw)      # a response before its request's last: passed on unread
+                    continue
                 response = service_pb2.ModelStreamInferResponse.FromString(raw)
                 forward = True
                 params = response.infer_response.parameters

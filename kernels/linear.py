@@ -389,6 +389,7 @@ def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
 
 
 _ONE, _ZERO = torch.tensor(1.0), torch.tensor(0)    # oneDNN's activation scale and zero point: the ints as they are
+_U8_ZERO = torch.tensor(128)                        # the zero point of int8 activations shifted to u8
 
 
 def w8a8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -397,8 +398,12 @@ def w8a8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
     float GEMM is); then times the tokens' scales; the bias is added before the result is rounded to x's dtype."""
     xq, x_scale = int8_activations(x)
     if w.prepared is not None:
-        y = torch.ops.onednn.qlinear_pointwise.tensor(xq, _ONE, _ZERO, w.prepared, w.scales.float(), _ZERO, None, 1.0,
-                                                      0, torch.float32, "none", [None], "")
+        # oneDNN's fast int8 kernels take unsigned activations: the same integers moved up by 128 (the XOR of the
+        # sign bit), with a zero point of 128, give the same exact sums; signed ones took a reference path on a
+        # host with VNNI and no AMX (perf/RESULTS.md, "W8A8's activations").
+        xu = xq.view(torch.uint8).bitwise_xor(128)
+        y = torch.ops.onednn.qlinear_pointwise.tensor(xu, _ONE, _U8_ZERO, w.prepared, w.scales.float(), _ZERO, None,
+                                                      1.0, 0, torch.float32, "none", [None], "")
     else:
         y = torch.nn.functional.linear(xq.float(), w.qweight.float()) * w.scales.float()
     y *= x_scale

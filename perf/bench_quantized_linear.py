@@ -6,6 +6,7 @@ does (one weight would stay in the cache and flatter the small formats less than
 
     python perf/bench_quantized_linear.py [--out 2816 --in 512 --tokens 1,4,16,48,128,512 --group 128]
     python perf/bench_quantized_linear.py --layouts bfloat16   # each layout the timed choice can hold, by its own call
+    python perf/bench_quantized_linear.py --w8a8   # W8A8's oneDNN GEMM fed int8 or u8 activations, beside fp32
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,16,48,128,512")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--weights", type=int, default=16, help="distinct weights cycled")
+    ap.add_argument("--w8a8", action="store_true", help="instead: W8A8's oneDNN GEMM with signed int8 activations "
+                    "against unsigned ones (zero point 128, what w8a8_linear sends), and the fp32 path, alternated")
     ap.add_argument("--layouts", metavar="DTYPE", help="instead: every layout of this dtype the timed choice can "
                     "hold here (linear_choice.layouts_for), each through its own call, in alternated rounds")
     args = ap.parse_args()
@@ -45,6 +48,8 @@ def main() -> None:
     torch.manual_seed(0)
     if args.layouts:
         return by_layout(args, getattr(torch, args.layouts))
+    if args.w8a8:
+        return w8a8_activations(args)
     dense = [torch.randn(args.out, args.in_f) for _ in range(args.weights)]
     fp32 = [linear.prepare_weight(w) for w in dense]          # the engine's fp32 path (TRELLM_CPU_LINEAR)
     int8 = [linear.prepare_weight(w, "int8") for w in dense]
@@ -68,6 +73,39 @@ def main() -> None:
                per_call_us(lambda i: linear.linear(x, nibbles[i % n]), max(3, calls // 8)),
                per_call_us(lambda i: linear.linear(xb, bf16[i % n]), calls)]
         print(f"| {m} | " + " | ".join(f"{v:.0f}" for v in row) + " |", flush=True)
+
+
+def w8a8_activations(args, rounds: int = 3) -> None:
+    """us per call of oneDNN's quantized GEMM on the same prepacked weights fed s8 activations (zero point 0) and u8
+    ones (zero point 128), and of the fp32 path, the fastest of `rounds` alternated rounds."""
+    if not linear.onednn_runs_w8a8():
+        print("oneDNN's quantized GEMM does not run W8A8 on this host (no VNNI or AMX-INT8)")
+        return
+    dense = [torch.randn(args.out, args.in_f) for _ in range(args.weights)]
+    q = [linear.prepare_weight(w, "w8a8") for w in dense]
+    fp32 = [linear.prepare_weight(w) for w in dense]
+    one, zero, u8_zero, n = torch.tensor(1.0), torch.tensor(0), torch.tensor(128), args.weights
+
+    def gemm(xq, zp, w):
+        return torch.ops.onednn.qlinear_pointwise.tensor(xq, one, zp, w.prepared, w.scales.float(), zero, None, 1.0,
+                                                         0, torch.float32, "none", [None], "")
+    print(f"{args.out} x {args.in_f} W8A8, {torch.get_num_threads()} threads, {n} weights cycled, us per call "
+          f"(fastest of {rounds} alternated rounds; activations already rounded)")
+    print("| tokens | s8 activations | u8 activations | fp32 path |")
+    print("|---|---|---|---|")
+    for m in (int(t) for t in args.tokens.split(",")):
+        x = torch.randn(m, args.in_f)
+        xq, _ = linear.int8_activations(x)
+        xu = xq.view(torch.uint8).bitwise_xor(128)
+        assert torch.equal(gemm(xq, zero, q[0]), gemm(xu, u8_zero, q[0]))     # the same exact sums
+        forms = {"s8": lambda i: gemm(xq, zero, q[i % n]), "u8": lambda i: gemm(xu, u8_zero, q[i % n]),
+                 "fp32": lambda i: linear.linear(x, fp32[i % n])}
+        best = {name: float("inf") for name in forms}
+        calls = max(5, 2000 // m)
+        for _ in range(rounds):
+            for name, fn in forms.items():
+                best[name] = min(best[name], per_call_us(fn, calls))
+        print(f"| {m} | " + " | ".join(f"{best[name]:.0f}" for name in forms) + " |", flush=True)
 
 
 def by_layout(args, dtype: torch.dtype, rounds: int = 3) -> None:

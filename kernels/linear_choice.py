@@ -56,8 +56,9 @@ MAX_TIMED_ELEMENTS = 4 << 20      # a larger weight is timed on its first output
 HOPELESS = 4.0                    # a call this many times slower than the best is timed once at the next count
 ROUNDS = 3                        # interleaved rounds of timing at each count
 # How the entries were timed: part of the cache key, so entries timed an older way (one call after another, a median
-# each, which a busy moment could skew for good; or on one weight left in cache) are timed again once.
-TIMING = "timing interleaved-min streamed"
+# each, which a busy moment could skew for good; on one weight left in cache; or without watching for other work on
+# the host) are timed again once.
+TIMING = "timing interleaved-min streamed quiet"
 STREAM_MAX_BYTES = 64 << 20       # the copies cycled by each call: twice the last-level cache, at most this much
 MAX_COPIES = 64
 LAYOUT_CALLS = {"cpp": ("cpp", "cpp-unpacked"), "onednn": ("onednn",), "torch": ("torch", "torch-fp32")}

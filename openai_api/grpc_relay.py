@@ -3,9 +3,9 @@ loopback.
 
 tritonserver's gRPC port serves repository control (in explicit mode a client can upload a model.py that the server
 runs), shared memory, trace and log settings beside inference, and asks no key. So it listens on loopback, and this
-relay is the public one: health, metadata, config, statistics, ModelInfer and ModelStreamInfer pass, bytes as they
-are (no message is decoded on the way up, and only a stream's responses are read on the way down); the admin calls
-are refused with PERMISSION_DENIED. With a keys file every call but the server's health wants `authorization:
+relay is the public one: health, metadata, config, statistics, ModelInfer and ModelStreamInfer pass as bytes (a
+stream's requests are read to count them against their key, and of its responses only each request's last is
+decoded); the admin calls are refused with PERMISSION_DENIED. With a keys file every call but the server's health wants `authorization:
 Bearer <key>` metadata, and each inference request counts against its key's limits (keys.py) as an OpenAI request
 does: requests a minute, requests at once, and tokens a minute. For a key with a token limit the relay asks the model
 for its token counts (the contracts' `return_num_input_tokens` and `return_num_output_tokens` flags, where the model
@@ -22,7 +22,6 @@ final response (server#8078). A request still in flight is cancelled as a direct
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -32,7 +31,6 @@ from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from tritonclient.grpc import service_pb2
 
-log = logging.getLogger("trellm.openai")
 SERVICE = "inference.GRPCInferenceService"
 # Calls relayed as they are; the first two need no key (a load balancer's health check has none).
 HEALTH = ("ServerLive", "ServerReady")

@@ -221,11 +221,11 @@ def test_a_terminated_pod_drains_and_exits_within_its_grace_period(default_model
     budget = pod["terminationGracePeriodSeconds"] - pre_stop
     repo = private_repository(os.path.join(REPO, "model_repository"), str(tmp_path / "repo"),
                               {"llm": {"max_num_seqs": "2"}}, model_dir=default_model_path)
-    http, grpc, metrics, openai = free_ports(4)
+    http, grpc, metrics, openai, relay = free_ports(5)
     cmd = [sys.executable if a == "python3" else a for a in c["command"]]
-    cmd = [a for a in cmd if not a.startswith(("--model-repository=", "--openai-port="))]
+    cmd = [a for a in cmd if not a.startswith(("--model-repository=", "--openai-port=", "--openai-grpc-port="))]
     cmd += [f"--model-repository={repo}", f"--http-port={http}", f"--grpc-port={grpc}",
-            f"--metrics-port={metrics}", f"--openai-port={openai}"]
+            f"--metrics-port={metrics}", f"--openai-port={openai}", f"--openai-grpc-port={relay}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300

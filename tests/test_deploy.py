@@ -138,7 +138,8 @@ def topology(default_model_path, tmp_path_factory):
             front_doors.append((port, grpc_port, start_front_door(r, port, None, grpc_port=grpc_port)))
         lb_http, lb_grpc, lb_openai = free_ports(3)
         nginx = start_nginx(str(root), lb_http, lb_grpc, lb_openai, replicas, front_doors)
-        yield replicas, f"127.0.0.1:{lb_http}", f"127.0.0.1:{lb_grpc}", f"http://127.0.0.1:{lb_openai}/v1"
+        yield (replicas, f"127.0.0.1:{lb_http}", f"127.0.0.1:{lb_grpc}", f"http://127.0.0.1:{lb_openai}/v1",
+               front_doors)
     finally:
         if nginx is not None:
             nginx.terminate()
@@ -169,7 +170,7 @@ def ensemble_requests(server) -> int:
 
 
 def test_the_balancer_limits_body_size_and_request_rate(topology):
-    _, lb_http, _, _ = topology
+    _, lb_http, _, _, _ = topology
     req = urllib.request.Request(f"http://{lb_http}/v2/models/ensemble/generate", data=b" " * (9 << 20),
                                  headers={"Content-Type": "application/json"}, method="POST")
     with pytest.raises(urllib.error.HTTPError) as e:
@@ -196,7 +197,7 @@ def openai_stream_text(base_url: str, prompt: str) -> str:
 
 
 def test_streams_through_the_balancer_and_survive_a_stopped_replica(topology, default_model_path):
-    replicas, lb_http, lb_grpc, lb_openai = topology
+    replicas, lb_http, lb_grpc, lb_openai, front_doors = topology
     want = greedy_texts(default_model_path)
     for _ in range(2):          # round robin: each replica gets requests of all three protocols
         for p in PROMPTS:
@@ -206,7 +207,10 @@ def test_streams_through_the_balancer_and_survive_a_stopped_replica(topology, de
     served = [ensemble_requests(r) for r in replicas]
     assert all(n > 0 for n in served) and sum(served) == 6 * len(PROMPTS), served
 
+    # A replica stops as its container does: the server and its front door. (With the door still up, gRPC calls it
+    # relays fail UNAVAILABLE in the call's status, which nginx cannot retry elsewhere; HTTP's 503 it retries.)
     replicas[0].stop()
+    stop_front_door(front_doors[0][2])
     for _ in range(2):
         for p in PROMPTS:
             assert grpc_text(lb_grpc, p) == want[p]

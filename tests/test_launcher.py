@@ -98,6 +98,7 @@ class _Index(http.server.BaseHTTPRequestHandler):
 class _FakeServer:
     """What Supervisor uses of launch.TritonServer; start() records the models it was asked to load."""
     model_control_mode = "explicit"
+    admin_headers: dict = {}      # its HTTP port on loopback: the repository index wants no admin key
 
     def __init__(self, http_url):
         self.http_url, self.load_models, self.started_with = http_url, ["*"], []

@@ -749,10 +749,11 @@ def test_auto_holds_the_timed_layout_and_runs_its_calls(ops, tmp_path, monkeypat
     g = torch.Generator().manual_seed(6)
     w = randn(g, 64, 40, dtype=BF16)
     table = {c: [100.0] * 5 for c in ("cpp", "cpp-unpacked", "onednn", "torch", "torch-fp32")}
-    table["torch"] = [1, 100, 100, 100, 100]
-    table["torch-fp32"] = [100, 1, 1, 1, 1]
+    table["torch"] = [1, 100, 200, 400, 800]
+    table["torch-fp32"] = [2, 2, 3, 4, 5]
     timer, _ = fake_timer(table)
     monkeypatch.setattr(linear_choice, "time_call", timer)
+    monkeypatch.setattr(linear_choice, "LoadWatch", QuietHost)
     prepared = linear.prepare_weight(w)
     assert prepared.dense is not None and prepared.packed is None and prepared.prepared is None
     assert prepared.calls == ("torch", "torch-fp32", "torch-fp32", "torch-fp32", "torch-fp32")

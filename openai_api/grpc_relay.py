@@ -22,6 +22,7 @@ final response (server#8078). A request still in flight is cancelled as a direct
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ from google.protobuf import duration_pb2
 from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from tritonclient.grpc import service_pb2
+
+from trellm_openai.relay import COUNT_FLAGS, MODEL_FACTS_MAX_AGE_S
 
 SERVICE = "inference.GRPCInferenceService"
 # Calls relayed as they are; the first two need no key (a load balancer's health check has none).
@@ -51,15 +54,12 @@ CLOSE_GRACE_S = 10.0
 # A request's end in a stream: Triton marks each response of a decoupled model; other models answer once.
 _FINAL = "triton_final_response"
 _EMPTY_FINAL = "triton_enable_empty_final_response"
-# The flags that make a model return its token counts, and the outputs they add.
-COUNT_FLAGS = {"return_num_input_tokens": "num_input_tokens", "return_num_output_tokens": "num_output_tokens"}
 # triton_final_response's map entry as Triton writes it (its value is a oneof, so `false` is written too): bytes of
 # a response that marks it not final need no parse. Text that happens to hold the `true` form only costs a parse.
 _NOT_FINAL = _FINAL.encode() + b"\x12\x02\x08\x00"
 _FINAL_TRUE = _FINAL.encode() + b"\x12\x02\x08\x01"
 _ASK_EMPTY_FINAL = service_pb2.ModelInferRequest(parameters={_EMPTY_FINAL: service_pb2.InferParameter(
     bool_param=True)}).SerializeToString()
-CONFIG_MAX_AGE_S = 60.0           # how long a model's declared inputs are trusted before they are read again
 
 
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES,
@@ -186,10 +186,10 @@ class GrpcRelay:
             await self.channel.close()
 
     async def _declared(self, model: str, version: str) -> tuple[set[str], bool] | None:
-        """(the inputs `model` declares, whether it batches), read from Triton at most once per CONFIG_MAX_AGE_S;
-        None when Triton cannot say (an unknown model: its request fails on its own)."""
-        at, value = self._inputs.get((model, version), (-CONFIG_MAX_AGE_S, None))
-        if time.monotonic() - at < CONFIG_MAX_AGE_S:
+        """(the inputs `model` declares, whether it batches), read from Triton at most once per
+        MODEL_FACTS_MAX_AGE_S; None when Triton cannot say (an unknown model: its request fails on its own)."""
+        at, value = self._inputs.get((model, version), (-MODEL_FACTS_MAX_AGE_S, None))
+        if time.monotonic() - at < MODEL_FACTS_MAX_AGE_S:
             return value
         try:
             raw = await self._upstream("ModelConfig")(service_pb2.ModelConfigRequest(
@@ -252,14 +252,17 @@ class GrpcRelay:
                 await self._pass_error(e, context)
         return relay
 
+    def _over_limit(self, key, method: str, decision) -> str:
+        """Count a request refused over its key's limit; the message that says so."""
+        if self.metrics is not None:
+            self.metrics.rate_limited[key.name] += 1
+        self._count(key, method, "RESOURCE_EXHAUSTED")
+        return f"{decision.reason}; retry after {decision.retry_after_s} s"
+
     async def _admit_or_abort(self, key, context: grpc.aio.ServicerContext, method: str):
         decision = self.limiter.admit(key)
         if not decision.allowed:
-            if self.metrics is not None:
-                self.metrics.rate_limited[key.name] += 1
-            self._count(key, method, "RESOURCE_EXHAUSTED")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{decision.reason}; retry after {decision.retry_after_s} s",
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._over_limit(key, method, decision),
                                 trailing_metadata=retry_trailers(decision.retry_after_s))
 
     async def _infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -301,7 +304,7 @@ class GrpcRelay:
                                                       timeout=context.time_remaining())
         state = StreamState()
         write_lock = asyncio.Lock()
-        refused: list = []           # the decision that ends the stream with RESOURCE_EXHAUSTED, if one does
+        refused: list = []           # (message, decision) that ends the stream with RESOURCE_EXHAUSTED, if one does
         client_gone = asyncio.Event()
 
         async def write(raw: bytes) -> None:
@@ -325,15 +328,12 @@ class GrpcRelay:
                         continue
                     decision = self.limiter.admit(key)
                     if not decision.allowed:
-                        if self.metrics is not None:
-                            self.metrics.rate_limited[key.name] += 1
-                        self._count(key, STREAM, "RESOURCE_EXHAUSTED")
+                        message = self._over_limit(key, STREAM, decision)
                         if state.in_flight == 0:
-                            refused.append(decision)
+                            refused.append((message, decision))
                             break
                         await write(service_pb2.ModelStreamInferResponse(
-                            error_message=f"{decision.reason}; retry after {decision.retry_after_s} s",
-                            infer_response=service_pb2.ModelInferResponse(
+                            error_message=message, infer_response=service_pb2.ModelInferResponse(
                                 model_name=request.model_name, model_version=request.model_version,
                                 id=request.id)).SerializeToString())
                         continue
@@ -394,9 +394,9 @@ class GrpcRelay:
                 pump_task.cancel()
             await asyncio.gather(pump_task, return_exceptions=True)
             if refused:
-                d = refused[0]
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{d.reason}; retry after {d.retry_after_s} s",
-                                    trailing_metadata=retry_trailers(d.retry_after_s))
+                message, decision = refused[0]
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message,
+                                    trailing_metadata=retry_trailers(decision.retry_after_s))
         except grpc.aio.AioRpcError as e:
             pump_task.cancel()
             await self._pass_error(e, context)
@@ -417,15 +417,9 @@ class GrpcRelay:
             self.limiter.count_tokens(key, state.tokens)
 
 
-class _quiet:
+def _quiet() -> contextlib.suppress:
     """Swallow the errors of a call that has already ended (a write or half-close after the end)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb):
-        return kind is not None and issubclass(kind, (grpc.aio.AioRpcError, grpc.aio.UsageError,
-                                                       asyncio.InvalidStateError, RuntimeError))
+    return contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError)
 
 
 async def _end_upstream(call, read_task: asyncio.Task, pump_task: asyncio.Task) -> None:

@@ -39,8 +39,10 @@ _ROUTES = re.compile(r"(/health/(live|ready))?|/models/[^/]+(/versions/[^/]+)?"
 _HEALTH = re.compile(r"/health/(live|ready)")
 _GENERATE = re.compile(r"/models/[^/]+(/versions/[^/]+)?/generate")
 _COUNTED = re.compile(r"/models/([^/]+)(/versions/[^/]+)?/(infer|generate|generate_stream)")
-# The contracts' flags that make a model return its token counts, and the outputs they add.
+# The contracts' flags that make a model return its token counts, and the outputs they add (both relays ask for them
+# for a key with a token limit), and how long what a model declares is trusted before it is read again.
 COUNT_FLAGS = {"return_num_input_tokens": "num_input_tokens", "return_num_output_tokens": "num_output_tokens"}
+MODEL_FACTS_MAX_AGE_S = 60.0
 # `"stream": true` (or [true]) as a key of the body: inside a JSON string a quote is escaped, so text cannot match.
 _STREAM_ON = re.compile(rb'"stream"\s*:\s*(true|\[\s*true\s*\])')
 log = logging.getLogger("trellm.openai")
@@ -228,8 +230,8 @@ class Relay:
     async def counts_cumulative(self, model: str) -> bool:
         """Whether `model`'s num_output_tokens is the tokens so far (TRT-LLM's INT32) rather than each response's new
         ones (vLLM's UINT32), from its metadata, read again after a minute."""
-        at, cumulative = self._cumulative.get(model, (-60.0, True))
-        if time.monotonic() - at < 60.0:
+        at, cumulative = self._cumulative.get(model, (-MODEL_FACTS_MAX_AGE_S, True))
+        if time.monotonic() - at < MODEL_FACTS_MAX_AGE_S:
             return cumulative
         try:
             async with self.session().get(f"{self.upstream}/v2/models/{model}") as r:

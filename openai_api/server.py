@@ -81,6 +81,10 @@ class FrontDoor:
         self._models: tuple[float, dict[str, tuple[str, str | None]]] = (0.0, {})
         self._models_lock = asyncio.Lock()     # one refresh at a time: requests arriving meanwhile wait for it
         self._tokenizers: dict[str, object] = {}
+        # Triton's gRPC port is on loopback, or public with its repository API behind the launcher's admin key.
+        from trellm_backend.tools.launch import ADMIN_KEY_ENV, GRPC_ADMIN_HEADER
+        admin_key = os.environ.get(ADMIN_KEY_ENV)
+        self.triton_admin_headers = {GRPC_ADMIN_HEADER: admin_key} if admin_key else None
         # The KServe v2 HTTP routes, relayed to tritonserver's (loopback) HTTP port; None: not served here.
         self.relay = Relay(triton_http_url, self.keys, MAX_JSON_DEPTH, limiter=self.limiter,
                            metrics=self.metrics) if triton_http_url else None
@@ -135,10 +139,7 @@ class FrontDoor:
         return models.get(model)
 
     async def _refresh_models(self) -> dict[str, tuple[str, str | None]]:
-        # Triton's gRPC port is on loopback, or public with its repository API behind the launcher's admin key.
-        admin_key = os.environ.get("TRELLM_TRITON_ADMIN_KEY")
-        index = await self.triton.get_model_repository_index(
-            as_json=True, headers={"triton-grpc-protocol-triton-admin-key": admin_key} if admin_key else None)
+        index = await self.triton.get_model_repository_index(as_json=True, headers=self.triton_admin_headers)
         models, adapters = {}, []
         for m in index.get("models", []):
             if m.get("state") != "READY":

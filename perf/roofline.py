@@ -61,7 +61,6 @@ DEFAULT_MODELS = "hf_models/anchor,hf_models/medium"
 DEFAULT_DTYPES = "float32,bfloat16,int8,int4"
 QUANTIZED = ("int8", "int4", "w8a8")
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
-FOREIGN_CORES_MAX = getattr(linear_choice, "FOREIGN_CORES_MAX", 0.3)
 
 
 # -- what a step reads and computes ---------------------------------------------------------------------------------
@@ -133,9 +132,6 @@ def kv_bytes_per_token(runner) -> int:
 
 
 # -- the host -------------------------------------------------------------------------------------------------------
-LoadWatch = linear_choice.LoadWatch     # other processes' CPU use while a block runs, in cores
-
-
 def host_info() -> dict:
     """CPU model, the flags that pick the kernels, L3 (lscpu's words) and the last-level cache the tools use."""
     lscpu = {}
@@ -207,7 +203,7 @@ def host_limits(args) -> dict:
     mem_size = min(max(4 * llc, 256 << 20), 2 << 30)
     limits = {"last_level_cache_bytes": llc, "mem_read_bytes": mem_size, "llc_read_bytes": llc // 4,
               "gemm_n": args.gemm_size}
-    with LoadWatch() as load:
+    with linear_choice.LoadWatch() as load:
         limits["mem_gb_s"] = read_bandwidth(mem_size) / 1e9
         limits["llc_gb_s"] = read_bandwidth(llc // 4) / 1e9 if llc else None
         for name in ("float32", "bfloat16", "int8"):
@@ -294,7 +290,7 @@ def decode_timing(engine, users: int, prompt_len: int, steps: int, warm: int, se
     if time_linears:
         llama.linear = timed_linear
     try:
-        with LoadWatch() as load:
+        with linear_choice.LoadWatch() as load:
             t = time.perf_counter()
             for _ in range(steps):
                 engine.step()
@@ -430,7 +426,7 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
                     _f(many and many["step_s"], ".1f", 1e3), _f(many and many["linear_s"], ".1f", 1e3),
                     _f(many and many["linear_gflop_s"], ".0f"), pct_peak, _f(served.get("itl_s"), ".2f", 1e3),
                     _f(served.get("overhead_s"), ".2f", 1e3),
-                    f"{foreign:.2f}" + (" !" if foreign > FOREIGN_CORES_MAX else "")])
+                    f"{foreign:.2f}" + (" !" if foreign > linear_choice.FOREIGN_CORES_MAX else "")])
     return out
 
 
@@ -444,7 +440,7 @@ def print_table(model_dir: str, rows: list[dict], users: int) -> None:
           f"step; % bw: of the memory (mem) or last-level cache (LLC) read bandwidth, by where the weights fit; "
           f"{users}u: {users} users' decode step; lin: its time in the linear layers and their FLOP/s; % peak: of the "
           f"GEMM peak of the dtype they multiply in; ITL: served inter-token time; ovh: ITL - 1u; other cores: other "
-          f"processes' CPU use while timed (! above {FOREIGN_CORES_MAX})")
+          f"processes' CPU use while timed (! above {linear_choice.FOREIGN_CORES_MAX})")
     for r in rows:
         print(f"  {r['dtype']} linear layers: {r['linear_paths']}")
 

@@ -83,7 +83,6 @@ def main() -> int:
     with OtlpReceiver(decode_json=False) as receiver:    # a collector would parse elsewhere, not on these cores
         *server_ports, off_port, on_port = free_ports(5)
         server = TritonServer(repo, *server_ports, log_path=os.path.join(args.out, "server.log"),
-                              extra_args=["--http-address=127.0.0.1"],
                               otlp_traces_endpoint=receiver.endpoint + "/v1/traces")
         server.start()
         doors = {"off": start_front_door(server, off_port, None, traced=False),

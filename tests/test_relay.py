@@ -145,63 +145,60 @@ def test_only_the_client_routes_are_relayed(door):
     conn.close()
 
 
-def test_with_a_keys_file_the_v2_routes_want_a_key_but_health(triton_server, tmp_path):
-    keys = tmp_path / "keys"
-    keys.write_text("sk-relay name=relay\n")
+@pytest.fixture(scope="module")
+def keyed_door(triton_server, tmp_path_factory):
+    """A front door with a keys file: a key without limits, one of 2 requests a minute, one of 60 tokens a minute."""
+    keys = tmp_path_factory.mktemp("keys") / "keys"
+    keys.write_text("sk-relay name=relay\nsk-twice name=twice rpm=2\nsk-tokens name=tokens tpm=60\n")
     port = free_ports(1)[0]
     proc = launch.start_front_door(triton_server, port, str(keys))
-    try:
-        url = f"127.0.0.1:{port}"
-        with urllib.request.urlopen(f"http://{url}/v2/health/ready", timeout=10) as r:
-            assert r.status == 200
-        body = json.dumps({"text_input": PROMPT, "max_tokens": 2}).encode()
-        status, answer = post(url, "/v2/models/ensemble/generate", body)
-        assert status == 401 and b"API key" in answer
-        status, _ = post(url, "/v2/models/ensemble/generate", body, {"Authorization": "Bearer sk-relay"})
-        assert status == 200
-    finally:
-        launch.stop_front_door(proc)
+    yield f"127.0.0.1:{port}"
+    launch.stop_front_door(proc)
 
 
-def test_the_v2_routes_count_against_the_keys_limits(triton_server, tmp_path):
+def test_with_a_keys_file_the_v2_routes_want_a_key_but_health(keyed_door):
+    url = keyed_door
+    with urllib.request.urlopen(f"http://{url}/v2/health/ready", timeout=10) as r:
+        assert r.status == 200
+    body = json.dumps({"text_input": PROMPT, "max_tokens": 2}).encode()
+    status, answer = post(url, "/v2/models/ensemble/generate", body)
+    assert status == 401 and b"API key" in answer
+    status, _ = post(url, "/v2/models/ensemble/generate", body, {"Authorization": "Bearer sk-relay"})
+    assert status == 200
+
+
+def test_the_v2_routes_count_against_the_keys_limits(triton_server, keyed_door):
     """A key's requests a minute hold on the v2 routes as on OpenAI's (429 with Retry-After), and a token limit
     counts the model's own counts: the relay asks for them and takes them out of the answer again, streamed or
     whole, so the client reads what Triton's own port gives."""
-    keys = tmp_path / "keys"
-    keys.write_text("sk-twice name=twice rpm=2\nsk-tokens name=tokens tpm=60\n")
-    port = free_ports(1)[0]
-    proc = launch.start_front_door(triton_server, port, str(keys))
-    try:
-        url = f"127.0.0.1:{port}"
-        same = {"max_tokens": 8, "ignore_eos": True, "exclude_input_in_output": True}
-        body = json.dumps({"text_input": PROMPT, **same}).encode()
-        twice = {"Authorization": "Bearer sk-twice"}
-        assert [post(url, "/v2/models/ensemble/generate", body, twice)[0] for _ in range(2)] == [200, 200]
-        request = urllib.request.Request(f"http://{url}/v2/models/ensemble/generate", data=body, headers=twice)
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(request, timeout=30)
-        assert refused.value.code == 429 and 1 <= int(refused.value.headers["Retry-After"]) <= 60
-        assert "2 requests per minute" in json.loads(refused.value.read())["error"]
+    url = keyed_door
+    same = {"max_tokens": 8, "ignore_eos": True, "exclude_input_in_output": True}
+    body = json.dumps({"text_input": PROMPT, **same}).encode()
+    twice = {"Authorization": "Bearer sk-twice"}
+    assert [post(url, "/v2/models/ensemble/generate", body, twice)[0] for _ in range(2)] == [200, 200]
+    request = urllib.request.Request(f"http://{url}/v2/models/ensemble/generate", data=body, headers=twice)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 429 and 1 <= int(refused.value.headers["Retry-After"]) <= 60
+    assert "2 requests per minute" in json.loads(refused.value.read())["error"]
 
-        direct = http_generate(triton_server.http_url, PROMPT, **same, return_num_input_tokens=True,
-                               return_num_output_tokens=True)[0]
-        per_request = direct["num_input_tokens"] + direct["num_output_tokens"]
-        tokens = {"Authorization": "Bearer sk-tokens"}
-        status, whole = post(url, "/v2/models/ensemble/generate", body, tokens)
-        assert status == 200 and json.loads(whole)["text_output"] == direct["text_output"]
-        assert not {"num_input_tokens", "num_output_tokens"} & set(json.loads(whole))
-        stream_body = json.dumps({"text_input": PROMPT, **same, "stream": True}).encode()
-        status, streamed = post(url, "/v2/models/ensemble/generate_stream", stream_body, tokens)
-        events = [json.loads(line[5:]) for line in streamed.decode().splitlines() if line.startswith("data:")]
-        assert status == 200 and "".join(e["text_output"] for e in events) == direct["text_output"]
-        assert not any({"num_input_tokens", "num_output_tokens"} & set(e) for e in events)
-        admitted = 2
-        while post(url, "/v2/models/ensemble/generate", body, tokens)[0] == 200:
-            admitted += 1
-            assert admitted < 20, "the token limit never refused"
-        assert admitted == -(-60 // per_request)      # admitted while the minute's 60 tokens were not all used
-    finally:
-        launch.stop_front_door(proc)
+    direct = http_generate(triton_server.http_url, PROMPT, **same, return_num_input_tokens=True,
+                           return_num_output_tokens=True)[0]
+    per_request = direct["num_input_tokens"] + direct["num_output_tokens"]
+    tokens = {"Authorization": "Bearer sk-tokens"}
+    status, whole = post(url, "/v2/models/ensemble/generate", body, tokens)
+    assert status == 200 and json.loads(whole)["text_output"] == direct["text_output"]
+    assert not {"num_input_tokens", "num_output_tokens"} & set(json.loads(whole))
+    stream_body = json.dumps({"text_input": PROMPT, **same, "stream": True}).encode()
+    status, streamed = post(url, "/v2/models/ensemble/generate_stream", stream_body, tokens)
+    events = [json.loads(line[5:]) for line in streamed.decode().splitlines() if line.startswith("data:")]
+    assert status == 200 and "".join(e["text_output"] for e in events) == direct["text_output"]
+    assert not any({"num_input_tokens", "num_output_tokens"} & set(e) for e in events)
+    admitted = 2
+    while post(url, "/v2/models/ensemble/generate", body, tokens)[0] == 200:
+        admitted += 1
+        assert admitted < 20, "the token limit never refused"
+    assert admitted == -(-60 // per_request)      # admitted while the minute's 60 tokens were not all used
 
 
 @pytest.mark.unit

@@ -178,7 +178,7 @@ def prepare_weight(w: torch.Tensor, quantization: str = "none", typical_tokens: 
     static = static_layout(w, mode)
     if mode != "auto":
         return hold(w, static, typical_tokens)
-    choice = linear_choice.choose(w, static, static_calls(static, w.dtype))
+    choice = linear_choice.choose(w, static, static_calls(static, w.dtype, tuple(w.shape)))
     held = hold(w, choice.layout, typical_tokens)
     held.calls = choice.calls
     return held
@@ -186,23 +186,27 @@ def prepare_weight(w: torch.Tensor, quantization: str = "none", typical_tokens: 
 
 def static_layout(w: torch.Tensor, mode: str) -> str:
     """The layout the written-down rule (module docstring) gives a CPU weight: the C++ operators' blocks (fp32 on
-    AVX-512, bf16/fp16 with AVX2 alone where torch's half GEMM goes row by row) for outputs that fill them, else
-    oneDNN's for fp32, else torch's dense tensor."""
-    if mode in ("cpp", "auto") and linear_choice.cpp_holds(w.dtype, tuple(w.shape)) and (
-            w.dtype == torch.float32 or half_gemm_is_row_by_row(w.dtype)):
+    AVX-512, bf16/fp16 with AVX2 alone where torch's half GEMM goes row by row, bf16 k-pairs where AMX tiles take
+    them too) for outputs that fill them, else oneDNN's for fp32, else torch's dense tensor."""
+    shape = tuple(w.shape)
+    if mode in ("cpp", "auto") and linear_choice.cpp_holds(w.dtype, shape) and (
+            w.dtype == torch.float32 or half_gemm_is_row_by_row(w.dtype) or linear_choice.amx_holds(w.dtype, shape)):
         return "cpp"
     if w.dtype == torch.float32 and mode != "torch" and torch.backends.mkldnn.is_available():
         return "onednn"
     return "torch"
 
 
-def static_calls(layout: str, dtype: torch.dtype) -> tuple[str, ...]:
+def static_calls(layout: str, dtype: torch.dtype, shape: tuple[int, int]) -> tuple[str, ...]:
     """The written-down rule's call in `layout` at each of linear_choice.COUNTS tokens (linear() without a timed
-    choice): packed half weights unpacked from HALF_UNPACKED_FROM_TOKENS, dense half ones widened to fp32 from
-    HALF_AS_FP32_FROM_TOKENS where torch's half GEMM goes row by row."""
+    choice): packed bf16 k-pairs on AMX tiles from AMX_FROM_TOKENS where the host has them, other packed half weights
+    unpacked from HALF_UNPACKED_FROM_TOKENS, dense half ones widened to fp32 from HALF_AS_FP32_FROM_TOKENS where
+    torch's half GEMM goes row by row."""
     def at(tokens: int) -> str:
         half = dtype != torch.float32
         if layout == "cpp":
+            if linear_choice.amx_holds(dtype, shape):
+                return "cpp-amx" if tokens >= AMX_FROM_TOKENS else "cpp"
             return "cpp-unpacked" if half and tokens >= HALF_UNPACKED_FROM_TOKENS else "cpp"
         if layout == "torch" and half and half_gemm_is_row_by_row(dtype) and tokens >= HALF_AS_FP32_FROM_TOKENS:
             return "torch-fp32"
@@ -281,10 +285,12 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     if w.scales is not None:
         return w8a8_linear(x, w, bias) if w.w8a8 else int8_linear(x, w, bias)
     if w.packed is not None:
-        if w.packed.dim() == 3 and w.packed.dtype != torch.float32 and x.numel() // x.shape[-1] >= \
-                HALF_UNPACKED_FROM_TOKENS:
+        tokens = x.numel() // x.shape[-1]
+        if w.packed.dim() == 3 and w.packed.dtype != torch.float32 and tokens >= HALF_UNPACKED_FROM_TOKENS:
             return dense_linear(x, w.tensor(), bias)
-        return packed_linear(x, w.packed, bias)
+        amx = tokens >= AMX_FROM_TOKENS and w.packed.dim() == 4 and linear_choice.amx_holds(
+            torch.bfloat16, (w.packed.shape[0] * w.packed.shape[2], w.packed.shape[1] * 2))
+        return packed_linear(x, w.packed, bias, amx)
     if w.prepared is not None:
         return torch.ops.mkldnn._linear_pointwise(x, w.prepared, bias, "none", [], "")
     return dense_linear(x, w.dense, bias)
@@ -293,6 +299,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
 # The calls a CPU weight's timed choice can name (linear_choice.LAYOUT_CALLS), each f(x, weight, bias).
 CALLS = {
     "cpp": lambda x, w, b: packed_linear(x, w.packed, b),
+    "cpp-amx": lambda x, w, b: packed_linear(x, w.packed, b, amx=True),
     "cpp-unpacked": lambda x, w, b: dense_linear(x, unpack_blocks(w.packed), b),
     "onednn": lambda x, w, b: torch.ops.mkldnn._linear_pointwise(x, w.prepared, b, "none", [], ""),
     "torch": lambda x, w, b: torch.nn.functional.linear(x, w.dense.to(x.dtype), b),
@@ -329,7 +336,8 @@ def linear_path(w: Weight) -> str:
         if w.packed.dtype == torch.float32:
             return "fp32 C++ (AVX-512)"
         if w.packed.dim() == 4:
-            return "bfloat16 C++ (AVX512-BF16)"
+            amx = linear_choice.amx_holds(torch.bfloat16, (w.packed.shape[0] * w.packed.shape[2], w.packed.shape[1] * 2))
+            return "bfloat16 C++ (AVX512-BF16" + (f", AMX from {AMX_FROM_TOKENS} tokens)" if amx else ")")
         return (f"{dtype_name(w.packed.dtype)} C++ (AVX2), unpacked + torch linear float32 from "
                 f"{HALF_UNPACKED_FROM_TOKENS} tokens")
     if w.prepared is not None:
@@ -353,17 +361,22 @@ def dense_path(dtype: torch.dtype) -> str:
 # the GEMM's tiles run closer to the FMAs' peak; so calls from 256 tokens (prefill chunks) unpack the weight and take
 # dense_linear (perf/RESULTS.md, "bf16 on AVX2: a C++ operator for the weights").
 HALF_UNPACKED_FROM_TOKENS = 256
+# The k-pair operator takes one 16-lane pair product at a time, AMX tiles 16 tokens' at once: from 16 tokens the tiles
+# win on every shape measured (perf/RESULTS.md, "AMX tiles on the k-pair weight"), below it the pairs read memory faster.
+AMX_FROM_TOKENS = 16
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, amx: bool = False) -> torch.Tensor:
     """A C++ operator on a weight held packed [out/B, in, B]: fp32 (cpu/fp32_linear.cpp), or bf16/fp16
     (cpu/half_linear.cpp, which multiplies in fp32: x and the bias are widened for it, the result rounded back); or
-    bf16 in k-pairs [out/B, in/2, B, 2] (cpu/bf16_linear.cpp: x in bf16, sums in fp32, rounded back once)."""
+    bf16 in k-pairs [out/B, in/2, B, 2] (cpu/bf16_linear.cpp: x in bf16, sums in fp32, rounded back once; with
+    `amx`, cpu/bf16_amx_linear.cpp on the same weight)."""
     x2 = x.reshape(-1, x.shape[-1])
     y = torch.empty(x2.shape[0], packed.shape[0] * packed.shape[2], dtype=torch.float32)
     ops = cpu_ops.for_tensor(x)
     if packed.dim() == 4:
-        ops.bf16_linear(y, x2.to(torch.bfloat16).contiguous(), packed, None if bias is None else bias.float())
+        run = ops.bf16_amx_linear if amx else ops.bf16_linear
+        run(y, x2.to(torch.bfloat16).contiguous(), packed, None if bias is None else bias.float())
     elif packed.dtype == torch.float32:
         ops.fp32_linear(y, x2.contiguous(), packed, bias)
     else:

@@ -19,7 +19,7 @@ Where the written-down rule's layout or call (linear.static_layout) is within TI
 noise on a shared host does not move a weight off today's path.
 
 Choices are cached on disk (TRELLM_CACHE_DIR, default ~/.cache/trellm) keyed by CPU model, flags, torch version,
-threads, dtype, shape, the layouts this host offers and the timing method, so a restart reads them (and a new
+threads, dtype, shape, the layouts and calls this host offers and the timing method, so a restart reads them (and a new
 candidate, such as a newly built operator, is timed); within a process each shape is timed once.
 Only timings taken in quiet are trusted: while a shape is timed, the host's CPU time spent by other processes is read
 from /proc/stat, and timings taken beside more than FOREIGN_CORES_MAX cores of other work, or out of order (a call
@@ -61,7 +61,7 @@ ROUNDS = 3                        # interleaved rounds of timing at each count
 TIMING = "timing interleaved-min streamed quiet"
 STREAM_MAX_BYTES = 64 << 20       # the copies cycled by each call: twice the last-level cache, at most this much
 MAX_COPIES = 64
-LAYOUT_CALLS = {"cpp": ("cpp", "cpp-unpacked"), "onednn": ("onednn",), "torch": ("torch", "torch-fp32")}
+LAYOUT_CALLS = {"cpp": ("cpp", "cpp-amx", "cpp-unpacked"), "onednn": ("onednn",), "torch": ("torch", "torch-fp32")}
 FOREIGN_CORES_MAX = 0.3           # other processes' CPU use while a shape is timed, in cores, above which it is retimed
 MIN_WATCH_S = 0.2                 # a timing shorter than this is watched this long (CPU time is counted in ticks)
 QUIET_WAIT_S = 10.0               # per process: the time spent waiting for quiet and timing again, in all
@@ -122,8 +122,18 @@ def layouts_for(dtype: torch.dtype, shape: tuple[int, int]) -> list[str]:
                                       ("torch", True)) if ok]
 
 
-def calls_of(layout: str, dtype: torch.dtype) -> tuple[str, ...]:
-    return tuple(c for c in LAYOUT_CALLS[layout] if c != "torch-fp32" or dtype != torch.float32)
+def amx_holds(dtype: torch.dtype, shape: tuple[int, int]) -> bool:
+    """Whether a bf16 weight of this [out, in] shape, held in k-pairs, can also run on AMX tiles here: an AMX-BF16
+    build that Linux granted the tile state, and `in` a multiple of 32."""
+    ops = cpu_ops.for_tensor(torch.empty(0))
+    return (dtype == torch.bfloat16 and shape[1] % 32 == 0 and ops is not None and ops.avx512_bf16
+            and ops.bf16_amx_ready())
+
+
+def calls_of(layout: str, dtype: torch.dtype, shape: tuple[int, int]) -> tuple[str, ...]:
+    """The calls a weight of `dtype` and [out, in] `shape` held in `layout` can take here."""
+    return tuple(c for c in LAYOUT_CALLS[layout] if (c != "torch-fp32" or dtype != torch.float32)
+                 and (c != "cpp-amx" or amx_holds(dtype, shape)))
 
 
 def decide(us: dict[str, list[float]], layouts: list[str], dtype: torch.dtype, static: str,
@@ -133,15 +143,18 @@ def decide(us: dict[str, list[float]], layouts: list[str], dtype: torch.dtype, s
     unless another is faster by more than TIE."""
     best = [min(times[i] for times in us.values()) for i in range(len(COUNTS))]
 
+    def calls_timed(layout: str) -> list[str]:
+        return [c for c in LAYOUT_CALLS[layout] if c in us]
+
     def score(layout: str) -> float:
-        return sum(min(us[c][i] for c in calls_of(layout, dtype)) / best[i] for i in range(len(COUNTS)))
+        return sum(min(us[c][i] for c in calls_timed(layout)) / best[i] for i in range(len(COUNTS)))
 
     chosen = min(layouts, key=score)
     if static in layouts and score(static) <= score(chosen) * (1 + TIE):
         chosen = static
     calls = []
     for i in range(len(COUNTS)):
-        fastest = min(calls_of(chosen, dtype), key=lambda c: us[c][i])
+        fastest = min(calls_timed(chosen), key=lambda c: us[c][i])
         today = static_calls[i] if chosen == static and static_calls else None
         calls.append(today if today in us and us[today][i] <= us[fastest][i] * (1 + TIE) else fastest)
     return Choice(chosen, tuple(calls), us)
@@ -206,7 +219,8 @@ def measure(w: torch.Tensor, layouts: list[str], timer) -> tuple[dict[str, list[
     inputs = [torch.randn(n, w.shape[1], generator=g).to(w.dtype) for n in COUNTS]
     copies = copies_to_stream(part.numel() * part.element_size())
     held = {layout: [hold(part if c == 0 else part.clone(), layout) for c in range(copies)] for layout in layouts}
-    calls = [(call, itertools.cycle(held[layout])) for layout in layouts for call in calls_of(layout, w.dtype)]
+    calls = [(call, itertools.cycle(held[layout])) for layout in layouts
+             for call in calls_of(layout, w.dtype, tuple(w.shape))]
     us: dict[str, list[float]] = {call: [] for call, _ in calls}
     for i, x in enumerate(inputs):
         best = min(us[c][-1] for c, _ in calls) if i else 0.0
@@ -287,7 +301,7 @@ def time_in_quiet(w: torch.Tensor, layouts: list[str], timer, static: str,
         pause = min(1.0, _quiet_wait_left[0])
         _quiet_wait_left[0] -= time.monotonic() - start + pause
         if pause <= 0 or _quiet_wait_left[0] < 0:
-            calls = static_calls or tuple(calls_of(static, w.dtype)[0] for _ in COUNTS)
+            calls = static_calls or tuple(calls_of(static, w.dtype, tuple(w.shape))[0] for _ in COUNTS)
             return Choice(static, calls, us, rows), why
         time.sleep(pause)
 
@@ -312,7 +326,7 @@ def _host() -> str:
 
 def cache_key(dtype: torch.dtype, shape: tuple[int, int], layouts: list[str]) -> str:
     return (f"{_host()}|threads {torch.get_num_threads()}|{str(dtype).removeprefix('torch.')}|"
-            f"{shape[0]}x{shape[1]}|layouts {' '.join(layouts)}|{TIMING}")
+            f"{shape[0]}x{shape[1]}|calls {' '.join(c for l in layouts for c in calls_of(l, dtype, shape))}|{TIMING}")
 
 
 def _read(path: str) -> dict:
@@ -338,14 +352,14 @@ def _write(path: str, key: str, choice: Choice) -> None:
         log.warning("could not cache the linear choice in %s: %s", path, e)
 
 
-def _from_cache(entry, layouts: list[str], dtype: torch.dtype) -> Choice | None:
+def _from_cache(entry, layouts: list[str], dtype: torch.dtype, shape: tuple[int, int]) -> Choice | None:
     """A cached entry, if it still names a layout and calls this process can run."""
     try:
         choice = Choice(entry["layout"], tuple(entry["calls"]), dict(entry["us"]), int(entry.get("timed_rows", 0)))
     except (KeyError, TypeError, ValueError):
         return None
     ok = (choice.layout in layouts and len(choice.calls) == len(COUNTS)
-          and set(choice.calls) <= set(calls_of(choice.layout, dtype)) and not out_of_order(choice.us))
+          and set(choice.calls) <= set(calls_of(choice.layout, dtype, shape)) and not out_of_order(choice.us))
     return choice if ok else None
 
 
@@ -360,7 +374,7 @@ def choose(w: torch.Tensor, static: str, static_calls: tuple[str, ...] = (), tim
         memo_key = f"{path}|{key}"
         if memo_key in _memo:
             return _memo[memo_key]
-        choice = _from_cache(_read(path).get(key), layouts, w.dtype)
+        choice = _from_cache(_read(path).get(key), layouts, w.dtype, tuple(w.shape))
         if choice is None:
             t = time.perf_counter()
             choice, not_quiet = time_in_quiet(w, layouts, timer or time_call, static, static_calls)

@@ -466,8 +466,9 @@ def test_linear_prepared_weight(ops, monkeypatch, mode, dtype, out_f, kernel_set
     g = torch.Generator().manual_seed(0)
     w, b = randn(g, out_f, 96, dtype=dtype), randn(g, out_f, dtype=dtype)
     prepared = linear.prepare_weight(w)
+    amx = linear_choice.amx_holds(dtype, (out_f, 96))
     packed = mode == "cpp" and out_f % linear.CPU_BLOCK == 0 and (
-        ops.avx512 if dtype == F32 else ops.avx2 and linear.half_gemm_is_row_by_row(dtype))
+        ops.avx512 if dtype == F32 else ops.avx2 and linear.half_gemm_is_row_by_row(dtype) or amx)
     assert (prepared.packed is not None) == packed
     assert (prepared.prepared is not None) == (mode != "torch" and dtype == F32 and not packed)
     held = [t for t in (prepared.dense, prepared.prepared, prepared.packed) if t is not None]
@@ -480,8 +481,9 @@ def test_linear_prepared_weight(ops, monkeypatch, mode, dtype, out_f, kernel_set
     if packed:   # a token's result does not depend on what shares the call (each sum runs over k in order)
         x = randn(g, 40, 96, dtype=dtype)
         together = linear.linear(x, prepared, b)
-        for i in (0, 11, 12, 39):
-            assert torch.equal(linear.linear(x[i:i + 1], prepared, b), together[i:i + 1])
+        # AMX tiles from AMX_FROM_TOKENS sum in their own order: there the shares are calls that take the tiles too
+        for i, n in ((0, 1), (11, 1), (12, 1), (39, 1)) if not amx else ((0, 16), (20, 20), (3, 33)):
+            assert torch.equal(linear.linear(x[i:i + n], prepared, b), together[i:i + n])
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
@@ -507,7 +509,8 @@ def test_the_logged_linear_path_is_the_one_linear_runs(ops, monkeypatch, quantiz
     spy(torch.ops.mkldnn, "_linear_pointwise", lambda a: "oneDNN")
     spy(torch, "_weight_int4pack_mm_for_cpu", lambda a: "_weight_int4pack_mm")
     spy(torch.nn.functional, "linear", lambda a: f"torch linear on {a[0].dtype}")
-    ops = ("fp32_linear", "half_linear", "int8_linear", "oneDNN", "_weight_int4pack_mm", "torch linear on")
+    ops = ("fp32_linear", "half_linear", "bf16_linear", "bf16_amx_linear", "int8_linear", "oneDNN",
+           "_weight_int4pack_mm", "torch linear on")
     g = torch.Generator().manual_seed(3)
     w = linear.prepare_weight(randn(g, out_f, 256, dtype=dtype), quantization)
     path = linear.linear_path(w)
@@ -517,13 +520,14 @@ def test_the_logged_linear_path_is_the_one_linear_runs(ops, monkeypatch, quantiz
         linear.linear(randn(g, tokens, 256, dtype=dtype), w)
         return [c for c in called if c.startswith(ops)]
     torch_linear = f"torch linear on {dtype}"
-    named = {"fp32 C++": "fp32_linear", "float16 C++": "half_linear", "INT8 C++": "int8_linear", "oneDNN": "oneDNN",
+    named = {"fp32 C++": "fp32_linear", "(AVX512-BF16": "bf16_linear", "float16 C++": "half_linear", "INT8 C++": "int8_linear", "oneDNN": "oneDNN",
              "_weight_int4pack_mm": "_weight_int4pack_mm", "dequantized": torch_linear, "torch linear": torch_linear}
     head = path.split(",")[0]
     assert runs(1) == [op for words, op in named.items() if words in head][:1], (path, called)
     switch = re.search(r"from (\d+) tokens", path)
     if switch:
-        assert runs(int(switch.group(1))) == [f"torch linear on {F32}"], (path, called)
+        assert runs(int(switch.group(1))) == ["bf16_amx_linear" if "AMX from" in path else f"torch linear on {F32}"], \
+            (path, called)
 
 
 def fake_timer(table):
@@ -539,9 +543,11 @@ def fake_timer(table):
 
 @pytest.fixture
 def untimed_layouts(monkeypatch):
-    """The choice's three layouts on any host, with nothing held or run (a fake timer answers instead)."""
+    """The choice's three layouts on any host, with nothing held or run (a fake timer answers instead), and their
+    calls as on a host without AMX (a test that wants cpp-amx offers it)."""
     monkeypatch.setattr(linear_choice, "_memo", {})
     monkeypatch.setattr(linear_choice, "layouts_for", lambda dtype, n: ["cpp", "onednn", "torch"])
+    monkeypatch.setattr(linear_choice, "amx_holds", lambda dtype, shape: False)
     monkeypatch.setattr(linear, "hold", lambda w, layout, typical_tokens=64: linear.Weight(w))
     monkeypatch.setattr(linear_choice, "LoadWatch", QuietHost)
 
@@ -600,6 +606,24 @@ def test_the_linear_choice_follows_the_timings_and_is_cached_by_host_and_shape(o
     monkeypatch.setattr(linear_choice, "_memo", {})
     timer, asked = fake_timer(table)
     assert linear_choice.choose(w, "torch", timer=timer, path=cache).layout == "onednn" and asked
+
+
+def test_amx_tiles_let_one_layout_win_at_every_count(ops, tmp_path, untimed_layouts, monkeypatch):
+    """Where AMX tiles take the k-pair weight, its layout is timed with three calls: the pair products win at few
+    tokens and the tiles at many, so the k-pair layout is held for every count, where without the tiles oneDNN's
+    would be (its many-token calls) and the one-token calls would run slower."""
+    w = torch.zeros(64, 32, dtype=BF16)
+    table = {"cpp": [10, 20, 60, 240, 960], "cpp-amx": [15, 22, 30, 60, 200], "cpp-unpacked": [50, 60, 70, 92, 260],
+             "onednn": [16, 24, 31, 62, 205], "torch": [100, 1000, 9000, 90000, 1e6],
+             "torch-fp32": [90, 95, 99, 120, 210]}
+    timer, _ = fake_timer(table)
+    without = linear_choice.choose(w, "torch", timer=timer, path=str(tmp_path / "a.json"))
+    assert without.layout == "onednn"
+    monkeypatch.setattr(linear_choice, "amx_holds", lambda dtype, shape: dtype == BF16 and shape[1] % 32 == 0)
+    monkeypatch.setattr(linear_choice, "_memo", {})
+    choice = linear_choice.choose(w, "torch", timer=timer, path=str(tmp_path / "b.json"))
+    assert (choice.layout, choice.calls) == ("cpp", ("cpp", "cpp", "cpp-amx", "cpp-amx", "cpp-amx"))
+    assert linear_choice.describe(choice.layout, choice.calls) == "cpp layout: cpp to 8 tokens, cpp-amx from 9"
 
 
 def test_a_burst_of_other_work_while_timing_does_not_move_the_choice(ops, tmp_path, monkeypatch, untimed_layouts):
@@ -667,7 +691,7 @@ def test_a_choice_timed_beside_a_busy_loop_is_not_cached(tmp_path, monkeypatch):
     cache = str(tmp_path / "linear-choice.json")
     w = torch.randn(128, 64)
     static = linear.static_layout(w, "auto")
-    calls = linear.static_calls(static, w.dtype)
+    calls = linear.static_calls(static, w.dtype, tuple(w.shape))
     monkeypatch.setattr(linear_choice, "_memo", {})
     monkeypatch.setattr(linear_choice, "_quiet_wait_left", [0.5])
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -723,17 +747,18 @@ def test_the_choice_times_each_call_on_weights_read_from_memory(ops, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_every_call_the_choice_can_pick_gives_the_linear(ops, dtype):
+@pytest.mark.parametrize("in_f", [72, 96])   # 96: a multiple of 32, which AMX tiles take where the host has them
+def test_every_call_the_choice_can_pick_gives_the_linear(ops, dtype, in_f):
     """Each layout this host can hold, through each of its calls, at the token counts of every range: torch's
     linear within the rounding of the dtype, with and without a bias (the real run behind the fake table)."""
     g = torch.Generator().manual_seed(5)
-    w, b = randn(g, 64, 72, dtype=dtype), randn(g, 64, dtype=dtype)
-    for layout in linear_choice.layouts_for(dtype, (64, 72)):
+    w, b = randn(g, 64, in_f, dtype=dtype), randn(g, 64, dtype=dtype)
+    for layout in linear_choice.layouts_for(dtype, (64, in_f)):
         held = linear.hold(w, layout)
         assert len([t for t in (held.dense, held.prepared, held.packed) if t is not None]) == 1
-        for call in linear_choice.calls_of(layout, dtype):
+        for call in linear_choice.calls_of(layout, dtype, (64, in_f)):
             for tokens in (1, 5, 20, 100, 300):
-                x = randn(g, tokens, 72, dtype=dtype)
+                x = randn(g, tokens, in_f, dtype=dtype)
                 for bias in (b, None):
                     got = linear.CALLS[call](x, held, bias)
                     assert got.dtype == dtype, (layout, call)
@@ -829,6 +854,38 @@ def test_cpu_bf16_linear_on_bf16_dot_products(tokens, out_f, in_f, monkeypatch):
         assert_within_rounding(together, exact_linear(x, w, bias))
     for i in sorted({0, tokens // 2, tokens - 1}):
         assert torch.equal(linear.CALLS["cpp"](x[i:i + 1], held, b), linear.CALLS["cpp"](x, held, b)[i:i + 1])
+
+
+AMX_BF16 = "amx_bf16" in cpu_ops._cpu_flags().split()
+
+
+@pytest.mark.skipif(not AMX_BF16, reason=f"this CPU ({cpu_ops.cpu_model()}) has no AMX-BF16 tiles (amx_bf16)")
+@pytest.mark.parametrize("tokens, out_f, in_f", [(1, 32, 32), (15, 64, 64), (16, 96, 96), (17, 32, 1408),
+                                                 (32, 64, 32), (45, 64, 160), (100, 32, 512), (300, 96, 64)])
+def test_cpu_bf16_linear_on_amx_tiles(tokens, out_f, in_f, monkeypatch):
+    """Where the CPU has AMX-BF16, the k-pair weight also runs on AMX tiles ("cpp-amx"), read in place: the products
+    of the bf16 values summed in fp32 and rounded once, with and without a bias, for one row group of 16 tokens or
+    two, a short last chunk, and several chunks; a token's result does not depend on what shares its call. A weight
+    whose `in` is not a multiple of 32 is not offered the call, and the written-down rule takes it from
+    AMX_FROM_TOKENS."""
+    ops = cpu_ops.load_isa("avx512")
+    monkeypatch.setattr(cpu_ops, "_module", ops)
+    assert ops.bf16_amx_ready(), "Linux granted this process AMX's tile state"
+    assert "cpp-amx" in linear_choice.calls_of("cpp", BF16, (out_f, in_f))
+    assert "cpp-amx" not in linear_choice.calls_of("cpp", BF16, (out_f, in_f + 2))
+    assert "cpp-amx" not in linear_choice.calls_of("cpp", F32, (out_f, in_f))
+    assert linear.static_calls("cpp", BF16, (out_f, in_f)) == tuple(
+        "cpp-amx" if n >= linear.AMX_FROM_TOKENS else "cpp" for n in linear_choice.COUNTS)
+    g = torch.Generator().manual_seed(9)
+    w, b = randn(g, out_f, in_f, dtype=BF16), randn(g, out_f, dtype=BF16)
+    held = linear.hold(w, "cpp")
+    x = randn(g, tokens, in_f, dtype=BF16)
+    for bias in (b, None):
+        together = linear.CALLS["cpp-amx"](x, held, bias)
+        assert together.dtype == BF16
+        assert_within_rounding(together, exact_linear(x, w, bias))
+    for i in sorted({0, tokens // 2, tokens - 1}):
+        assert torch.equal(linear.CALLS["cpp-amx"](x[i:i + 1], held, b), linear.CALLS["cpp-amx"](x, held, b)[i:i + 1])
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])

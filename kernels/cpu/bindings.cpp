@@ -22,6 +22,8 @@ void quantize_rows_int8_cpu(torch::Tensor q, torch::Tensor scales, torch::Tensor
 void fp32_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 void half_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 void bf16_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+void bf16_amx_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+bool bf16_amx_ready();
 void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor slot_mapping);
 void gather_dequantize_cpu(torch::Tensor out, torch::Tensor cache, torch::Tensor scales, torch::Tensor blocks,
@@ -54,6 +56,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear_cpu,
         "y = x w^T (+ bias) with x bf16, w bf16 packed in k-pairs [N/32, K/2, 32, 2], y and bias float32 "
         "(AVX512-BF16 builds)", py::arg("y"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), no_gil);
+  m.def("bf16_amx_linear", &bf16_amx_linear_cpu,
+        "bf16_linear's y on AMX tiles, for calls of many tokens; K a multiple of 32 (AMX-BF16 builds)", py::arg("y"),
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), no_gil);
+  // Whether bf16_amx_linear runs in this process: an AMX-BF16 build, and Linux granted the tile state.
+  m.def("bf16_amx_ready", &bf16_amx_ready);
   m.def("write_kv", &write_kv_cpu, "store k and v at their slots of the paged caches", no_gil);
   m.def("gather_dequantize", &gather_dequantize_cpu,
         "out[i] = the INT8 / FP8 cache block blocks[i], each value times its token-and-head scale", no_gil);

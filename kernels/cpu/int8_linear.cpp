@@ -29,16 +29,22 @@ constexpr int64_t TILE_TOKENS = trellm::blocked_linear::MT_REGISTERS;
 using TileInput = float;
 constexpr int64_t TILE_K_ALIGN = 1;
 
+// Each half of the k's 32 weights is widened straight from memory (one load folded into `vpmovsxbd`: loading all 32
+// and extracting the upper half cost a shuffle more per k), and the next block is prefetched meanwhile, as in
+// cpu/bf16_linear.cpp: together 2x the one-token rate (perf/RESULTS.md, "INT8 at one token").
 template <int MT>
-inline void int8_tile(trellm::blocked_linear::Rows<float> rows, int64_t K, const int8_t* blk, const float* s,
-                      float* y, int64_t N) {
+inline void int8_tile(trellm::blocked_linear::Rows<float> rows, int64_t K, const int8_t* blk, const int8_t* next,
+                      const float* s, float* y, int64_t N) {
   const float* x = rows.x;
   __m512 acc0[MT], acc1[MT];
   for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
+  const int8_t* ahead = next != nullptr ? next : blk;   // unconditionally, as cpu/bf16_linear.cpp says why
   for (int64_t k = 0; k < K; ++k) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + k * BLOCK));
-    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+    const int8_t* wk = blk + k * BLOCK;
+    __builtin_prefetch(ahead + k * BLOCK, 0, 2);
+    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk))));
+    const __m512 w1 =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16))));
     for (int m = 0; m < MT; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * K + k]);
       acc0[m] = _mm512_fmadd_ps(w0, xb, acc0[m]);
@@ -215,8 +221,8 @@ using TileInput = int16_t;
 constexpr int64_t TILE_K_ALIGN = 2;
 
 template <int MT>
-inline void int8_tile(trellm::blocked_linear::Rows<int16_t> rows, int64_t K, const int8_t* blk, const float* s,
-                      float* y, int64_t N) {
+inline void int8_tile(trellm::blocked_linear::Rows<int16_t> rows, int64_t K, const int8_t* blk,
+                      const int8_t* /*next*/, const float* s, float* y, int64_t N) {
   int8_tile_avx2(rows.x, rows.ldx, rows.scales, K, blk, s, y, N, MT);
 }
 #else   // portable: GCC/Clang vector types (slower; AVX-512 and AVX2 hosts take the branches above)
@@ -226,8 +232,8 @@ constexpr int64_t TILE_K_ALIGN = 1;
 typedef int8_t v16i8 __attribute__((vector_size(16)));
 
 template <int MT>
-inline void int8_tile(trellm::blocked_linear::Rows<float> rows, int64_t K, const int8_t* blk, const float* s,
-                      float* y, int64_t N) {
+inline void int8_tile(trellm::blocked_linear::Rows<float> rows, int64_t K, const int8_t* blk, const int8_t* /*next*/,
+                      const float* s, float* y, int64_t N) {
   const float* x = rows.x;
   using trellm::v16;
   v16 acc0[MT], acc1[MT];
@@ -261,9 +267,9 @@ struct Int8Kernel {
   static constexpr int64_t MT_MAX = TILE_TOKENS;
 
   template <int MT>
-  static void tile(trellm::blocked_linear::Rows<Input> rows, int64_t K, const int8_t* blk, const int8_t* /*next*/,
+  static void tile(trellm::blocked_linear::Rows<Input> rows, int64_t K, const int8_t* blk, const int8_t* next,
                    const float* scales, float* y, int64_t N) {
-    int8_tile<MT>(rows, K, blk, scales, y, N);
+    int8_tile<MT>(rows, K, blk, next, scales, y, N);
   }
 };
 

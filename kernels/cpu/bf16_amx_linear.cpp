@@ -19,6 +19,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <vector>
+
 
 namespace {
 
@@ -50,10 +52,11 @@ bool request_tiles() {
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-// One block's 32 outputs for x's rows [0, rows0 + rows1), the tile configuration already loaded.
+// One block's 32 outputs for x's rows [0, rows0 + rows1), into `sums` (a row of 32 floats per token), the tile
+// configuration already loaded.
 template <bool TWO_GROUPS>
-inline void block_tile(const bf16* x, int64_t ldx, int64_t K, const bf16* blk, float* y, int64_t N) {
-  const int64_t x_stride = ldx * sizeof(bf16), w_stride = 2 * BLOCK * sizeof(bf16), y_stride = N * sizeof(float);
+inline void block_tile(const bf16* x, int64_t ldx, int64_t K, const bf16* blk, float* sums) {
+  const int64_t x_stride = ldx * sizeof(bf16), w_stride = 2 * BLOCK * sizeof(bf16), s_stride = BLOCK * sizeof(float);
   _tile_zero(4);
   _tile_zero(5);
   if (TWO_GROUPS) {
@@ -73,11 +76,11 @@ inline void block_tile(const bf16* x, int64_t ldx, int64_t K, const bf16* blk, f
       _tile_dpbf16ps(7, 1, 3);
     }
   }
-  _tile_stored(4, y, y_stride);
-  _tile_stored(5, y + TILE_ROWS, y_stride);
+  _tile_stored(4, sums, s_stride);
+  _tile_stored(5, sums + TILE_ROWS, s_stride);
   if (TWO_GROUPS) {
-    _tile_stored(6, y + TILE_ROWS * N, y_stride);
-    _tile_stored(7, y + TILE_ROWS * N + TILE_ROWS, y_stride);
+    _tile_stored(6, sums + TILE_ROWS * BLOCK, s_stride);
+    _tile_stored(7, sums + TILE_ROWS * BLOCK + TILE_ROWS, s_stride);
   }
 }
 
@@ -112,32 +115,33 @@ void bf16_amx_linear_cpu(at::Tensor y, at::Tensor x, at::Tensor packed, c10::opt
     const TileConfig tail_config(static_cast<int>(std::min(tail, TILE_ROWS)),
                                  static_cast<int>(tail - std::min(tail, TILE_ROWS)));
     bool full_loaded = false;
+    // The block's sums for every token, 128 bytes a row, then added to the bias into y. (Stored by the tiles straight
+    // into y, whose rows lie N floats apart, a tile's 16 rows fell into one L1 set when N was 1024.)
+    std::vector<float> sums(M * BLOCK);
     for (int64_t b = b0; b < b1; ++b) {
       const bf16* blk = w + b * K * BLOCK;
       if (full > 0 && !full_loaded) {
         _tile_loadconfig(&full_config);
         full_loaded = true;
       }
-      for (int64_t m0 = 0; m0 < full; m0 += M_TILE)
-        block_tile<true>(xp + m0 * K, K, K, blk, yp + m0 * N + b * BLOCK, N);
+      for (int64_t m0 = 0; m0 < full; m0 += M_TILE) block_tile<true>(xp + m0 * K, K, K, blk, sums.data() + m0 * BLOCK);
       if (tail > 0) {
         _tile_loadconfig(&tail_config);
         full_loaded = false;
         if (tail > TILE_ROWS)
-          block_tile<true>(xp + full * K, K, K, blk, yp + full * N + b * BLOCK, N);
+          block_tile<true>(xp + full * K, K, K, blk, sums.data() + full * BLOCK);
         else
-          block_tile<false>(xp + full * K, K, K, blk, yp + full * N + b * BLOCK, N);
+          block_tile<false>(xp + full * K, K, K, blk, sums.data() + full * BLOCK);
+      }
+      const __m512 bias0 = bp != nullptr ? _mm512_loadu_ps(bp + b * BLOCK) : _mm512_setzero_ps();
+      const __m512 bias1 = bp != nullptr ? _mm512_loadu_ps(bp + b * BLOCK + 16) : _mm512_setzero_ps();
+      for (int64_t m = 0; m < M; ++m) {
+        float* out = yp + m * N + b * BLOCK;
+        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(sums.data() + m * BLOCK), bias0));
+        _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_loadu_ps(sums.data() + m * BLOCK + 16), bias1));
       }
     }
     _tile_release();
-    if (bp != nullptr) {
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t b = b0; b < b1; ++b)
-          for (int64_t i = 0; i < BLOCK; i += 16) {
-            float* out = yp + m * N + b * BLOCK + i;
-            _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_loadu_ps(bp + b * BLOCK + i)));
-          }
-    }
   });
 }
 #else

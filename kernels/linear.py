@@ -361,9 +361,10 @@ def dense_path(dtype: torch.dtype) -> str:
 # the GEMM's tiles run closer to the FMAs' peak; so calls from 256 tokens (prefill chunks) unpack the weight and take
 # dense_linear (perf/RESULTS.md, "bf16 on AVX2: a C++ operator for the weights").
 HALF_UNPACKED_FROM_TOKENS = 256
-# The k-pair operator takes one 16-lane pair product at a time, AMX tiles 16 tokens' at once: from 16 tokens the tiles
-# win on every shape measured (perf/RESULTS.md, "AMX tiles on the k-pair weight"), below it the pairs read memory faster.
-AMX_FROM_TOKENS = 16
+# The k-pair operator takes one 16-lane pair product at a time, AMX tiles 16 tokens' at once: with the next block
+# prefetched the tiles read memory as fast at one token and win from four (perf/RESULTS.md, "AMX tiles on the k-pair
+# weight").
+AMX_FROM_TOKENS = 4
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, amx: bool = False) -> torch.Tensor:
@@ -372,11 +373,15 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     bf16 in k-pairs [out/B, in/2, B, 2] (cpu/bf16_linear.cpp: x in bf16, sums in fp32, rounded back once; with
     `amx`, cpu/bf16_amx_linear.cpp on the same weight)."""
     x2 = x.reshape(-1, x.shape[-1])
-    y = torch.empty(x2.shape[0], packed.shape[0] * packed.shape[2], dtype=torch.float32)
     ops = cpu_ops.for_tensor(x)
+    if amx:   # writes bf16 itself, rounded once: no float32 y to allocate and convert (most of a small call's time)
+        y = torch.empty(x2.shape[0], packed.shape[0] * packed.shape[2],
+                        dtype=x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32)
+        ops.bf16_amx_linear(y, x2.to(torch.bfloat16).contiguous(), packed, None if bias is None else bias.float())
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+    y = torch.empty(x2.shape[0], packed.shape[0] * packed.shape[2], dtype=torch.float32)
     if packed.dim() == 4:
-        run = ops.bf16_amx_linear if amx else ops.bf16_linear
-        run(y, x2.to(torch.bfloat16).contiguous(), packed, None if bias is None else bias.float())
+        ops.bf16_linear(y, x2.to(torch.bfloat16).contiguous(), packed, None if bias is None else bias.float())
     elif packed.dtype == torch.float32:
         ops.fp32_linear(y, x2.contiguous(), packed, bias)
     else:

@@ -1,5 +1,5 @@
-// bf16 linear on AMX tiles: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), x and w bf16, y float32, for calls of
-// many tokens on the weight cpu/bf16_linear.cpp reads.
+// bf16 linear on AMX tiles: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), x and w bf16, y float32 or bf16 (the
+// float32 sum rounded once), on the weight cpu/bf16_linear.cpp reads.
 //
 // Why: that k-pair layout, [N/32, K/2, 32, 2], makes one-token calls read memory at speed, but its dot products
 // take one 16-lane pair at a time, so a prefill or a 48-user step ran it far below what the AMX units do, and the
@@ -96,9 +96,9 @@ bool bf16_amx_ready() {
 
 void bf16_amx_linear_cpu(at::Tensor y, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(bf16_amx_ready(), "bf16_amx_linear: the kernel refused this process AMX's tile state");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kFloat &&
-                  packed.scalar_type() == at::kBFloat16,
-              "bf16_amx_linear: x and the weight bf16, y float32");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
+                  (y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16),
+              "bf16_amx_linear: x and the weight bf16, y float32 or bf16");
   TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && packed.is_contiguous(), "bf16_amx_linear: contiguous tensors");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == BLOCK && packed.size(3) == 2,
               "bf16_amx_linear: the weight must be packed [N/", BLOCK, ", K/2, ", BLOCK, ", 2]");
@@ -109,7 +109,8 @@ void bf16_amx_linear_cpu(at::Tensor y, at::Tensor x, at::Tensor packed, c10::opt
   const float* bp = trellm::blocked_linear::bias_data(bias, packed, "bf16_amx_linear");
   const bf16* xp = x.data_ptr<bf16>();
   const bf16* w = packed.data_ptr<bf16>();
-  float* yp = y.data_ptr<float>();
+  float* yp = y.scalar_type() == at::kFloat ? y.data_ptr<float>() : nullptr;
+  bf16* yh = y.scalar_type() == at::kBFloat16 ? y.data_ptr<bf16>() : nullptr;
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     // Each thread loads its own configuration (tile state is per thread): one for the chunks of 32 tokens, and one
     // for a last, shorter chunk, loaded in turn for each block so that the block stays in cache for all its chunks.
@@ -141,9 +142,14 @@ void bf16_amx_linear_cpu(at::Tensor y, at::Tensor x, at::Tensor packed, c10::opt
       const __m512 bias0 = bp != nullptr ? _mm512_loadu_ps(bp + b * BLOCK) : _mm512_setzero_ps();
       const __m512 bias1 = bp != nullptr ? _mm512_loadu_ps(bp + b * BLOCK + 16) : _mm512_setzero_ps();
       for (int64_t m = 0; m < M; ++m) {
-        float* out = yp + m * N + b * BLOCK;
-        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(sums.data() + m * BLOCK), bias0));
-        _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_loadu_ps(sums.data() + m * BLOCK + 16), bias1));
+        const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(sums.data() + m * BLOCK), bias0);
+        const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(sums.data() + m * BLOCK + 16), bias1);
+        if (yp != nullptr) {
+          _mm512_storeu_ps(yp + m * N + b * BLOCK, lo);
+          _mm512_storeu_ps(yp + m * N + b * BLOCK + 16, hi);
+        } else {   // rounded to nearest even, as torch's .to(bfloat16)
+          _mm512_storeu_si512(yh + m * N + b * BLOCK, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
       }
     }
     _tile_release();

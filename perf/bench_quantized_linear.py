@@ -5,7 +5,7 @@ Each path cycles through 16 distinct weights so that every call reads its weight
 does (one weight would stay in the cache and flatter the small formats less than the large).
 
     python perf/bench_quantized_linear.py [--out 2816 --in 512 --tokens 1,4,16,48,128,512 --group 128]
-    python perf/bench_quantized_linear.py --layouts bfloat16   # each layout the timed choice can hold, by its own call
+    python perf/bench_quantized_linear.py --layouts bfloat16   # each call of each layout the timed choice can hold
     python perf/bench_quantized_linear.py --w8a8   # W8A8's oneDNN GEMM fed int8 or u8 activations, beside fp32
 """
 from __future__ import annotations
@@ -109,26 +109,28 @@ def w8a8_activations(args, rounds: int = 3) -> None:
 
 
 def by_layout(args, dtype: torch.dtype, rounds: int = 3) -> None:
-    """us per call of each layout's own call (cpp, onednn, torch), the fastest of `rounds` rounds that alternate
-    the layouts, each call on the next of the cycled weights."""
-    layouts = linear_choice.layouts_for(dtype, (args.out, args.in_f))
-    held = {layout: [linear.hold(torch.randn(args.out, args.in_f).to(dtype), layout) for _ in range(args.weights)]
+    """us per call of each call of each layout (cpp, cpp-amx, cpp-unpacked, onednn, torch, ...), the fastest of
+    `rounds` rounds that alternate them, each call on the next of the cycled weights."""
+    shape = (args.out, args.in_f)
+    layouts = linear_choice.layouts_for(dtype, shape)
+    held = {layout: [linear.hold(torch.randn(*shape).to(dtype), layout) for _ in range(args.weights)]
             for layout in layouts}
+    calls = [(call, layout) for layout in layouts for call in linear_choice.calls_of(layout, dtype, shape)]
     n = args.weights
     cpp = f"; cpp: {linear.linear_path(held['cpp'][0])}" if "cpp" in held else ""
     print(f"{args.out} x {args.in_f} {args.layouts}, {torch.get_num_threads()} threads, {n} weights cycled, "
           f"us per call (fastest of {rounds} alternated rounds){cpp}")
-    print("| tokens | " + " | ".join(layouts) + " |")
-    print("|---|" + "---|" * len(layouts))
+    print("| tokens | " + " | ".join(call for call, _ in calls) + " |")
+    print("|---|" + "---|" * len(calls))
     for m in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(m, args.in_f).to(dtype)
-        calls = max(5, 2000 // m)
-        best = {layout: float("inf") for layout in layouts}
+        runs = max(5, 2000 // m)
+        best = {call: float("inf") for call, _ in calls}
         for _ in range(rounds):
-            for layout in layouts:
-                fn = linear.CALLS[layout]
-                best[layout] = min(best[layout], per_call_us(lambda i: fn(x, held[layout][i % n], None), calls))
-        print(f"| {m} | " + " | ".join(f"{best[layout]:.0f}" for layout in layouts) + " |", flush=True)
+            for call, layout in calls:
+                fn = linear.CALLS[call]
+                best[call] = min(best[call], per_call_us(lambda i: fn(x, held[layout][i % n], None), runs))
+        print(f"| {m} | " + " | ".join(f"{best[call]:.0f}" for call, _ in calls) + " |", flush=True)
 
 
 if __name__ == "__main__":

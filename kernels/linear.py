@@ -367,26 +367,43 @@ HALF_UNPACKED_FROM_TOKENS = 256
 AMX_FROM_TOKENS = 4
 
 
+def rows_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as contiguous rows [tokens, in] of `dtype`, converted only where it must be: each torch call costs about a
+    microsecond even when it changes nothing, and a decode step makes ~50 linear calls."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    return x2 if x2.dtype == dtype and x2.is_contiguous() else x2.to(dtype).contiguous()
+
+
+def output_like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """An operator's rows y [tokens, out] in x's dtype and leading shape (rows_as undone)."""
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, amx: bool = False) -> torch.Tensor:
     """A C++ operator on a weight held packed [out/B, in, B]: fp32 (cpu/fp32_linear.cpp), or bf16/fp16
     (cpu/half_linear.cpp, which multiplies in fp32: x and the bias are widened for it, the result rounded back); or
     bf16 in k-pairs [out/B, in/2, B, 2] (cpu/bf16_linear.cpp: x in bf16, sums in fp32, rounded back once; with
-    `amx`, cpu/bf16_amx_linear.cpp on the same weight)."""
-    x2 = x.reshape(-1, x.shape[-1])
+    `amx`, cpu/bf16_amx_linear.cpp on the same weight, which rounds to bf16 itself)."""
     ops = cpu_ops.for_tensor(x)
-    if amx:   # writes bf16 itself, rounded once: no float32 y to allocate and convert (most of a small call's time)
-        y = torch.empty(x2.shape[0], packed.shape[0] * packed.shape[2],
-                        dtype=x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32)
-        ops.bf16_amx_linear(y, x2.to(torch.bfloat16).contiguous(), packed, None if bias is None else bias.float())
-        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
-    y = torch.empty(x2.shape[0], packed.shape[0] * packed.shape[2], dtype=torch.float32)
-    if packed.dim() == 4:
-        ops.bf16_linear(y, x2.to(torch.bfloat16).contiguous(), packed, None if bias is None else bias.float())
+    n = packed.shape[0] * packed.shape[2]
+    if amx:
+        x2 = rows_as(x, torch.bfloat16)
+        y = torch.empty(x2.shape[0], n, dtype=x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32)
+        ops.bf16_amx_linear(y, x2, packed, None if bias is None else bias.float())
+    elif packed.dim() == 4:
+        x2 = rows_as(x, torch.bfloat16)
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        ops.bf16_linear(y, x2, packed, None if bias is None else bias.float())
     elif packed.dtype == torch.float32:
-        ops.fp32_linear(y, x2.contiguous(), packed, bias)
+        x2 = rows_as(x, torch.float32)
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        ops.fp32_linear(y, x2, packed, bias)
     else:
-        ops.half_linear(y, x2.float().contiguous(), packed, None if bias is None else bias.float())
-    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        x2 = rows_as(x, torch.float32)
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        ops.half_linear(y, x2, packed, None if bias is None else bias.float())
+    return output_like(y, x)
 
 
 def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -394,16 +411,16 @@ def int8_linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) ->
         from trellm_kernels.triton_linear import int8_linear_triton
         return int8_linear_triton(x, w.int8_rows(), w.scales, bias)
     ops = cpu_ops.for_tensor(x)
-    x2 = x.reshape(-1, x.shape[-1])
     if ops is None or w.qweight.dim() != 3:
         return dense_linear(x, w.int8_fp32(), bias)
     # The operator takes fp32 activations (bf16/fp16 ones are widened for it; with AVX2 only it quantizes them to
     # int16 per token itself), and the bias is added before the result is rounded back to their dtype.
+    x2 = rows_as(x, torch.float32)
     y = torch.empty(x2.shape[0], w.scales.shape[0], dtype=torch.float32)
-    ops.int8_linear(y, x2.float().contiguous(), w.qweight, w.scales.float())
+    ops.int8_linear(y, x2, w.qweight, w.scales if w.scales.dtype == torch.float32 else w.scales.float())
     if bias is not None:
         y += bias
-    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+    return output_like(y, x)
 
 
 _ONE, _ZERO = torch.tensor(1.0), torch.tensor(0)    # oneDNN's activation scale and zero point: the ints as they are

@@ -122,6 +122,12 @@ def pack_pairs(w: torch.Tensor) -> torch.Tensor:
     return w.view(out_f // CPU_BLOCK, CPU_BLOCK, in_f // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def amx_takes(packed: torch.Tensor) -> bool:
+    """Whether AMX tiles take this packed weight here: bf16 k-pairs (pack_pairs) whose `in` they hold."""
+    return packed.dim() == 4 and linear_choice.amx_holds(
+        torch.bfloat16, (packed.shape[0] * packed.shape[2], packed.shape[1] * packed.shape[3]))
+
+
 def cpp_packing(dtype: torch.dtype):
     """How a weight of `dtype` is packed for this host's C++ operator: k-pairs for bf16 where the build has bf16 dot
     products, else blocks."""
@@ -288,9 +294,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         tokens = x.numel() // x.shape[-1]
         if w.packed.dim() == 3 and w.packed.dtype != torch.float32 and tokens >= HALF_UNPACKED_FROM_TOKENS:
             return dense_linear(x, w.tensor(), bias)
-        amx = tokens >= AMX_FROM_TOKENS and w.packed.dim() == 4 and linear_choice.amx_holds(
-            torch.bfloat16, (w.packed.shape[0] * w.packed.shape[2], w.packed.shape[1] * 2))
-        return packed_linear(x, w.packed, bias, amx)
+        return packed_linear(x, w.packed, bias, tokens >= AMX_FROM_TOKENS and amx_takes(w.packed))
     if w.prepared is not None:
         return torch.ops.mkldnn._linear_pointwise(x, w.prepared, bias, "none", [], "")
     return dense_linear(x, w.dense, bias)
@@ -336,8 +340,8 @@ def linear_path(w: Weight) -> str:
         if w.packed.dtype == torch.float32:
             return "fp32 C++ (AVX-512)"
         if w.packed.dim() == 4:
-            amx = linear_choice.amx_holds(torch.bfloat16, (w.packed.shape[0] * w.packed.shape[2], w.packed.shape[1] * 2))
-            return "bfloat16 C++ (AVX512-BF16" + (f", AMX from {AMX_FROM_TOKENS} tokens)" if amx else ")")
+            amx = f", AMX from {AMX_FROM_TOKENS} tokens" if amx_takes(w.packed) else ""
+            return f"bfloat16 C++ (AVX512-BF16{amx})"
         return (f"{dtype_name(w.packed.dtype)} C++ (AVX2), unpacked + torch linear float32 from "
                 f"{HALF_UNPACKED_FROM_TOKENS} tokens")
     if w.prepared is not None:

@@ -19,8 +19,8 @@ Where the written-down rule's layout or call (linear.static_layout) is within TI
 noise on a shared host does not move a weight off today's path.
 
 Choices are cached on disk (TRELLM_CACHE_DIR, default ~/.cache/trellm) keyed by CPU model, flags, torch version,
-threads, dtype, shape, the layouts and calls this host offers and the timing method, so a restart reads them (and a new
-candidate, such as a newly built operator, is timed); within a process each shape is timed once.
+threads, dtype, shape, the layouts and calls this host offers and the timing method, so a restart reads them (and a
+new candidate, such as a newly built operator, is timed); within a process each shape is timed once.
 Only timings taken in quiet are trusted: while a shape is timed, the host's CPU time spent by other processes is read
 from /proc/stat, and timings taken beside more than FOREIGN_CORES_MAX cores of other work, or out of order (a call
 that took longer at fewer tokens than at more), are timed again after a pause, within QUIET_WAIT_S a process; past
@@ -325,8 +325,9 @@ def _host() -> str:
 
 
 def cache_key(dtype: torch.dtype, shape: tuple[int, int], layouts: list[str]) -> str:
+    calls = " ".join(call for layout in layouts for call in calls_of(layout, dtype, shape))
     return (f"{_host()}|threads {torch.get_num_threads()}|{str(dtype).removeprefix('torch.')}|"
-            f"{shape[0]}x{shape[1]}|calls {' '.join(c for l in layouts for c in calls_of(l, dtype, shape))}|{TIMING}")
+            f"{shape[0]}x{shape[1]}|calls {calls}|{TIMING}")
 
 
 def _read(path: str) -> dict:

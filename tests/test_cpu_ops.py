@@ -520,8 +520,9 @@ def test_the_logged_linear_path_is_the_one_linear_runs(ops, monkeypatch, quantiz
         linear.linear(randn(g, tokens, 256, dtype=dtype), w)
         return [c for c in called if c.startswith(ops)]
     torch_linear = f"torch linear on {dtype}"
-    named = {"fp32 C++": "fp32_linear", "(AVX512-BF16": "bf16_linear", "float16 C++": "half_linear", "INT8 C++": "int8_linear", "oneDNN": "oneDNN",
-             "_weight_int4pack_mm": "_weight_int4pack_mm", "dequantized": torch_linear, "torch linear": torch_linear}
+    named = {"fp32 C++": "fp32_linear", "(AVX512-BF16": "bf16_linear", "float16 C++": "half_linear",
+             "INT8 C++": "int8_linear", "oneDNN": "oneDNN", "_weight_int4pack_mm": "_weight_int4pack_mm",
+             "dequantized": torch_linear, "torch linear": torch_linear}
     head = path.split(",")[0]
     assert runs(1) == [op for words, op in named.items() if words in head][:1], (path, called)
     switch = re.search(r"from (\d+) tokens", path)

@@ -67,7 +67,8 @@ inline void block_tile(const bf16* x, int64_t ldx, int64_t K, const bf16* blk, c
   for (int64_t k = 0; k < K; k += TILE_K) {
     const bf16* w = blk + (k / 2) * 2 * BLOCK;   // k-pair k/2's row: 32 outputs x 2 values
     if (next != nullptr)   // the same 2 KiB of the next block: 16 rows of 128 bytes
-      for (int64_t line = 0; line < TILE_ROWS * 2 * BLOCK; line += 32) __builtin_prefetch(next + k * BLOCK + line, 0, 2);
+      for (int64_t line = 0; line < TILE_ROWS * 2 * BLOCK; line += 32)
+        __builtin_prefetch(next + k * BLOCK + line, 0, 2);
     _tile_loadd(2, w, w_stride);
     _tile_loadd(3, w + 2 * TILE_ROWS, w_stride);
     _tile_loadd(0, x + k, x_stride);

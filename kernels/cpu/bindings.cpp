@@ -57,8 +57,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x w^T (+ bias) with x bf16, w bf16 packed in k-pairs [N/32, K/2, 32, 2], y and bias float32 "
         "(AVX512-BF16 builds)", py::arg("y"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), no_gil);
   m.def("bf16_amx_linear", &bf16_amx_linear_cpu,
-        "bf16_linear's y (float32, or bf16 rounded once) on AMX tiles; K a multiple of 32 (AMX-BF16 builds)", py::arg("y"),
-        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), no_gil);
+        "bf16_linear's y (float32, or bf16 rounded once) on AMX tiles; K a multiple of 32 (AMX-BF16 builds)",
+        py::arg("y"), py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), no_gil);
   // Whether bf16_amx_linear runs in this process: an AMX-BF16 build, and Linux granted the tile state.
   m.def("bf16_amx_ready", &bf16_amx_ready);
   m.def("write_kv", &write_kv_cpu, "store k and v at their slots of the paged caches", no_gil);

@@ -871,7 +871,8 @@ def test_cpu_bf16_linear_on_amx_tiles(tokens, out_f, in_f, monkeypatch):
     AMX_FROM_TOKENS."""
     ops = cpu_ops.load_isa("avx512")
     monkeypatch.setattr(cpu_ops, "_module", ops)
-    assert ops.bf16_amx_ready(), "Linux granted this process AMX's tile state"
+    if not ops.bf16_amx_ready():   # Linux before 5.16 has no arch_prctl for it: the choice then never offers cpp-amx
+        pytest.skip("this kernel refused the process AMX's tile state (ARCH_REQ_XCOMP_PERM)")
     assert "cpp-amx" in linear_choice.calls_of("cpp", BF16, (out_f, in_f))
     assert "cpp-amx" not in linear_choice.calls_of("cpp", BF16, (out_f, in_f + 2))
     assert "cpp-amx" not in linear_choice.calls_of("cpp", F32, (out_f, in_f))

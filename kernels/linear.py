@@ -390,23 +390,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     bf16 in k-pairs [out/B, in/2, B, 2] (cpu/bf16_linear.cpp: x in bf16, sums in fp32, rounded back once; with
     `amx`, cpu/bf16_amx_linear.cpp on the same weight, which rounds to bf16 itself)."""
     ops = cpu_ops.for_tensor(x)
-    n = packed.shape[0] * packed.shape[2]
-    if amx:
-        x2 = rows_as(x, torch.bfloat16)
-        y = torch.empty(x2.shape[0], n, dtype=x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32)
-        ops.bf16_amx_linear(y, x2, packed, None if bias is None else bias.float())
-    elif packed.dim() == 4:
-        x2 = rows_as(x, torch.bfloat16)
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-        ops.bf16_linear(y, x2, packed, None if bias is None else bias.float())
-    elif packed.dtype == torch.float32:
-        x2 = rows_as(x, torch.float32)
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-        ops.fp32_linear(y, x2, packed, bias)
+    if amx or packed.dim() == 4:
+        run, x_dtype = (ops.bf16_amx_linear if amx else ops.bf16_linear), torch.bfloat16
     else:
-        x2 = rows_as(x, torch.float32)
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-        ops.half_linear(y, x2, packed, None if bias is None else bias.float())
+        run, x_dtype = (ops.fp32_linear if packed.dtype == torch.float32 else ops.half_linear), torch.float32
+    x2 = rows_as(x, x_dtype)
+    y_dtype = x.dtype if amx and x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    y = torch.empty(x2.shape[0], packed.shape[0] * packed.shape[2], dtype=y_dtype)
+    run(y, x2, packed, None if bias is None else bias.float())
     return output_like(y, x)
 
 

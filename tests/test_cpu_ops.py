@@ -826,6 +826,18 @@ def test_cpu_half_linear_with_avx2_alone_multiplies_in_fp32_and_rows_do_not_depe
         assert torch.equal(linear.linear(x[i:i + 1], prepared, b), together[i:i + 1])
 
 
+def assert_bf16_call_rounds_once_per_token(call, held, w, b, x):
+    """call(x, held, bias) in bf16: the exact linear rounded once, with and without a bias, and a token's row the
+    same whatever shares its call."""
+    for bias in (b, None):
+        together = call(x, held, bias)
+        assert together.dtype == BF16
+        assert_within_rounding(together, exact_linear(x, w, bias))
+    tokens = x.shape[0]
+    for i in sorted({0, tokens // 2, tokens - 1}):
+        assert torch.equal(call(x[i:i + 1], held, b), call(x, held, b)[i:i + 1])
+
+
 BF16_DOT = "avx512_bf16" in cpu_ops._cpu_flags().split()
 
 
@@ -848,13 +860,7 @@ def test_cpu_bf16_linear_on_bf16_dot_products(tokens, out_f, in_f, monkeypatch):
     assert held.packed.shape == (out_f // linear.CPU_BLOCK, in_f // 2, linear.CPU_BLOCK, 2) and held.dense is None
     assert torch.equal(held.tensor(), w)
     assert linear.linear_path(held) == "bfloat16 C++ (AVX512-BF16)"
-    x = randn(g, tokens, in_f, dtype=BF16)
-    for bias in (b, None):
-        together = linear.CALLS["cpp"](x, held, bias)
-        assert together.dtype == BF16
-        assert_within_rounding(together, exact_linear(x, w, bias))
-    for i in sorted({0, tokens // 2, tokens - 1}):
-        assert torch.equal(linear.CALLS["cpp"](x[i:i + 1], held, b), linear.CALLS["cpp"](x, held, b)[i:i + 1])
+    assert_bf16_call_rounds_once_per_token(linear.CALLS["cpp"], held, w, b, randn(g, tokens, in_f, dtype=BF16))
 
 
 AMX_BF16 = "amx_bf16" in cpu_ops._cpu_flags().split()
@@ -881,13 +887,7 @@ def test_cpu_bf16_linear_on_amx_tiles(tokens, out_f, in_f, monkeypatch):
     g = torch.Generator().manual_seed(9)
     w, b = randn(g, out_f, in_f, dtype=BF16), randn(g, out_f, dtype=BF16)
     held = linear.hold(w, "cpp")
-    x = randn(g, tokens, in_f, dtype=BF16)
-    for bias in (b, None):
-        together = linear.CALLS["cpp-amx"](x, held, bias)
-        assert together.dtype == BF16
-        assert_within_rounding(together, exact_linear(x, w, bias))
-    for i in sorted({0, tokens // 2, tokens - 1}):
-        assert torch.equal(linear.CALLS["cpp-amx"](x[i:i + 1], held, b), linear.CALLS["cpp-amx"](x, held, b)[i:i + 1])
+    assert_bf16_call_rounds_once_per_token(linear.CALLS["cpp-amx"], held, w, b, randn(g, tokens, in_f, dtype=BF16))
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])

@@ -21,7 +21,6 @@
 
 #include <vector>
 
-
 namespace {
 
 using trellm::blocked_linear::BLOCK;

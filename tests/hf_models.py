@@ -91,11 +91,12 @@ SHARP_ATTENTION = {"phi3-longrope": 6.0, "gemma3-text": 6.0, "gemma2-softcap": 6
                    "qwen2-sliding": 6.0}
 
 
-def make_variant(name: str, out_dir: str, vocab_size: int = 320) -> str:
+def make_variant(name: str, out_dir: str, vocab_size: int = 320, changes: dict | None = None) -> str:
+    """Variant `name` (with `changes` to its config, where given) saved to `out_dir`."""
     import transformers
     cls_name, kwargs = VARIANTS[name]
     config = getattr(transformers, cls_name)(vocab_size=vocab_size, eos_token_id=vocab_size - 1,
-                                             bos_token_id=0, **kwargs)
+                                             bos_token_id=0, **{**kwargs, **(changes or {})})
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config)
     # Random biases and norm weights (defaults are 0 and 1) so that a forward that ignored them would differ.
@@ -109,14 +110,14 @@ def make_variant(name: str, out_dir: str, vocab_size: int = 320) -> str:
     return out_dir
 
 
-def with_tokenizer(name: str, tokenizer_dir: str, out_dir: str) -> str:
+def with_tokenizer(name: str, tokenizer_dir: str, out_dir: str, changes: dict | None = None) -> str:
     """Variant `name` over the vocabulary of the tokenizer in `tokenizer_dir` (copied beside the weights): a folder
     a server can take as it takes a downloaded one."""
     import json
     import shutil
     with open(os.path.join(tokenizer_dir, "tokenizer.json")) as f:
         vocab_size = max(json.load(f)["model"]["vocab"].values()) + 1
-    make_variant(name, out_dir, vocab_size)
+    make_variant(name, out_dir, vocab_size, changes)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(tokenizer_dir, file), out_dir)
     return out_dir
@@ -125,7 +126,11 @@ def with_tokenizer(name: str, tokenizer_dir: str, out_dir: str) -> str:
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt (one at a time: no padding effects), EOS ignored."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model_greedy(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), prompts, max_new_tokens)
+
+
+def model_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """A loaded transformers model's greedy continuation of each prompt, as hf_greedy."""
     out = []
     for p in prompts:
         ids = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from trellm_backend.models.config import ModelConfig, ModelConfigError
+from trellm_backend.models.gguf import GgufState
 from trellm_backend.models.moe import SparseMlp, load_sparse_mlp
 from trellm_backend.models.rope import cos_sin_cache, long_rope_from
 from trellm_backend.models.weights import Checkpoint
@@ -118,6 +119,10 @@ class LlamaModel:
         self.norm = norm("model.norm.weight")
         lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
         self.lm_head = prepare_weight(self.embed if cfg.tie_word_embeddings or lm_head is None else lm_head)
+        unread = state.leftover() if isinstance(state, GgufState) else []
+        if unread:
+            raise ModelConfigError(f"{state.file}: tensors {', '.join(unread)} are not read by the {cfg.family} "
+                                   "model; the file holds something the engine does not implement")
         self.max_positions = max_positions
         self.long_rope_from = long_rope_from(cfg)
         self.scale = cfg.head_dim ** -0.5 if gemma is None else gemma.attention_scale

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from trellm_backend.models.config import ModelConfig, ModelConfigError
+from trellm_backend.models.gguf import GgufState, gguf_file_of
 from trellm_backend.models.quant_formats import take_int4
 from trellm_kernels.int4 import cat_outputs
 from trellm_kernels.linear import Weight, prepare_int4, prepare_weight
@@ -52,9 +53,11 @@ def tensor_header(file: str) -> dict[str, tuple[list[int], str]]:
     return tensors
 
 
-def load_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_state_dict(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor] | GgufState:
     """All tensors of the folder on CPU, the floating ones cast to `dtype` (a GPTQ/AWQ checkpoint's packed int32
-    weights keep their type)."""
+    weights keep their type); a GGUF folder's are read as they are taken (gguf.GgufState)."""
+    if gguf_file_of(path) is not None:
+        return GgufState(path)
     state = {}
     for file in safetensors_files(path):
         try:

@@ -2,6 +2,7 @@
 
     python -m trellm_backend.tools.add_model NAME HF_FOLDER [--dtype float16] [--kv-cache-bytes N] [--max-model-len N]
                                        [--max-num-seqs N] [--repository model_repository] [--force]
+    python -m trellm_backend.tools.add_model NAME FILE.gguf [...]   # a llama.cpp file, in a folder of its own
     python -m trellm_backend.tools.add_model --remove NAME
 
 The default model's entries (TEMPLATE_ENTRIES, those that exist) are the template: each config.pbtxt is parsed
@@ -73,6 +74,23 @@ def render_entry(template: model_config_pb2.ModelConfig, names: dict[str, str], 
     return cfg
 
 
+def gguf_folder(path: str) -> str:
+    """The model folder of `path`: itself, or for a GGUF file (or a folder holding one and no config.json) the
+    file's folder, with config.json and the tokenizer derived from the file's metadata written beside it
+    (models/gguf.py)."""
+    if os.path.isdir(path):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if os.path.isfile(os.path.join(path, "config.json")) or not ggufs:
+            return path
+        if len(ggufs) > 1:
+            raise ValueError(f"{path}: holds {len(ggufs)} GGUF files ({', '.join(ggufs)}); name the one to serve")
+        path = os.path.join(path, ggufs[0])
+    if not path.endswith(".gguf"):
+        return path
+    from trellm_backend.models.gguf import write_hf_files
+    return write_hf_files(path)
+
+
 def check_model(config: EngineConfig, repository: str) -> None:
     """Read the folder's config.json as the llm's load will (an architecture or key the engine does not implement
     is refused by name), and each adapter of `lora_adapters` against it (load_adapter), so the command fails naming
@@ -99,7 +117,9 @@ def add_model(name: str, hf_folder: str, repository: str = DEFAULT_REPOSITORY, e
     if not NAME_PATTERN.match(name):
         raise ValueError(f"model name {name!r}: use letters, digits, '_', '.', '-' (starting with a letter or digit)")
     engine = {k: str(v) for k, v in (engine or {}).items()}
-    config = EngineConfig.from_strings({"model_path": hf_folder, **engine})   # raises on unknown names and bad values
+    EngineConfig.from_strings({"model_path": hf_folder, **engine})   # raises on unknown names and bad values
+    hf_folder = gguf_folder(hf_folder)
+    config = EngineConfig.from_strings({"model_path": hf_folder, **engine})
     if not os.path.isfile(os.path.join(hf_folder, "config.json")):
         raise ValueError(f"{os.path.join(hf_folder, 'config.json')}: missing; HF_FOLDER must be a Hugging Face "
                          "model folder")
@@ -148,7 +168,8 @@ def remove_model(name: str, repository: str = DEFAULT_REPOSITORY, template_dir: 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name")
-    ap.add_argument("hf_folder", nargs="?", help="Hugging Face model folder (config.json, *.safetensors, tokenizer)")
+    ap.add_argument("hf_folder", nargs="?", help="Hugging Face model folder (config.json, *.safetensors, tokenizer), or a GGUF file "
+                    "(config.json and the tokenizer are derived from it and written beside it)")
     ap.add_argument("--repository", default=DEFAULT_REPOSITORY)
     ap.add_argument("--remove", action="store_true", help="delete NAME's entries instead of adding them")
     ap.add_argument("--force", action="store_true", help="replace NAME's entries if they exist")

@@ -24,6 +24,7 @@ from trellm_backend.engine.limits import (context_limit, kv_budget, kv_bytes_per
 from trellm_backend.triton.parameters import resolve_model_path
 from trellm_backend.triton.tokenization import require_tokenizer_files
 from trellm_kernels.linear import QUANTIZATIONS
+from trellm_backend.models.gguf import gguf_file_of, gguf_weight_bytes
 from trellm_backend.models.weights import safetensors_files, tensor_header
 
 
@@ -109,6 +110,8 @@ INTEGER_BYTES = {"I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8}   # kept as sto
 def weight_bytes(path: str, dtype: torch.dtype) -> int:
     """Bytes the weights take once the floating ones are cast to `dtype`, from the safetensors headers."""
     item = torch.finfo(dtype).bits // 8
+    if gguf_file_of(path) is not None:
+        return gguf_weight_bytes(path, item)
     return sum(math.prod(shape) * INTEGER_BYTES.get(kind, item)
                for f in safetensors_files(path) for shape, kind in tensor_header(f).values())
 

@@ -1,0 +1,215 @@
+"""GGUF checkpoints: a llama.cpp file of each family we serve, in each tensor type, gives transformers' greedy tokens
+on the same file; its config.json and tokenizer derived from the metadata say what the original folder said; what
+the engine does not read is refused by name before anything is written.
+
+The files come from the project's own checkpoints through tools/write_gguf.py, which lays tensors out as llama.cpp's
+converter does. The oracle is transformers' own GGUF loader (its name mapping, un-permuting and dequantizers) with
+the config.json derived here."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from hf_models import hf_greedy, model_greedy, random_prompts, with_tokenizer
+from test_engine import ARRIVALS, GREEDY, LENGTHS, run_staggered
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.models.config import ModelConfigError, load_model_config
+from trellm_backend.models.gguf import write_hf_files
+from trellm_backend.tools.write_gguf import quantize, write_gguf
+
+MAX_TOKENS = 10
+
+# variant of hf_models.VARIANTS -> (changes to its config, the quantized GGUF types checked against transformers'
+# GGUF loader). Every variant is also written in F32 and checked against its own folder, which needs no GGUF code
+# on the oracle's side (transformers' loader does not map Mixtral). Changes: what llama.cpp keeps outside the
+# metadata set to what a file says (Gemma's attention scale is 1/sqrt(head size); Phi-3's longrope lives in tensors;
+# Qwen2-MoE files have no dense layers); widths of 256 where the K-quants are checked.
+CASES = {
+    "llama-gqa4-hd128": ({}, ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K", "Q6_K", "BF16", "F16")),
+    "qwen2-bias-gqa4": ({"hidden_size": 256}, ("Q8_0", "Q4_K_M")),
+    "qwen3-qknorm-hd8": ({}, ("Q8_0",)),
+    "mistral-sliding": ({}, ("Q8_0",)),
+    "gemma2-softcap": ({}, ("Q8_0",)),
+    "gemma3-text": ({"query_pre_attn_scalar": 16, "hidden_size": 256}, ("Q8_0", "Q4_K_M")),
+    "phi3-longrope": ({"rope_scaling": None, "original_max_position_embeddings": 512}, ("Q8_0",)),
+    "mixtral-moe8": ({}, ()),
+    "qwen3-moe8-qknorm": ({}, ("Q8_0",)),
+    "qwen2-moe-shared": ({"mlp_only_layers": []}, ("Q8_0",)),
+}
+# model types transformers' GGUF loader does not map, and the type whose tensor names theirs share
+LOADED_AS = {"mistral": "llama"}
+@pytest.fixture(scope="module")
+def hf_variants(tmp_path_factory, default_model_path):
+    root = tmp_path_factory.mktemp("gguf-hf")
+    return {name: with_tokenizer(name, default_model_path, str(root / name), changes)
+            for name, (changes, _) in CASES.items()}
+
+
+def gguf_folder(hf_folder: str, out_root, file_type: str) -> str:
+    folder = out_root / f"{os.path.basename(hf_folder)}-{file_type}"
+    folder.mkdir()
+    file = str(folder / "model.gguf")
+    write_gguf(hf_folder, file, file_type)
+    return write_hf_files(file)
+
+
+def transformers_greedy(folder: str, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(folder)
+    if config.model_type in LOADED_AS:
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32,
+                                                      config=AutoConfig.for_model(LOADED_AS[config.model_type], **{
+                                                          k: v for k, v in config.to_dict().items()
+                                                          if k != "model_type"}))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32,
+                                                     config=config)
+    return model_greedy(model, prompts, MAX_TOKENS)
+
+
+def engine_greedy(folder: str, prompts: list[list[int]]) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(model_path=folder, kv_cache_bytes=16 << 20, dtype="float32"))
+    return run_staggered(engine, prompts, ARRIVALS, replace(GREEDY, max_tokens=MAX_TOKENS))
+
+
+def assert_same(got, expected):
+    for i, (e, g) in enumerate(zip(expected, got)):
+        assert g == e, f"prompt {i} (length {LENGTHS[i]}): engine {g} != transformers {e}"
+
+
+@pytest.mark.parametrize("name,file_type", [(n, t) for n, (_, types) in CASES.items() for t in types])
+def test_a_gguf_file_gives_transformers_greedy_tokens(hf_variants, tmp_path, name, file_type):
+    folder = gguf_folder(hf_variants[name], tmp_path, file_type)
+    prompts = random_prompts(0, 4096, LENGTHS)
+    assert_same(engine_greedy(folder, prompts), transformers_greedy(folder, prompts))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_an_f32_gguf_file_gives_the_original_folders_greedy_tokens(hf_variants, tmp_path, name):
+    """The tensor names, llama.cpp's q/k order, Gemma's norms and the stacked experts undone exactly."""
+    folder = gguf_folder(hf_variants[name], tmp_path, "F32")
+    prompts = random_prompts(0, 4096, LENGTHS)
+    assert_same(engine_greedy(folder, prompts), hf_greedy(hf_variants[name], prompts, MAX_TOKENS))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_derived_config_says_what_the_checkpoint_said(hf_variants, tmp_path, name):
+    original = load_model_config(hf_variants[name])
+    derived = load_model_config(gguf_folder(hf_variants[name], tmp_path, "F32"))
+    assert replace(derived, path="", dtype="", eos_token_ids=[]) == \
+        replace(original, path="", dtype="", eos_token_ids=[])
+    assert derived.eos_token_ids[0] == original.eos_token_ids[0]
+    assert derived.dtype == "float32"
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_file(default_model_path, tmp_path):
+    from transformers import AutoTokenizer
+    folder = gguf_folder(default_model_path, tmp_path, "Q8_0")
+    ours, original = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(default_model_path)
+    text = "Hello world, a test. <|user|>\n  two  spaces\ttabs 12345 ünïcödé 🙂</s>"
+    assert ours(text).input_ids == original(text).input_ids
+    assert len(ours) == len(original)
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        original.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    with open(os.path.join(folder, "generation_config.json")) as f:   # the chat template's end of turn stops too
+        assert json.load(f)["eos_token_id"] == load_model_config(default_model_path).eos_token_ids
+
+
+def rewrite(src: str, dst: str, drop_key: str | None = None, add: dict | None = None,
+            tensor_type: dict | None = None, extra_tensor: str | None = None) -> str:
+    """A copy of GGUF file `src` with a metadata key dropped or added, or tensors rewritten in another type."""
+    from gguf import GGUFReader, GGUFWriter, GGMLQuantizationType, GGUFValueType
+    reader = GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(dst, arch=arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", drop_key):
+            continue
+        value = field.contents()
+        kind = field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            writer.add_key_value(key, value, kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, value, kind)
+    for key, value in (add or {}).items():
+        writer.add_key_value(key, value, GGUFValueType.UINT32)
+    for t in reader.tensors:
+        if tensor_type and t.name in tensor_type:
+            from gguf import quants
+            w = quants.dequantize(np.asarray(t.data), t.tensor_type)
+            qtype = GGMLQuantizationType[tensor_type[t.name]]
+            data = w.astype(np.float16) if qtype == GGMLQuantizationType.F16 else quants.quantize(w, qtype)
+            writer.add_tensor(t.name, data, raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    if extra_tensor:
+        writer.add_tensor(extra_tensor, np.ones(16, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(add={"llama.attention.clamp_kqv": 8}), "metadata key llama.attention.clamp_kqv is not supported"),
+    (dict(add={"split.count": 2}), "split.count: split GGUF files are not supported"),
+    (dict(tensor_type={"blk.0.attn_q.weight": "Q5_0"}), "tensor blk.0.attn_q.weight has type Q5_0"),
+    (dict(extra_tensor="rope_freqs.weight"), "tensor rope_freqs.weight (Llama 3's rope scaling"),
+])
+def test_what_the_engine_does_not_read_is_refused_by_name_before_writing(default_model_path, tmp_path, change,
+                                                                           message):
+    src = tmp_path / "src.gguf"
+    write_gguf(default_model_path, str(src), "Q8_0")
+    folder = tmp_path / "m"
+    folder.mkdir()
+    file = rewrite(str(src), str(folder / "m.gguf"), **change)
+    with pytest.raises(ModelConfigError) as e:
+        write_hf_files(file)
+    assert message in str(e.value)
+    assert os.listdir(folder) == ["m.gguf"]
+
+
+def test_an_architecture_we_do_not_serve_is_refused_by_name(default_model_path, tmp_path):
+    from gguf import GGUFWriter
+    folder = tmp_path / "m"
+    folder.mkdir()
+    writer = GGUFWriter(str(folder / "m.gguf"), arch="mamba")
+    writer.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelConfigError, match="general.architecture='mamba' is not supported"):
+        write_hf_files(str(folder / "m.gguf"))
+
+
+def test_a_tensor_no_layer_reads_fails_the_load_by_name(default_model_path, tmp_path):
+    src = tmp_path / "src.gguf"
+    write_gguf(default_model_path, str(src), "Q8_0")
+    folder = tmp_path / "m"
+    folder.mkdir()
+    write_hf_files(rewrite(str(src), str(folder / "model.gguf"), extra_tensor="blk.0.attn_sinks.weight"))
+    with pytest.raises(ModelConfigError, match="tensors blk.0.attn_sinks.weight are not read"):
+        LLMEngine(EngineConfig(model_path=str(folder), kv_cache_bytes=16 << 20))
+
+
+@pytest.mark.parametrize("file_type,bound", [("Q4_K", 0.09), ("Q5_K", 0.045), ("Q6_K", 0.022)])
+def test_the_writers_k_quants_decode_with_gguf_py(file_type, bound):
+    """The K-quant encoders against gguf-py's reference decoders: every weight within the bound of its grid (relative
+    to the row's norm), so a layout error (a nibble or a scale in the wrong place) fails."""
+    from gguf import quants
+    w = np.random.default_rng(0).standard_normal((16, 1024)).astype(np.float32)
+    data, qtype = quantize(w, file_type)
+    back = quants.dequantize(data, qtype)
+    assert back.shape == w.shape
+    assert np.linalg.norm(back - w) / np.linalg.norm(w) < bound

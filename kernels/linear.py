@@ -51,6 +51,7 @@ from trellm_kernels import dispatch
 from trellm_kernels import linear_choice
 from trellm_kernels.dispatch import use_triton
 from trellm_kernels.int4 import Int4Weight, cpu_op_accepts, quantize_int4, to_cpu_int4pack
+from trellm_kernels.int8_groups import GroupInt8Weight, group_int8_linear
 
 
 # int4 is int4-g128: 128 inputs per scale, what most GPTQ/AWQ checkpoints use.
@@ -69,6 +70,7 @@ class Weight:
     qweight: torch.Tensor | None = None    # int8 [out, in], or packed [out/B, in, B] (B = CPU_BLOCK) on a CPU
     scales: torch.Tensor | None = None     # [out], in the activations' dtype: W ~= qweight * scales[:, None]
     int4: Int4Weight | None = None
+    grouped: GroupInt8Weight | None = None   # INT8 with a scale (and a minimum) per group of inputs: GGUF's blocks
     w8a8: bool = False                     # INT8 (qweight rows, or oneDNN's prepacked in `prepared`) with int8
     #                                        activations
     calls: tuple[str, ...] | None = None   # on a CPU, timed: the call of each token-count range (linear_choice)
@@ -81,7 +83,8 @@ class Weight:
 
     def tensor_device(self) -> torch.device:
         """Where the one form of the weight that is held lives."""
-        held = (self.dense, self.prepared, self.packed, self.qweight, self.int4 and self.int4.packed)
+        held = (self.dense, self.prepared, self.packed, self.qweight, self.int4 and self.int4.packed,
+                self.grouped and self.grouped.q)
         return next(t for t in held if t is not None).device
 
     def int8_fp32(self) -> torch.Tensor:
@@ -92,6 +95,8 @@ class Weight:
         """The weight as a dense [out, in] tensor (a copy when only the prepared or quantized form is held)."""
         if self.int4 is not None:
             return self.int4.tensor()
+        if self.grouped is not None:
+            return self.grouped.tensor()
         if self.scales is not None:
             return self.int8_fp32().to(self.scales.dtype)
         if self.packed is not None:
@@ -288,6 +293,8 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return CALLS[w.calls[linear_choice.count_index(x.numel() // x.shape[-1])]](x, w, bias)
     if w.int4 is not None:
         return int4_linear(x, w.int4, bias)
+    if w.grouped is not None:
+        return group_int8_linear(x, w.grouped, bias)
     if w.scales is not None:
         return w8a8_linear(x, w, bias) if w.w8a8 else int8_linear(x, w, bias)
     if w.packed is not None:
@@ -326,6 +333,11 @@ def linear_path(w: Weight) -> str:
         if w.int4.cpu_scales_zeros is not None:
             return "INT4 torch _weight_int4pack_mm_for_cpu (bf16 activations)"
         return f"INT4 dequantized, then {dense_path(w.int4.scales.dtype)}"
+    if w.grouped is not None:
+        g = w.grouped
+        where = ("C++ (AVX-512)" if ops.avx512 else "C++ (AVX2)" if ops.avx2 else "C++ (portable)") if g.packed \
+            else "dequantized, then torch linear float32"
+        return f"INT8 with a scale{' and a minimum' if g.has_mins else ''} per {g.group} inputs, {where}"
     if w.w8a8:
         return ("W8A8 oneDNN (int8 activations per token)" if w.prepared is not None else
                 f"W8A8 as {dense_path(torch.float32)} on the rounded integers")

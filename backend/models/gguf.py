@@ -327,6 +327,82 @@ def dequantize(t: GgufTensor):
     return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(t.shape)   # a copy: the map is read-only
 
 
+# ------------------------------------------------------------------------------------------------ block formats
+# Each decoder: the file's blocks of one tensor [rows, bytes] -> (q int8 [rows, K], scales float32 [rows, K/g], mins
+# float32 [rows, K/g] or None, g), with W = q * scale - min exactly as gguf-py's dequantizers compute it (ggml's
+# block layouts, ggml-common.h).
+
+def _half(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., n] bytes -> [..., 2n]: the low nibbles, then the high ones (Q4_0/Q4_1's order within a block)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes [..., 12] -> the 8 sub-blocks' 6-bit scales and minimums (ggml's get_scale_min_k4)."""
+    lo = sc[..., 0:4] & 63, sc[..., 4:8] & 63
+    hi = (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4), (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+    return np.concatenate([lo[0], hi[0]], axis=-1), np.concatenate([lo[1], hi[1]], axis=-1)
+
+
+def _k_low(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K's 128 bytes [..., 128] -> 256 4-bit values: each 32 bytes hold a pair of sub-blocks, low then high."""
+    qs = qs.reshape(*qs.shape[:-1], 4, 32)
+    return np.stack([qs & 15, qs >> 4], axis=-2).reshape(*qs.shape[:-2], 256)
+
+
+def decode_q8_0(b):
+    return b[..., 2:].view(np.int8), _half(b[..., :2])[..., 0], None, 32
+
+
+def decode_q4_0(b):
+    return (_nibbles(b[..., 2:]).astype(np.int8) - 8), _half(b[..., :2])[..., 0], None, 32
+
+
+def decode_q4_1(b):
+    return _nibbles(b[..., 4:]).astype(np.int8), _half(b[..., :2])[..., 0], -_half(b[..., 2:4])[..., 0], 32
+
+
+def decode_q4_k(b):
+    sc, mn = _k_scales(b[..., 4:16])
+    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
+    return _k_low(b[..., 16:144]).astype(np.int8), d * sc, dmin * mn, 32
+
+
+def decode_q5_k(b):
+    sc, mn = _k_scales(b[..., 4:16])
+    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
+    qh = b[..., 16:48]
+    high = np.stack([(qh >> i) & 1 for i in range(8)], axis=-2).reshape(*qh.shape[:-1], 256)
+    return (_k_low(b[..., 48:176]) + 16 * high).astype(np.int8), d * sc, dmin * mn, 32
+
+
+def decode_q6_k(b):
+    ql, qh = b[..., 0:128].reshape(*b.shape[:-1], 2, 64), b[..., 128:192].reshape(*b.shape[:-1], 2, 32)
+    runs = [(ql[..., 0:32] & 15) | ((qh & 3) << 4), (ql[..., 32:64] & 15) | (((qh >> 2) & 3) << 4),
+            (ql[..., 0:32] >> 4) | (((qh >> 4) & 3) << 4), (ql[..., 32:64] >> 4) | (((qh >> 6) & 3) << 4)]
+    q = np.stack(runs, axis=-2).reshape(*b.shape[:-1], 256).astype(np.int8) - 32
+    return q, _half(b[..., 208:210]) * b[..., 192:208].view(np.int8), None, 16
+
+
+# GGML type -> (bytes per block, decoder)
+BLOCK_FORMATS = {"Q8_0": (34, decode_q8_0), "Q4_0": (18, decode_q4_0), "Q4_1": (20, decode_q4_1),
+                 "Q4_K": (144, decode_q4_k), "Q5_K": (176, decode_q5_k), "Q6_K": (210, decode_q6_k)}
+
+
+def decode_blocks(t: GgufTensor, rows: slice | int = slice(None)):
+    """A quantized 2-D (or stacked 3-D, `rows` an expert) tensor as (q [N, K], scales [N, K/g], mins or None, g)."""
+    size, decoder = BLOCK_FORMATS[t.type_name]
+    data = np.asarray(t.data)[rows]
+    blocks = data.reshape(data.shape[0], -1, size)
+    q, scales, mins, g = decoder(blocks)
+    n = blocks.shape[0]
+    return q.reshape(n, -1), scales.reshape(n, -1), None if mins is None else mins.reshape(n, -1), g
+
+
 def rotary_halves(w, heads: int):
     """Undo convert_hf_to_gguf's permute of Llama's q/k rows (neighbour pairs back to rotary halves)."""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
@@ -364,6 +440,24 @@ class GgufState:
         name = self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         return None if name is None or name not in self.tensors else (name, expert)
 
+    def type_of(self, hf_name: str) -> str | None:
+        """The GGML type the file stores `hf_name` in, None when it has no such tensor."""
+        where = self.locate(hf_name)
+        return None if where is None else self.tensors[where[0]].type_name
+
+    def pop_blocks(self, hf_name: str):
+        """A quantized linear's weight as the file's own values (GroupInt8Weight, on the CPU)."""
+        import torch
+
+        from trellm_kernels.int8_groups import GroupInt8Weight
+        name, expert = self.locate(hf_name)
+        self.taken.add(name)
+        q, scales, mins, g = decode_blocks(self.tensors[name], slice(None) if expert is None else expert)
+        q, scales = self.convert(hf_name, torch.from_numpy(q.copy())), self.convert(hf_name, torch.from_numpy(scales))
+        if mins is not None:
+            mins = self.convert(hf_name, torch.from_numpy(mins)).t().contiguous()
+        return GroupInt8Weight(q.contiguous(), scales.t().contiguous(), mins, g)
+
     def pop(self, hf_name: str, default=None):
         where = self.locate(hf_name)
         if where is None:
@@ -371,10 +465,10 @@ class GgufState:
         name, expert = where
         self.taken.add(name)
         t = self.tensors[name]
-        if t.quantized and t.type_name not in self.logged:
-            self.logged.add(t.type_name)
-            log.warning("%s: %s tensors are dequantized to float at load (no kernel reads the format yet)",
-                        self.file, t.type_name)
+        if t.quantized and (t.type_name, "float") not in self.logged:
+            self.logged.add((t.type_name, "float"))
+            log.info("%s: %s tensors outside the linears (%s first) are dequantized to float at load", self.file,
+                     t.type_name, name)
         if expert is None:
             w = dequantize(t)
         else:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import torch
 from safetensors import safe_open
 
 from trellm_backend.models.config import ModelConfig, ModelConfigError
-from trellm_backend.models.gguf import GgufState, gguf_file_of
+from trellm_backend.models.gguf import FLOAT_TYPES, GgufState, gguf_file_of
 from trellm_backend.models.quant_formats import take_int4
 from trellm_kernels.int4 import cat_outputs
+from trellm_kernels.int8_groups import cat_outputs as cat_groups, pack as pack_groups
 from trellm_kernels.linear import Weight, prepare_int4, prepare_weight
 
 
@@ -97,6 +99,8 @@ class Checkpoint:
 
     def linear(self, *names: str) -> Weight:
         """The linears `names` (sharing one input) as one weight, stacked along the outputs."""
+        if isinstance(self.state, GgufState):
+            return self.gguf_linear(names)
         if self.cfg.quant is None:
             return prepare_weight(self.stacked(*(n + ".weight" for n in names)), self.quantization)
         source = self.cfg.path
@@ -108,3 +112,21 @@ class Checkpoint:
         w.packed, w.zeros = w.packed.to(self.device), w.zeros.to(self.device)
         w.perm = None if w.perm is None else w.perm.to(self.device)
         return prepare_int4(w)
+
+    def gguf_linear(self, names: tuple[str, ...]) -> Weight:
+        """A GGUF file's linears: kept in their blocks as group-scaled INT8 (kernels/int8_groups.py) where every part
+        is quantized, else in float (`quantization` applies then)."""
+        types = [self.state.type_of(n + ".weight") for n in names]
+        blocks = [t is not None and t not in FLOAT_TYPES for t in types]
+        if not any(blocks):
+            return prepare_weight(self.stacked(*(n + ".weight" for n in names)), self.quantization)
+        if self.quantization != "none":
+            raise ModelConfigError(f"{self.state.file}: the linears are already quantized "
+                                   f"({', '.join(sorted(set(types)))}); quantization={self.quantization!r} must be none")
+        if not all(blocks):     # a float part beside quantized ones (no file we know of mixes them in one layer)
+            return prepare_weight(self.stacked(*(n + ".weight" for n in names)))
+        w = pack_groups(cat_groups([self.state.pop_blocks(n + ".weight") for n in names]))
+        if w.q.device != self.device:
+            w = replace(w, q=w.q.to(self.device), scales=w.scales.to(self.device),
+                        mins=None if w.mins is None else w.mins.to(self.device))
+        return Weight(None, grouped=w)

@@ -30,7 +30,7 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "q
              "qwen3_moe": "qwen3moe"}
 # --type: the linears' type; Q4_K_M is llama.cpp's mix (Q4_K, with Q6_K for attn_v, ffn_down and the LM head)
 FILE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")
-MORE_BITS = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight", "output.weight")
+MORE_BITS = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
 
 
 # ------------------------------------------------------------------------------------------------ K-quants
@@ -128,7 +128,7 @@ def tensor_type(gguf_name: str, shape: tuple[int, ...], file_type: str) -> str:
         return "F32"
     want = file_type
     if file_type == "Q4_K_M":
-        want = "Q6_K" if gguf_name.endswith(MORE_BITS) else "Q4_K"
+        want = "Q6_K" if gguf_name.endswith(MORE_BITS) or gguf_name == "output.weight" else "Q4_K"
     for t in (want, "Q8_0", "F16"):
         if shape[-1] % GGML_QUANT_SIZES[GGMLQuantizationType[t]][0] == 0:
             return t

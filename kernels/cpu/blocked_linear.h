@@ -6,7 +6,8 @@
 // the split of each block's rows into tiles of nearly equal size (26 tokens make tiles of 9, 9 and 8, not 12, 12
 // and 2). A weight type brings only its tile: `Kernel::tile<MT>(rows, K, blk, next, epilogue, y, N)` computes rows
 // [0, MT) of x times one block (`next`: the block that follows, to prefetch, or null; `epilogue`: the block's bias
-// or scales, or null), for MT up to its `Kernel::MT_MAX`. x is float32 (bf16 for the bf16 operator), or for a
+// or scales, or null; scales per group of inputs for a kernel with `epilogue_stride`), for MT up to its
+// `Kernel::MT_MAX`. x is float32 (bf16 for the bf16 operator), or for a
 // kernel whose `Input` is int16 the activations quantized per row (`Rows::scales`; each row padded with a zero to an
 // even length, `Kernel::K_ALIGN`).
 // Each y[m, n] is summed over k in order in one lane whatever the tile, so a token's result does not depend on what
@@ -17,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include <array>
+#include <type_traits>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -57,6 +59,17 @@ inline void store_tile(const __m512* acc0, const __m512* acc1, const float* bias
   }
 }
 #endif
+
+// Floats of `epilogue` per block: BLOCK (one bias or scale per output), or what a kernel whose epilogue is larger
+// (one scale per output and group of inputs) says through `Kernel::epilogue_stride(K)`.
+template <class Kernel, class = void>
+struct EpilogueStride {
+  static int64_t of(int64_t) { return BLOCK; }
+};
+template <class Kernel>
+struct EpilogueStride<Kernel, std::void_t<decltype(Kernel::epilogue_stride(int64_t{}))>> {
+  static int64_t of(int64_t K) { return Kernel::epilogue_stride(K); }
+};
 
 template <class Kernel>
 using TileFn = void (*)(Rows<typename Kernel::Input>, int64_t, const typename Kernel::Weight*,
@@ -99,7 +112,7 @@ void run(const char* name, at::Tensor y, at::Tensor x, const float* x_scales, at
         const W* blk = w + b * K * BLOCK;
         // The first pass over the thread's blocks reads them from memory: the next one may be fetched meanwhile.
         const W* next = m0 == 0 && b + 1 < b1 ? blk + K * BLOCK : nullptr;
-        const float* epi = epilogue != nullptr ? epilogue + b * BLOCK : nullptr;
+        const float* epi = epilogue != nullptr ? epilogue + b * EpilogueStride<Kernel>::of(K) : nullptr;
         for (int64_t t = 0, m = m0; t < num_tiles; ++t) {
           const int64_t mt = (m1 - m + (num_tiles - t) - 1) / (num_tiles - t);
           tiles[mt - 1](rows.at(m), K, blk, t == 0 ? next : nullptr, epi, yp + m * N + b * BLOCK, N);

@@ -273,7 +273,159 @@ struct Int8Kernel {
   }
 };
 
+// Group-scaled INT8: y[m, n] = sum_g (s[g, n] * sum_{k in g} x[m, k] * q[n, k] - min[g, n] * sum_{k in g} x[m, k]),
+// a float32 scale (and, in formats with one, a minimum) per output and group of G inputs: GGUF's Q8_0 and K-quants
+// read exactly (kernels/int8_groups.py). The weight is packed as for int8_linear, the scales per block and group
+// [N/32][K/G][S][32] (S = 2: the scales, then the minimums). Each group's sums start at zero and are scaled into the
+// token's total once, so registers hold two sums per token and output half: 6 tokens per tile (5 with minimums).
+// A group's sum of x is taken in one fixed order, so a token's result does not depend on the call's other tokens.
+#if defined(__AVX512F__)
+template <int G>
+inline float group_sum(const float* x) {
+  const __m512 v = G == 32 ? _mm512_add_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)) : _mm512_loadu_ps(x);
+  return _mm512_reduce_add_ps(v);
+}
+
+template <int G, bool MIN, int MT>
+inline void int8_group_tile(trellm::blocked_linear::Rows<float> rows, int64_t K, const int8_t* blk,
+                            const int8_t* next, const float* s, float* y, int64_t N) {
+  const float* x = rows.x;
+  __m512 acc0[MT], acc1[MT];
+  for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
+  const int8_t* ahead = next != nullptr ? next : blk;
+  for (int64_t k0 = 0; k0 < K; k0 += G, s += (MIN ? 2 : 1) * BLOCK) {
+    __m512 part0[MT], part1[MT];
+    for (int m = 0; m < MT; ++m) part0[m] = part1[m] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k0 + G; ++k) {
+      const int8_t* wk = blk + k * BLOCK;
+      __builtin_prefetch(ahead + k * BLOCK, 0, 2);
+      const __m512 w0 =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk))));
+      const __m512 w1 =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16))));
+      for (int m = 0; m < MT; ++m) {
+        const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+        part0[m] = _mm512_fmadd_ps(w0, xb, part0[m]);
+        part1[m] = _mm512_fmadd_ps(w1, xb, part1[m]);
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+    for (int m = 0; m < MT; ++m) {
+      acc0[m] = _mm512_fmadd_ps(part0[m], s0, acc0[m]);
+      acc1[m] = _mm512_fmadd_ps(part1[m], s1, acc1[m]);
+    }
+    if constexpr (MIN) {
+      const __m512 n0 = _mm512_loadu_ps(s + BLOCK), n1 = _mm512_loadu_ps(s + BLOCK + 16);
+      for (int m = 0; m < MT; ++m) {
+        const __m512 xs = _mm512_set1_ps(group_sum<G>(x + m * K + k0));
+        acc0[m] = _mm512_fnmadd_ps(xs, n0, acc0[m]);
+        acc1[m] = _mm512_fnmadd_ps(xs, n1, acc1[m]);
+      }
+    }
+  }
+  trellm::blocked_linear::store_tile<MT>(acc0, acc1, nullptr, y, N);
+}
+constexpr int64_t GROUP_TILE_TOKENS = 6;   // 24 sums + 2 weights + 2 scales + 1 broadcast of 32 registers
+constexpr int64_t GROUP_MIN_TILE_TOKENS = 5;
+#else   // AVX2 and portable builds: GCC vector types (AVX2 lowers each 16-lane operation to two)
+typedef int8_t v16q __attribute__((vector_size(16)));
+
+inline trellm::v16 widen16(const int8_t* p) {
+  v16q q;
+  std::memcpy(&q, p, sizeof(q));
+  return __builtin_convertvector(__builtin_convertvector(q, trellm::vi16), trellm::v16);
+}
+
+template <int G>
+inline float group_sum(const float* x) {
+  trellm::v16 v = trellm::load16(x);
+  if (G == 32) v += trellm::load16(x + 16);
+  float total = 0;
+  for (int i = 0; i < 16; ++i) total += v[i];
+  return total;
+}
+
+template <int G, bool MIN, int MT>
+inline void int8_group_tile(trellm::blocked_linear::Rows<float> rows, int64_t K, const int8_t* blk,
+                            const int8_t* /*next*/, const float* s, float* y, int64_t N) {
+  const float* x = rows.x;
+  using trellm::v16;
+  v16 acc0[MT], acc1[MT];
+  for (int m = 0; m < MT; ++m) acc0[m] = acc1[m] = v16{};
+  for (int64_t k0 = 0; k0 < K; k0 += G, s += (MIN ? 2 : 1) * BLOCK) {
+    v16 part0[MT], part1[MT];
+    for (int m = 0; m < MT; ++m) part0[m] = part1[m] = v16{};
+    for (int64_t k = k0; k < k0 + G; ++k) {
+      const v16 w0 = widen16(blk + k * BLOCK), w1 = widen16(blk + k * BLOCK + 16);
+      for (int m = 0; m < MT; ++m) {
+        const float xb = x[m * K + k];
+        part0[m] += w0 * xb;
+        part1[m] += w1 * xb;
+      }
+    }
+    const v16 s0 = trellm::load16(s), s1 = trellm::load16(s + 16);
+    for (int m = 0; m < MT; ++m) {
+      acc0[m] += part0[m] * s0;
+      acc1[m] += part1[m] * s1;
+    }
+    if constexpr (MIN) {
+      const v16 n0 = trellm::load16(s + BLOCK), n1 = trellm::load16(s + BLOCK + 16);
+      for (int m = 0; m < MT; ++m) {
+        const float xs = group_sum<G>(x + m * K + k0);
+        acc0[m] -= n0 * xs;
+        acc1[m] -= n1 * xs;
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    trellm::store16(y + m * N, acc0[m]);
+    trellm::store16(y + m * N + 16, acc1[m]);
+  }
+}
+constexpr int64_t GROUP_TILE_TOKENS = 4;
+constexpr int64_t GROUP_MIN_TILE_TOKENS = 4;
+#endif
+
+template <int G, bool MIN>
+struct Int8GroupKernel {
+  using Weight = int8_t;
+  using Input = float;
+  static constexpr int64_t K_ALIGN = 1;
+  static constexpr int64_t K_GROUP = 1;
+  static constexpr int64_t MT_MAX = MIN ? GROUP_MIN_TILE_TOKENS : GROUP_TILE_TOKENS;
+  static int64_t epilogue_stride(int64_t K) { return K / G * (MIN ? 2 : 1) * BLOCK; }
+
+  template <int MT>
+  static void tile(trellm::blocked_linear::Rows<float> rows, int64_t K, const int8_t* blk, const int8_t* next,
+                   const float* scales, float* y, int64_t N) {
+    int8_group_tile<G, MIN, MT>(rows, K, blk, next, scales, y, N);
+  }
+};
+
+template <int G>
+void run_groups(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales) {
+  if (scales.size(2) == 2)
+    trellm::blocked_linear::run<Int8GroupKernel<G, true>>("int8_group_linear", y, x, nullptr, packed,
+                                                          scales.data_ptr<float>());
+  else
+    trellm::blocked_linear::run<Int8GroupKernel<G, false>>("int8_group_linear", y, x, nullptr, packed,
+                                                           scales.data_ptr<float>());
+}
+
 }  // namespace
+
+void int8_group_linear_cpu(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t group) {
+  TORCH_CHECK(group == 16 || group == 32, "int8_group_linear: groups of 16 or 32 inputs, not ", group);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) % group == 0, "int8_group_linear: K must be whole groups");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 4 &&
+              scales.size(0) == packed.size(0) && scales.size(1) == packed.size(1) / group &&
+              (scales.size(2) == 1 || scales.size(2) == 2) && scales.size(3) == BLOCK,
+              "int8_group_linear: float32 scales (and minimums) packed [N/32, K/", group, ", 1 or 2, 32]");
+  if (group == 16)
+    run_groups<16>(y, x, packed, scales);
+  else
+    run_groups<32>(y, x, packed, scales);
+}
 
 void int8_linear_cpu(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales) {
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&

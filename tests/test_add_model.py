@@ -205,6 +205,42 @@ def test_an_added_family_serves_transformers_greedy_text(explicit_server, defaul
         client.close()
 
 
+def test_a_gguf_file_added_with_the_command_serves_transformers_greedy_text(explicit_server, default_model_path):
+    """A llama.cpp file (the default model written as Q8_0) given to the command as FILE.gguf: config.json and the
+    tokenizer are derived beside it, and the ensemble, the vLLM-shaped entry and the OpenAI front door answer with
+    transformers' greedy text on the same file (its own GGUF loader), the weights held in the file's blocks."""
+    from test_openai_api import start_front_door
+    from trellm_backend.tools.launch import stop_front_door
+    from trellm_backend.tools.write_gguf import write_gguf
+    server, root = explicit_server
+    folder = root / "gguf-tiny"
+    folder.mkdir()
+    write_gguf(default_model_path, str(folder / "tiny-q8_0.gguf"), "Q8_0")
+    r = run_add_model("ggtiny", str(folder / "tiny-q8_0.gguf"), "--repository", server.model_repository,
+                      "--kv-cache-bytes", str(16 << 20))
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(folder)) == ["config.json", "generation_config.json", "tiny-q8_0.gguf",
+                                          "tokenizer.json", "tokenizer_config.json"]
+    want = greedy_texts(str(folder))
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        client.load_model("ggtiny")
+        client.load_model("ggtiny_vllm_model")
+        assert answers(server.grpc_url, "ggtiny") == want
+        assert vllm_answers(server.http_url, "ggtiny_vllm_model") == want
+        door, url = start_front_door(server)
+        try:
+            assert door_answers(url, "ggtiny") == want
+        finally:
+            stop_front_door(door)
+        with open(server.log_path) as f:
+            assert "INT8 with a scale per 32 inputs, C++" in f.read(), "the linears stay in the file's blocks"
+    finally:
+        client.unload_model("ggtiny_vllm_model")
+        client.unload_model("ggtiny", unload_dependents=True)
+        client.close()
+
+
 def test_a_folder_the_engine_cannot_serve_is_refused_before_anything_is_written(default_model_path, tmp_path):
     """add_model wrote all five entries for a folder the llm then refused at load (a Gemma 3 or an unknown key); it
     now reads config.json as the load does, and exits 1 naming the file and what it refused."""

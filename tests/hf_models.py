@@ -123,10 +123,33 @@ def with_tokenizer(name: str, tokenizer_dir: str, out_dir: str, changes: dict | 
     return out_dir
 
 
+# model types transformers' GGUF loader does not map, and the type whose tensor names theirs share
+GGUF_LOADED_AS = {"mistral": "llama"}
+
+
+def hf_model(model_dir: str):
+    """transformers' float32 model of a folder; of a GGUF folder (config.json names `gguf_file`), transformers' own GGUF
+    loader on the file (its names, un-permuting and dequantizers) with the folder's config."""
+    import json
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with open(os.path.join(model_dir, "config.json")) as f:
+        gguf_file = json.load(f).get("gguf_file")
+    if gguf_file is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type not in GGUF_LOADED_AS:
+        return AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=torch.float32, config=config)
+    like = AutoConfig.for_model(GGUF_LOADED_AS[config.model_type],
+                                **{k: v for k, v in config.to_dict().items() if k != "model_type"})
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=torch.float32, config=like)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    return model
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt (one at a time: no padding effects), EOS ignored."""
-    from transformers import AutoModelForCausalLM
-    return model_greedy(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), prompts, max_new_tokens)
+    return model_greedy(hf_model(model_dir), prompts, max_new_tokens)
 
 
 def model_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -180,8 +203,7 @@ def hf_lora_greedy(base_dir: str, adapter_dir: str | None, prompts: list[list[in
     merge_and_unload), one prompt at a time, EOS ignored; the base model alone when adapter_dir is None.
     `base_weights(w)`, if given, replaces the weight of each decoder layer's linear first (a quantized base)."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = hf_model(base_dir)
     if base_weights is not None:
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":

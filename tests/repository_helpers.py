@@ -34,13 +34,11 @@ def edit_json(path: str, **changes) -> None:
 
 def greedy_texts(model_path: str, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> dict[str, str]:
     """transformers' greedy continuation of each prompt (stopping at EOS, as the engine does)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from hf_models import hf_model
     tok = AutoTokenizer.from_pretrained(model_path)
-    with open(os.path.join(model_path, "config.json")) as f:
-        gguf_file = json.load(f).get("gguf_file")     # a GGUF folder: transformers' own GGUF loader, our config
-    gguf = {"gguf_file": gguf_file, "config": AutoConfig.from_pretrained(model_path)} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **gguf)
+    model = hf_model(model_path)
     out = {}
     for p in prompts:
         ids = tok(p, return_tensors="pt").input_ids

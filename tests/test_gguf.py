@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import hf_greedy, model_greedy, random_prompts, with_tokenizer
+from hf_models import hf_greedy, hf_lora_greedy, hf_model, make_lora, model_greedy, random_prompts, with_tokenizer
 from test_engine import ARRIVALS, GREEDY, LENGTHS, run_staggered
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
@@ -42,8 +42,8 @@ CASES = {
     "qwen3-moe8-qknorm": ({}, ("Q8_0",)),
     "qwen2-moe-shared": ({"mlp_only_layers": []}, ("Q8_0",)),
 }
-# model types transformers' GGUF loader does not map, and the type whose tensor names theirs share
-LOADED_AS = {"mistral": "llama"}
+
+
 @pytest.fixture(scope="module")
 def hf_variants(tmp_path_factory, default_model_path):
     root = tmp_path_factory.mktemp("gguf-hf")
@@ -60,19 +60,7 @@ def gguf_folder(hf_folder: str, out_root, file_type: str) -> str:
 
 
 def transformers_greedy(folder: str, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(folder)
-    if config.model_type in LOADED_AS:
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32,
-                                                      config=AutoConfig.for_model(LOADED_AS[config.model_type], **{
-                                                          k: v for k, v in config.to_dict().items()
-                                                          if k != "model_type"}))
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(loaded.state_dict())
-    else:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32,
-                                                     config=config)
-    return model_greedy(model, prompts, MAX_TOKENS)
+    return model_greedy(hf_model(folder), prompts, MAX_TOKENS)
 
 
 def engine_greedy(folder: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -213,3 +201,22 @@ def test_the_writers_k_quants_decode_with_gguf_py(file_type, bound):
     back = quants.dequantize(data, qtype)
     assert back.shape == w.shape
     assert np.linalg.norm(back - w) / np.linalg.norm(w) < bound
+
+
+def test_prefix_caching_speculation_and_lora_work_on_a_gguf_model(default_model_path, tmp_path):
+    """The engine's features are the weights' business only through `linear`: on a Q8_0 file, n-gram speculation and
+    prefix caching change no greedy token, and a PEFT adapter on the GGUF base gives transformers + peft's tokens on
+    the same file."""
+    folder = gguf_folder(default_model_path, tmp_path, "Q8_0")
+    prompts = random_prompts(3, 4096, [5, 17, 40])
+    prompts = prompts + [p[:4] + p[:4] + p for p in prompts]          # shared prefixes and repeats to guess from
+    plain = engine_greedy(folder, prompts)
+    assert plain == transformers_greedy(folder, prompts)
+    engine = LLMEngine(EngineConfig(model_path=folder, kv_cache_bytes=16 << 20, dtype="float32",
+                                    enable_prefix_caching=True, speculative_method="ngram"))
+    assert run_staggered(engine, prompts, ARRIVALS, replace(GREEDY, max_tokens=MAX_TOKENS)) == plain
+    adapter = make_lora(default_model_path, "attn-r8", str(tmp_path / "lora"))
+    engine = LLMEngine(EngineConfig(model_path=folder, kv_cache_bytes=16 << 20, dtype="float32",
+                                    lora_adapters=json.dumps({"a": adapter})))
+    got = run_staggered(engine, prompts[:3], ARRIVALS, replace(GREEDY, max_tokens=MAX_TOKENS, lora_name="a"))
+    assert got == hf_lora_greedy(folder, adapter, prompts[:3], MAX_TOKENS)

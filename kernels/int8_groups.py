@@ -8,11 +8,12 @@ integers, exact in float32 (Q8_0: q and a scale per 32; Q4_0: q - 8; Q4_1, Q4_K 
 per 32; Q6_K: q - 32 and a scale per 16). So one representation holds each of them as the file's own values, and
 one operator multiplies by it (cpu/int8_linear.cpp's int8_group_linear: the int8 bytes read once, widened in
 registers, each group's sums scaled once, and with minimums each token's sum over the group times the minimum
-taken off), so that a token's result does not depend on the other tokens of the call.
+taken off), so that a token's result does not depend on the other tokens of the call; on a GPU, a Triton kernel
+(triton_linear.py) that dequantizes each group's tile in registers.
 
 Held packed for the C++ operator on a CPU where the outputs fill its blocks (q as kernels/linear.py's pack_blocks,
 each group's scales, then its minimums, side by side per block: [N/32, K/group, 1 or 2, 32]); elsewhere (a GPU, a
-width the blocks do not take) as rows, dequantized for each call.
+width the blocks do not take) as rows.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from trellm_kernels import cpu_ops
+from trellm_kernels.dispatch import use_triton
 
 GROUPS = (16, 32)      # what the C++ operator runs
 BLOCK = 32             # kernels/linear.py's CPU_BLOCK: outputs per packed block
@@ -97,7 +99,12 @@ def pack(w: GroupInt8Weight) -> GroupInt8Weight:
 
 
 def group_int8_linear(x: torch.Tensor, w: GroupInt8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype, computed in float32."""
+    """x [..., K] -> [..., N] in x's dtype: on a GPU (or with force_triton) the Triton kernel, which rounds each
+    dequantized tile to x's dtype as INT4's does; elsewhere computed in float32."""
+    if use_triton(x):
+        from trellm_kernels.triton_linear import int8_group_linear_triton
+        y = int8_group_linear_triton(x, *w.rows(), w.group)    # rows: on a GPU they are what is held
+        return y if bias is None else y + bias
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
     if w.packed:

@@ -335,8 +335,9 @@ def linear_path(w: Weight) -> str:
         return f"INT4 dequantized, then {dense_path(w.int4.scales.dtype)}"
     if w.grouped is not None:
         g = w.grouped
-        where = ("C++ (AVX-512)" if ops.avx512 else "C++ (AVX2)" if ops.avx2 else "C++ (portable)") if g.packed \
-            else "dequantized, then torch linear float32"
+        where = "Triton kernel" if triton else (
+            ("C++ (AVX-512)" if ops.avx512 else "C++ (AVX2)" if ops.avx2 else "C++ (portable)") if g.packed
+            else "dequantized, then torch linear float32")
         return f"INT8 with a scale{' and a minimum' if g.has_mins else ''} per {g.group} inputs, {where}"
     if w.w8a8:
         return ("W8A8 oneDNN (int8 activations per token)" if w.prepared is not None else

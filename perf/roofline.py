@@ -29,6 +29,8 @@ peak. Serving adds the cost of Triton, the stubs and the client per token on top
 
 Dtypes: float32, bfloat16 (the model's dtype, unquantized), int8 (weight-only), int4 (group-wise), w8a8; a
 quantized one takes the engine's default activations (float32 on a CPU), or QUANT@DTYPE (int8@bfloat16).
+gguf-TYPE (gguf-Q8_0, gguf-Q4_K_M, ...): the model written as a llama.cpp file of that type (tools/write_gguf.py,
+under the --out folder) and served from it, its blocks held as they are stored.
 The CPU time other processes spent while each part was measured is read from /proc/stat and printed beside it: a
 row measured beside other work reads low.
 
@@ -77,6 +79,8 @@ def weight_read_tensors(w: Weight) -> list[torch.Tensor]:
         return parts + ([q.perm] if q.perm is not None else [])
     if w.scales is not None:     # INT8 rows or blocks, or W8A8's oneDNN layout
         return [w.qweight if w.qweight is not None else w.prepared, w.scales]
+    if w.grouped is not None:    # a GGUF file's blocks: int8 values, scales (and minimums) per group
+        return [w.grouped.q, w.grouped.scales] + ([w.grouped.mins] if w.grouped.mins is not None else [])
     return [next(t for t in (w.packed, w.prepared, w.dense) if t is not None)]
 
 
@@ -87,6 +91,8 @@ def weight_shape(w: Weight) -> tuple[int, int]:
     if w.scales is not None:
         held = w.qweight if w.qweight is not None else w.prepared
         return w.scales.shape[0], held.numel() // w.scales.shape[0]
+    if w.grouped is not None:
+        return w.grouped.out_features, w.grouped.q.numel() // w.grouped.out_features
     if w.packed is not None:     # [out/B, in, B] or [out/B, in/2, B, 2]
         out = w.packed.shape[0] * w.packed.shape[2]
         return out, w.packed.numel() // out
@@ -216,7 +222,13 @@ def host_limits(args) -> dict:
 # -- the engine -----------------------------------------------------------------------------------------------------
 def parse_dtype(name: str) -> tuple[str, str]:
     """A --dtypes entry -> the engine's (dtype, quantization): float32 -> (float32, none), int8 -> (auto, int8),
-    int8@bfloat16 -> (bfloat16, int8)."""
+    int8@bfloat16 -> (bfloat16, int8); gguf-TYPE (the model written as a GGUF file of that type, model_for) ->
+    (auto, none)."""
+    from trellm_backend.tools.write_gguf import FILE_TYPES
+    if name.startswith("gguf-"):
+        if name.removeprefix("gguf-") not in FILE_TYPES:
+            raise ValueError(f"dtype {name!r}: gguf- takes one of {', '.join(FILE_TYPES)}")
+        return "auto", "none"
     quant, _, act = name.partition("@")
     if quant in QUANTIZED:
         return act or "auto", quant
@@ -306,11 +318,29 @@ def decode_timing(engine, users: int, prompt_len: int, steps: int, warm: int, se
             "linear_s": linear_s[0] / steps if time_linears else None, "foreign_cores": load.foreign_cores}
 
 
+def model_for(model_dir: str, name: str, out_dir: str) -> str:
+    """The folder a row serves: the model's own, or for gguf-TYPE the model written as a GGUF file of that type (by
+    tools/write_gguf.py, once, under `out_dir`/gguf/)."""
+    if not name.startswith("gguf-"):
+        return model_dir
+    from trellm_backend.models.gguf import write_hf_files
+    from trellm_backend.tools.write_gguf import write_gguf
+    kind = name.removeprefix("gguf-")
+    folder = os.path.join(out_dir, "gguf", f"{os.path.basename(os.path.normpath(model_dir))}-{kind}")
+    file = os.path.join(folder, "model.gguf")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        os.makedirs(folder, exist_ok=True)
+        write_gguf(model_dir, file, kind)
+        write_hf_files(file)
+    return folder
+
+
 def measure_engine(model_dir: str, name: str, args, limits: dict) -> dict:
     """One model in one dtype: load it, time 1 user and `args.users` users, account the bytes and FLOP."""
     from trellm_backend.engine.config import EngineConfig
     from trellm_backend.engine.engine import LLMEngine
     from trellm_backend.engine.request import SamplingParams
+    model_dir = model_for(model_dir, name, os.path.dirname(os.path.abspath(args.out)))
     dtype, quant = parse_dtype(name)
     elem = 2 if dtype in ("bfloat16", "float16") else 4
     tokens = args.prompt_len + args.warm_steps + args.steps + extra_tokens(args.users, args.prompt_len, 2048)
@@ -361,6 +391,7 @@ def measure_served(model_dir: str, name: str, args, out_dir: str) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from workload import PromptMaker
     dtype, quant = parse_dtype(name)
+    model_dir = model_for(model_dir, name, out_dir)
     folder = os.path.join(out_dir, "roofline-served", re.sub(r"\W", "_", f"{os.path.basename(model_dir)}-{name}"))
     repo = private_repository(os.path.join(REPO, "model_repository"), os.path.join(folder, "model_repository"),
                               {"llm": {"dtype": dtype, "quantization": quant, "enable_prefix_caching": "false"}},

@@ -116,3 +116,22 @@ if [ "${WITH_VLLM:-0}" = 1 ] && [ ! -f "$VLLM_VENV/.trellm-vllm-installed" ]; th
   "$VLLM_VENV/bin/python" -c "import vllm" || { echo "[setup] import vllm fails in $VLLM_VENV" >&2; exit 1; }
   touch "$VLLM_VENV/.trellm-vllm-installed"
 fi
+
+# llama.cpp's server (the `llamacpp_served` baseline of perf/benchmark.py) on request only: WITH_LLAMACPP=1. Built
+# from the llama.cpp that the llama-cpp-python sdist vendors (PyPI is reachable where GitHub may not be), for this
+# CPU (GGML_NATIVE), about 10 minutes on 2 cores.
+LLAMACPP_DIR=${LLAMACPP_DIR:-.llama.cpp}
+LLAMACPP_SDIST=llama_cpp_python-0.3.36
+if [ "${WITH_LLAMACPP:-0}" = 1 ] && [ ! -x "$LLAMACPP_DIR/build/bin/llama-server" ]; then
+  echo "[setup] building llama.cpp's llama-server into $LLAMACPP_DIR (about 10 minutes)"
+  scratch=$(mktemp -d)
+  "$VENV/bin/python" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$scratch"
+  tar xzf "$scratch/$LLAMACPP_SDIST.tar.gz" -C "$scratch"
+  rm -rf "$LLAMACPP_DIR"
+  mv "$scratch/$LLAMACPP_SDIST/vendor/llama.cpp" "$LLAMACPP_DIR"
+  rm -rf "$scratch"
+  cmake -S "$LLAMACPP_DIR" -B "$LLAMACPP_DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_TOOLS=ON >/dev/null
+  cmake --build "$LLAMACPP_DIR/build" -j "$(nproc)" --target llama-server >/dev/null
+fi

@@ -220,3 +220,15 @@ def test_prefix_caching_speculation_and_lora_work_on_a_gguf_model(default_model_
                                     lora_adapters=json.dumps({"a": adapter})))
     got = run_staggered(engine, prompts[:3], ARRIVALS, replace(GREEDY, max_tokens=MAX_TOKENS, lora_name="a"))
     assert got == hf_lora_greedy(folder, adapter, prompts[:3], MAX_TOKENS)
+
+
+def test_a_truncated_or_foreign_file_is_refused_naming_it(default_model_path, tmp_path):
+    full = tmp_path / "full.gguf"
+    write_gguf(default_model_path, str(full), "Q8_0")
+    for size in (100, full.stat().st_size // 2):
+        folder = tmp_path / f"cut{size}"
+        folder.mkdir()
+        (folder / "m.gguf").write_bytes(full.read_bytes()[:size])
+        with pytest.raises(ModelConfigError, match=f"{folder}/m.gguf: not a readable GGUF file"):
+            write_hf_files(str(folder / "m.gguf"))
+        assert os.listdir(folder) == ["m.gguf"]

@@ -51,7 +51,7 @@ from trellm_kernels import dispatch
 from trellm_kernels import linear_choice
 from trellm_kernels.dispatch import use_triton
 from trellm_kernels.int4 import Int4Weight, cpu_op_accepts, quantize_int4, to_cpu_int4pack
-from trellm_kernels.int8_groups import GroupInt8Weight, group_int8_linear
+from trellm_kernels.group_quant import GroupWeight, group_linear
 
 
 # int4 is int4-g128: 128 inputs per scale, what most GPTQ/AWQ checkpoints use.
@@ -70,7 +70,7 @@ class Weight:
     qweight: torch.Tensor | None = None    # int8 [out, in], or packed [out/B, in, B] (B = CPU_BLOCK) on a CPU
     scales: torch.Tensor | None = None     # [out], in the activations' dtype: W ~= qweight * scales[:, None]
     int4: Int4Weight | None = None
-    grouped: GroupInt8Weight | None = None   # INT8 with a scale (and a minimum) per group of inputs: GGUF's blocks
+    grouped: GroupWeight | None = None   # integers with a scale (and a minimum) per group of inputs: GGUF's blocks
     w8a8: bool = False                     # INT8 (qweight rows, or oneDNN's prepacked in `prepared`) with int8
     #                                        activations
     calls: tuple[str, ...] | None = None   # on a CPU, timed: the call of each token-count range (linear_choice)
@@ -294,7 +294,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     if w.int4 is not None:
         return int4_linear(x, w.int4, bias)
     if w.grouped is not None:
-        return group_int8_linear(x, w.grouped, bias)
+        return group_linear(x, w.grouped, bias)
     if w.scales is not None:
         return w8a8_linear(x, w, bias) if w.w8a8 else int8_linear(x, w, bias)
     if w.packed is not None:
@@ -338,7 +338,8 @@ def linear_path(w: Weight) -> str:
         where = "Triton kernel" if triton else (
             ("C++ (AVX-512)" if ops.avx512 else "C++ (AVX2)" if ops.avx2 else "C++ (portable)") if g.packed
             else "dequantized, then torch linear float32")
-        return f"INT8 with a scale{' and a minimum' if g.has_mins else ''} per {g.group} inputs, {where}"
+        return (f"{'4-bit' if g.bits == 4 else 'INT8'} with a scale{' and a minimum' if g.has_mins else ''} per "
+                f"{g.group} inputs, {where}")
     if w.w8a8:
         return ("W8A8 oneDNN (int8 activations per token)" if w.prepared is not None else
                 f"W8A8 as {dense_path(torch.float32)} on the rounded integers")

@@ -1,7 +1,7 @@
 """Triton weight-only INT8 and INT4 linears: y = x (q * scale)^T + b (INT8: one scale per output row),
 y = x ((q - zero) * scale)^T + b (INT4: a scale and zero point per group of inputs; kernels/int4.py) and
 y = x (q * scale - min)^T (INT8 with a scale and a minimum per group of 16 or 32 inputs: GGUF's blocks,
-kernels/int8_groups.py; its tiles are dequantized in registers as INT4's are).
+kernels/group_quant.py; its tiles are dequantized in registers as INT4's are).
 
 Grid: one program per (BLOCK_M rows of x) x (BLOCK_N output features). Each K step loads a [BLOCK_M, BLOCK_K] tile
 of x and a [BLOCK_K, BLOCK_N] tile of q (transposed by its strides), converts q to the activation dtype in
@@ -133,7 +133,7 @@ def int4_linear_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 
 
 @triton.jit
-def _int8_group_linear_kernel(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, s_xm, s_qn, s_ym,
+def _group_linear_kernel(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, s_xm, s_qn, s_ym,
                               GROUP: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -159,15 +159,15 @@ def _int8_group_linear_kernel(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, s_xm, 
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def int8_group_linear_triton(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+def group_linear_triton(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                              mins: torch.Tensor | None, group: int) -> torch.Tensor:
     """x [..., K] (any float dtype), q int8 [N, K], float32 scales (and minimums) [K/group, N] -> [..., N] in x's
     dtype: y = x (q * scale - min)^T, each group's tile dequantized in fp32 and rounded to x's dtype before the dot
-    (kernels/int8_groups.py; GGUF's blocks)."""
+    (kernels/group_quant.py; GGUF's blocks)."""
     K, N = x.shape[-1], q.shape[0]
     if group not in (16, 32) or q.shape[1] != K or K % group or scales.shape != (K // group, N) or (
             mins is not None and mins.shape != scales.shape):
-        raise ValueError(f"int8_group_linear_triton: q {tuple(q.shape)}, scales {tuple(scales.shape)} do not fit {K} "
+        raise ValueError(f"group_linear_triton: q {tuple(q.shape)}, scales {tuple(scales.shape)} do not fit {K} "
                          f"inputs in groups of {group}")
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -178,8 +178,8 @@ def int8_group_linear_triton(x: torch.Tensor, q: torch.Tensor, scales: torch.Ten
     BLOCK_N = 64
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    upcast = x.dtype == torch.bfloat16 and not isinstance(_int8_group_linear_kernel, triton.runtime.JITFunction)
-    _int8_group_linear_kernel[grid](x2, q, scales, mins if mins is not None else scales, y, M, N, K, x2.stride(0),
+    upcast = x.dtype == torch.bfloat16 and not isinstance(_group_linear_kernel, triton.runtime.JITFunction)
+    _group_linear_kernel[grid](x2, q, scales, mins if mins is not None else scales, y, M, N, K, x2.stride(0),
                                     q.stride(0), y.stride(0), GROUP=group, HAS_MINS=mins is not None,
                                     BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PREC=prec, UPCAST=upcast)
     return y.reshape(*x.shape[:-1], N)

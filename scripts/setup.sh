@@ -119,7 +119,8 @@ fi
 
 # llama.cpp's server (the `llamacpp_served` baseline of perf/benchmark.py) on request only: WITH_LLAMACPP=1. Built
 # from the llama.cpp that the llama-cpp-python sdist vendors (PyPI is reachable where GitHub may not be), for this
-# CPU (GGML_NATIVE), about 10 minutes on 2 cores.
+# CPU (GGML_NATIVE), about 10 minutes on 2 cores. Without AMX: on a KVM Xeon that exposes AMX, its AMX matmul died
+# on SIGILL (a tile instruction) at the first step of every model, so it is compiled out; AVX-512 and VNNI stay.
 LLAMACPP_DIR=${LLAMACPP_DIR:-.llama.cpp}
 LLAMACPP_SDIST=llama_cpp_python-0.3.36
 if [ "${WITH_LLAMACPP:-0}" = 1 ] && [ ! -x "$LLAMACPP_DIR/build/bin/llama-server" ]; then
@@ -130,7 +131,9 @@ if [ "${WITH_LLAMACPP:-0}" = 1 ] && [ ! -x "$LLAMACPP_DIR/build/bin/llama-server
   rm -rf "$LLAMACPP_DIR"
   mv "$scratch/$LLAMACPP_SDIST/vendor/llama.cpp" "$LLAMACPP_DIR"
   rm -rf "$scratch"
+  no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   cmake -S "$LLAMACPP_DIR" -B "$LLAMACPP_DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_TOOLS=ON >/dev/null
   cmake --build "$LLAMACPP_DIR/build" -j "$(nproc)" --target llama-server >/dev/null

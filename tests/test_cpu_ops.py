@@ -959,24 +959,28 @@ def test_cpu_lora_add_operator_matches_reference(ops, tokens, k, ranks, widths):
         ops.lora_add(got, randn(g, tokens + 2, k, dtype=F32), at, bt, spans + N, 0.75)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("group,mins", [(32, False), (32, True), (16, False)])
 @pytest.mark.parametrize("tokens, out_f, in_f", [(1, 64, 256), (5, 96, 512), (6, 32, 64), (13, 64, 1024),
                                                  (100, 32, 256)])   # tiles of 6 (4 portable) and a chunk of 96
-def test_cpu_group_int8_linear_matches_a_float64_reference(ops, group, mins, tokens, out_f, in_f):
-    """GGUF's blocks as group-scaled INT8 (kernels/int8_groups.py) through each build's operator: within fp32
-    summation error of the float64 product, and a token's result independent of the call's other tokens."""
-    from trellm_kernels.int8_groups import GroupInt8Weight, group_int8_linear, pack
+def test_cpu_group_linear_matches_a_float64_reference(ops, bits, group, mins, tokens, out_f, in_f):
+    """GGUF's blocks as group-quantized weights (kernels/group_quant.py: int8, or 4-bit two to a byte) through each
+    build's operator: within fp32 summation error of the float64 product, and a token's result independent of the
+    call's other tokens."""
+    from trellm_kernels.group_quant import GroupWeight, group_linear, pack
     g = torch.Generator().manual_seed(2)
-    q = torch.randint(-32, 32, (out_f, in_f), generator=g, dtype=torch.int8)
+    q = (torch.randint(-32, 32, (out_f, in_f), generator=g, dtype=torch.int8) if bits == 8 else
+         torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.uint8))
     scales = torch.rand(in_f // group, out_f, generator=g) * 0.05
     m = torch.rand(in_f // group, out_f, generator=g) * 0.3 if mins else None
-    w = pack(GroupInt8Weight(q, scales, m, group))
+    w = pack(GroupWeight(q, scales, m, group))
     assert w.packed, "CPU weights whose outputs fill the blocks are packed for the operator"
+    assert w.q.numel() == q.numel() * bits // 8 and torch.equal(w.rows()[0], q), "held at its own size, exactly"
     x = randn(g, tokens, in_f, dtype=F32)
-    y = group_int8_linear(x, w)
-    exact = x.double() @ GroupInt8Weight(q, scales, m, group).tensor(torch.float64).t()
-    magnitude = GroupInt8Weight(q.abs(), scales, None if m is None else -m, group).tensor(torch.float64)
+    y = group_linear(x, w)
+    exact = x.double() @ GroupWeight(q, scales, m, group).tensor(torch.float64).t()
+    magnitude = GroupWeight(q.abs(), scales, None if m is None else -m, group).tensor(torch.float64)
     bound = in_f * 2 ** -23 * (x.double().abs() @ magnitude.t()) * 4   # |q| s + m: the min term sums apart
     assert (y.double() - exact).abs().le(bound).all()
     for i in (0, tokens - 1):
-        assert torch.equal(group_int8_linear(x[i:i + 1], w), y[i:i + 1])
+        assert torch.equal(group_linear(x[i:i + 1], w), y[i:i + 1])

@@ -232,3 +232,20 @@ def test_a_truncated_or_foreign_file_is_refused_naming_it(default_model_path, tm
         with pytest.raises(ModelConfigError, match=f"{folder}/m.gguf: not a readable GGUF file"):
             write_hf_files(str(folder / "m.gguf"))
         assert os.listdir(folder) == ["m.gguf"]
+
+
+@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_every_block_format_is_held_as_the_files_own_values(file_type):
+    """q * scale - min of the decoded blocks is gguf-py's dequantized tensor bit for bit, with the 4-bit formats'
+    q in 0..15 (held two to a byte) and the others' in int8."""
+    from gguf import quants
+
+    from trellm_backend.models.gguf import GgufTensor, decode_blocks
+    w = np.random.default_rng(1).standard_normal((8, 512)).astype(np.float32)
+    data, qtype = quantize(w, file_type)
+    q, scales, mins, group = decode_blocks(GgufTensor("w", file_type, w.shape, data))
+    assert q.dtype == (np.uint8 if file_type in ("Q4_0", "Q4_1", "Q4_K") else np.int8)
+    back = q.astype(np.float32) * np.repeat(scales, group, axis=1)
+    if mins is not None:
+        back = back - np.repeat(mins, group, axis=1)
+    assert np.array_equal(back, quants.dequantize(data, qtype))

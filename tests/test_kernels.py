@@ -46,7 +46,7 @@ ENTRY_POINTS = [(triton_attention, "paged_attention_triton"), (triton_kv_cache, 
                 (triton_rotary, "rotary_triton"), (triton_activation, "silu_and_mul_triton"),
                 (triton_activation, "gelu_tanh_and_mul_triton"),
                 (triton_linear, "int8_linear_triton"), (triton_linear, "int4_linear_triton"),
-                (triton_linear, "int8_group_linear_triton"),
+                (triton_linear, "group_linear_triton"),
                 (triton_lora, "lora_shrink_triton"), (triton_lora, "lora_expand_triton"),
                 (triton_moe, "fused_moe_triton")]
 
@@ -811,19 +811,20 @@ def test_int4_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype,
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
-@pytest.mark.parametrize("group,mins", [(32, False), (32, True), (16, True)])
+@pytest.mark.parametrize("group,mins,bits", [(32, False, 8), (32, True, 8), (16, True, 8), (32, True, 4)])
 @pytest.mark.parametrize("tokens, out_f, in_f", [(1, 64, 64), (5, 100, 96), (33, 64, 128)])
-def test_int8_group_linear_kernel_matches_the_dequantizing_reference(dtype, group, mins, tokens, out_f, in_f):
-    """GGUF's blocks (kernels/int8_groups.py) through the Triton kernel: each group's tile dequantized in fp32 and
+def test_group_linear_kernel_matches_the_dequantizing_reference(dtype, group, mins, bits, tokens, out_f, in_f):
+    """GGUF's blocks (kernels/group_quant.py) through the Triton kernel: each group's tile dequantized in fp32 and
     rounded to the dtype, as the reference rounds its dequantized weight."""
-    from trellm_kernels.int8_groups import GroupInt8Weight
+    from trellm_kernels.group_quant import GroupWeight
     g = torch.Generator().manual_seed(3)
-    q = torch.randint(-32, 32, (out_f, in_f), generator=g, dtype=torch.int8)
+    q = (torch.randint(-32, 32, (out_f, in_f), generator=g, dtype=torch.int8) if bits == 8 else
+         torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.uint8))
     scales = torch.rand(in_f // group, out_f, generator=g) * 0.05
     m = torch.rand(in_f // group, out_f, generator=g) * 0.3 if mins else None
-    w = GroupInt8Weight(q, scales, m, group)
+    w = GroupWeight(q, scales, m, group)
     x = randn(g, tokens, in_f, dtype=dtype)
-    assert_within_rounding(triton_linear.int8_group_linear_triton(x, q, scales, m, group),
+    assert_within_rounding(triton_linear.group_linear_triton(x, q, scales, m, group),
                            exact_linear(x, w.tensor(dtype).double(), None), roundings=1 if dtype == F32 else 2)
 
 

@@ -328,9 +328,10 @@ def dequantize(t: GgufTensor):
 
 
 # ------------------------------------------------------------------------------------------------ block formats
-# Each decoder: the file's blocks of one tensor [rows, bytes] -> (q int8 [rows, K], scales float32 [rows, K/g], mins
+# Each decoder: the file's blocks of one tensor [rows, bytes] -> (q [rows, K], scales float32 [rows, K/g], mins
 # float32 [rows, K/g] or None, g), with W = q * scale - min exactly as gguf-py's dequantizers compute it (ggml's
-# block layouts, ggml-common.h).
+# block layouts, ggml-common.h). q is int8, or uint8 0..15 for the 4-bit formats (kernels/group_quant.py holds those
+# two to a byte); Q4_0's offset of 8 becomes a minimum of 8 * scale, exact in float32.
 
 def _half(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
@@ -359,17 +360,18 @@ def decode_q8_0(b):
 
 
 def decode_q4_0(b):
-    return (_nibbles(b[..., 2:]).astype(np.int8) - 8), _half(b[..., :2])[..., 0], None, 32
+    d = _half(b[..., :2])[..., 0]
+    return _nibbles(b[..., 2:]), d, 8 * d, 32
 
 
 def decode_q4_1(b):
-    return _nibbles(b[..., 4:]).astype(np.int8), _half(b[..., :2])[..., 0], -_half(b[..., 2:4])[..., 0], 32
+    return _nibbles(b[..., 4:]), _half(b[..., :2])[..., 0], -_half(b[..., 2:4])[..., 0], 32
 
 
 def decode_q4_k(b):
     sc, mn = _k_scales(b[..., 4:16])
     d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
-    return _k_low(b[..., 16:144]).astype(np.int8), d * sc, dmin * mn, 32
+    return _k_low(b[..., 16:144]), d * sc, dmin * mn, 32
 
 
 def decode_q5_k(b):
@@ -446,17 +448,17 @@ class GgufState:
         return None if where is None else self.tensors[where[0]].type_name
 
     def pop_blocks(self, hf_name: str):
-        """A quantized linear's weight as the file's own values (GroupInt8Weight, on the CPU)."""
+        """A quantized linear's weight as the file's own values (GroupWeight, on the CPU)."""
         import torch
 
-        from trellm_kernels.int8_groups import GroupInt8Weight
+        from trellm_kernels.group_quant import GroupWeight
         name, expert = self.locate(hf_name)
         self.taken.add(name)
         q, scales, mins, g = decode_blocks(self.tensors[name], slice(None) if expert is None else expert)
         q, scales = self.convert(hf_name, torch.from_numpy(q.copy())), self.convert(hf_name, torch.from_numpy(scales))
         if mins is not None:
             mins = self.convert(hf_name, torch.from_numpy(mins)).t().contiguous()
-        return GroupInt8Weight(q.contiguous(), scales.t().contiguous(), mins, g)
+        return GroupWeight(q.contiguous(), scales.t().contiguous(), mins, g)
 
     def pop(self, hf_name: str, default=None):
         where = self.locate(hf_name)

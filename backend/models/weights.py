@@ -13,7 +13,7 @@ from trellm_backend.models.config import ModelConfig, ModelConfigError
 from trellm_backend.models.gguf import FLOAT_TYPES, GgufState, gguf_file_of
 from trellm_backend.models.quant_formats import take_int4
 from trellm_kernels.int4 import cat_outputs
-from trellm_kernels.int8_groups import cat_outputs as cat_groups, pack as pack_groups
+from trellm_kernels.group_quant import cat_outputs as cat_groups, pack as pack_groups
 from trellm_kernels.linear import Weight, prepare_int4, prepare_weight
 
 
@@ -114,7 +114,7 @@ class Checkpoint:
         return prepare_int4(w)
 
     def gguf_linear(self, names: tuple[str, ...]) -> Weight:
-        """A GGUF file's linears: kept in their blocks as group-scaled INT8 (kernels/int8_groups.py) where every part
+        """A GGUF file's linears: kept in their blocks as group-scaled INT8 (kernels/group_quant.py) where every part
         is quantized, else in float (`quantization` applies then)."""
         types = [self.state.type_of(n + ".weight") for n in names]
         blocks = [t is not None and t not in FLOAT_TYPES for t in types]

@@ -18,7 +18,7 @@ void fused_add_rms_norm_cpu(torch::Tensor out, torch::Tensor res_out, torch::Ten
 void rotary_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos_sin);
 void silu_and_mul_cpu(torch::Tensor out, torch::Tensor x);
 void int8_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, torch::Tensor scales);
-void int8_group_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t group);
+void group_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t group);
 void quantize_rows_int8_cpu(torch::Tensor q, torch::Tensor scales, torch::Tensor x);
 void fp32_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 void half_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
@@ -47,9 +47,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary_cpu, "in place rotate-half rotary embedding of q and k", no_gil);
   m.def("silu_and_mul", &silu_and_mul_cpu, "out = silu(gate) * up", no_gil);
   m.def("int8_linear", &int8_linear_cpu, "y = x (q * scales)^T with q int8 packed [N/32, K, 32]", no_gil);
-  m.def("int8_group_linear", &int8_group_linear_cpu,
-        "y = x (q * scales - mins)^T with q int8 packed [N/32, K, 32], a scale (and a minimum) per output and group "
-        "of 16 or 32 inputs packed [N/32, K/group, 1 or 2, 32]", no_gil);
+  m.def("group_linear", &group_linear_cpu,
+        "y = x (q * scales - mins)^T with q int8 packed [N/32, K, 32] or 4-bit packed two inputs a byte "
+        "[N/32, K/2, 32], a scale (and a minimum) per output and group of 16 or 32 inputs packed "
+        "[N/32, K/group, 1 or 2, 32]", no_gil);
   m.def("quantize_rows_int8", &quantize_rows_int8_cpu,
         "q[m] = x[m] rounded to int8 with scales[m] = max |x[m]| / 127 (W8A8 activations)", no_gil);
   m.def("fp32_linear", &fp32_linear_cpu, "y = x w^T (+ bias) with w float32 packed [N/32, K, 32] (AVX-512 builds)",

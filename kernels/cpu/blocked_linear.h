@@ -1,4 +1,5 @@
-// The one driver of the linear operators (cpu/fp32_linear.cpp, half_linear.cpp, bf16_linear.cpp, int8_linear.cpp):
+// The one driver of the linear operators (cpu/fp32_linear.cpp, half_linear.cpp, bf16_linear.cpp, int8_linear.cpp,
+// group_linear.cpp):
 // y[m, n] = epilogue of sum_k x[m, k] * w[n, k], with the weight packed at load (kernels/linear.py) into blocks of
 // BLOCK outputs, [N/BLOCK][K][BLOCK], or for a kernel whose `K_GROUP` is G > 1 (dot products of G values of k at
 // once), [N/BLOCK][K/G][BLOCK][G]. Here, once for every weight type: the checks, the split of the blocks over
@@ -71,6 +72,17 @@ struct EpilogueStride<Kernel, std::void_t<decltype(Kernel::epilogue_stride(int64
   static int64_t of(int64_t K) { return Kernel::epilogue_stride(K); }
 };
 
+// Weights per element of the packed tensor: 1, or 2 for a kernel whose `WEIGHTS_PER_ELEMENT` says so (4-bit
+// weights, two inputs' values in one byte: [N/BLOCK][K/2][BLOCK] bytes).
+template <class Kernel, class = void>
+struct WeightsPerElement {
+  static constexpr int64_t value = 1;
+};
+template <class Kernel>
+struct WeightsPerElement<Kernel, std::void_t<decltype(Kernel::WEIGHTS_PER_ELEMENT)>> {
+  static constexpr int64_t value = Kernel::WEIGHTS_PER_ELEMENT;
+};
+
 template <class Kernel>
 using TileFn = void (*)(Rows<typename Kernel::Input>, int64_t, const typename Kernel::Weight*,
                         const typename Kernel::Weight*, const float*, float*, int64_t);
@@ -96,7 +108,9 @@ void run(const char* name, at::Tensor y, at::Tensor x, const float* x_scales, at
   TORCH_CHECK(packed.dim() == (G == 1 ? 3 : 4) && packed.size(2) == BLOCK && (G == 1 || packed.size(3) == G), name,
               ": the weight must be packed [N/", BLOCK, ", K", G == 1 ? "" : "/G", ", ", BLOCK,
               G == 1 ? "" : ", G", "]");
-  const int64_t M = x.size(0), K = packed.size(1) * G, NB = packed.size(0), N = NB * BLOCK;
+  constexpr int64_t PER = WeightsPerElement<Kernel>::value;
+  const int64_t M = x.size(0), K = packed.size(1) * G * PER, NB = packed.size(0), N = NB * BLOCK;
+  const int64_t block_elements = K * BLOCK / PER;
   const int64_t ldx = (K + Kernel::K_ALIGN - 1) / Kernel::K_ALIGN * Kernel::K_ALIGN;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == ldx, name, ": x must be [M, ", ldx, "] for the weight's K = ", K);
   TORCH_CHECK(y.size(0) == M && y.size(1) == N, name, ": y must be [M, N]");
@@ -109,9 +123,9 @@ void run(const char* name, at::Tensor y, at::Tensor x, const float* x_scales, at
     for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
       const int64_t m1 = std::min(M, m0 + M_CHUNK), num_tiles = (m1 - m0 + MT_MAX - 1) / MT_MAX;
       for (int64_t b = b0; b < b1; ++b) {
-        const W* blk = w + b * K * BLOCK;
+        const W* blk = w + b * block_elements;
         // The first pass over the thread's blocks reads them from memory: the next one may be fetched meanwhile.
-        const W* next = m0 == 0 && b + 1 < b1 ? blk + K * BLOCK : nullptr;
+        const W* next = m0 == 0 && b + 1 < b1 ? blk + block_elements : nullptr;
         const float* epi = epilogue != nullptr ? epilogue + b * EpilogueStride<Kernel>::of(K) : nullptr;
         for (int64_t t = 0, m = m0; t < num_tiles; ++t) {
           const int64_t mt = (m1 - m + (num_tiles - t) - 1) / (num_tiles - t);

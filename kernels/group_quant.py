@@ -1,19 +1,22 @@
-"""Group-scaled INT8 weights: int8 values with a float32 scale, and optionally a float32 minimum, per output and group
-of 16 or 32 inputs:
+"""Group-quantized weights: integers with a float32 scale, and optionally a float32 minimum, per output and group of
+16 or 32 inputs:
 
     W[n, k] = q[n, k] * scales[k // group, n] - mins[k // group, n]
 
+q is int8, or for 4-bit formats uint8 values 0..15 (held two to a byte).
+
 Why: every GGUF block format the engine reads has this form, with scales that are products of fp16 and small
 integers, exact in float32 (Q8_0: q and a scale per 32; Q4_0: q - 8; Q4_1, Q4_K and Q5_K: a scale and a minimum
-per 32; Q6_K: q - 32 and a scale per 16). So one representation holds each of them as the file's own values, and
-one operator multiplies by it (cpu/int8_linear.cpp's int8_group_linear: the int8 bytes read once, widened in
+per 32; Q6_K: q - 32 and a scale per 16). So one representation holds each of them as the file's own values, 4-bit
+ones at their own size, and one operator multiplies by it (cpu/group_linear.cpp: the bytes read once, widened in
 registers, each group's sums scaled once, and with minimums each token's sum over the group times the minimum
 taken off), so that a token's result does not depend on the other tokens of the call; on a GPU, a Triton kernel
 (triton_linear.py) that dequantizes each group's tile in registers.
 
-Held packed for the C++ operator on a CPU where the outputs fill its blocks (q as kernels/linear.py's pack_blocks,
-each group's scales, then its minimums, side by side per block: [N/32, K/group, 1 or 2, 32]); elsewhere (a GPU, a
-width the blocks do not take) as rows.
+Held packed for the C++ operator on a CPU where the outputs fill its blocks: int8 q as kernels/linear.py's
+pack_blocks, [N/32, K, 32]; 4-bit q as bytes [N/32, K/2, 32] holding input 2i in the low nibble and 2i + 1 in the
+high one; each group's scales, then its minimums, side by side per block: [N/32, K/group, 1 or 2, 32]. Elsewhere (a
+GPU, a width the blocks do not take) as rows.
 """
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ BLOCK = 32             # kernels/linear.py's CPU_BLOCK: outputs per packed block
 
 
 @dataclass
-class GroupInt8Weight:
-    q: torch.Tensor                    # int8 [N, K], or packed [N/32, K, 32]
+class GroupWeight:
+    q: torch.Tensor                    # int8 [N, K] or 4-bit uint8 [N, K]; packed [N/32, K, 32] or [N/32, K/2, 32]
     scales: torch.Tensor               # float32 [K/group, N], or packed with the minimums [N/32, K/group, 1 or 2, 32]
     mins: torch.Tensor | None          # float32 [K/group, N], subtracted (None: the format has none, or packed)
     group: int
@@ -38,6 +41,10 @@ class GroupInt8Weight:
     @property
     def packed(self) -> bool:
         return self.q.dim() == 3
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.q.dtype == torch.uint8 else 8
 
     @property
     def has_mins(self) -> bool:
@@ -51,7 +58,10 @@ class GroupInt8Weight:
         """q [N, K], the scales [K/group, N] and the minimums [K/group, N] or None (copies when held packed)."""
         if not self.packed:
             return self.q, self.scales, self.mins
-        q = self.q.permute(0, 2, 1).reshape(self.out_features, -1)
+        q = self.q
+        if self.bits == 4:          # [N/32, K/2, 32] bytes -> [N/32, K, 32] values
+            q = torch.stack([q & 15, q >> 4], dim=2).reshape(q.shape[0], -1, q.shape[2])
+        q = q.permute(0, 2, 1).reshape(self.out_features, -1)
         epilogue = self.scales.permute(2, 1, 0, 3).reshape(self.scales.shape[2], self.scales.shape[1], -1)
         return q, epilogue[0], epilogue[1] if self.has_mins else None
 
@@ -65,27 +75,29 @@ class GroupInt8Weight:
         return w.to(dtype)
 
 
-def regroup(w: GroupInt8Weight, group: int) -> GroupInt8Weight:
+def regroup(w: GroupWeight, group: int) -> GroupWeight:
     """The same weight with groups of `group` inputs (a divisor of w.group): each scale and minimum repeated, exact."""
     q, scales, mins = w.rows()
     if group == w.group:
-        return GroupInt8Weight(q, scales, mins, group)
+        return GroupWeight(q, scales, mins, group)
     times = w.group // group
-    return GroupInt8Weight(q, scales.repeat_interleave(times, dim=0),
-                           None if mins is None else mins.repeat_interleave(times, dim=0), group)
+    return GroupWeight(q, scales.repeat_interleave(times, dim=0),
+                       None if mins is None else mins.repeat_interleave(times, dim=0), group)
 
 
-def cat_outputs(parts: list[GroupInt8Weight]) -> GroupInt8Weight:
+def cat_outputs(parts: list[GroupWeight]) -> GroupWeight:
     """Weights sharing one input, stacked along the outputs (merged q/k/v, gate/up), at the finest group among them."""
     group = min(p.group for p in parts)
     parts = [regroup(p, group) for p in parts]
+    if len({p.q.dtype for p in parts}) > 1:      # 4-bit beside int8 parts: all held as int8 (0..15 fits)
+        parts = [GroupWeight(p.q.to(torch.int8), p.scales, p.mins, group) for p in parts]
     mins = None
     if any(p.mins is not None for p in parts):
         mins = torch.cat([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in parts], dim=1)
-    return GroupInt8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts], dim=1), mins, group)
+    return GroupWeight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts], dim=1), mins, group)
 
 
-def pack(w: GroupInt8Weight) -> GroupInt8Weight:
+def pack(w: GroupWeight) -> GroupWeight:
     """Held for the C++ operator where it runs it (a CPU build with the operators, outputs filling its blocks)."""
     N = w.out_features
     if w.packed or w.q.device.type != "cpu" or cpu_ops.for_tensor(w.q) is None or N % BLOCK \
@@ -93,23 +105,26 @@ def pack(w: GroupInt8Weight) -> GroupInt8Weight:
         return w
     q, scales, mins = w.rows()
     epilogue = torch.stack([scales] if mins is None else [scales, mins])          # [1 or 2, K/g, N]
-    packed_q = q.view(N // BLOCK, BLOCK, -1).permute(0, 2, 1).contiguous()
+    packed_q = q.view(N // BLOCK, BLOCK, -1).permute(0, 2, 1)
+    if w.bits == 4:
+        packed_q = packed_q[:, 0::2] | (packed_q[:, 1::2] << 4)
+    packed_q = packed_q.contiguous()
     packed_epilogue = epilogue.view(epilogue.shape[0], epilogue.shape[1], N // BLOCK, BLOCK).permute(2, 1, 0, 3)
-    return GroupInt8Weight(packed_q, packed_epilogue.contiguous(), None, w.group)
+    return GroupWeight(packed_q, packed_epilogue.contiguous(), None, w.group)
 
 
-def group_int8_linear(x: torch.Tensor, w: GroupInt8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def group_linear(x: torch.Tensor, w: GroupWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: on a GPU (or with force_triton) the Triton kernel, which rounds each
     dequantized tile to x's dtype as INT4's does; elsewhere computed in float32."""
     if use_triton(x):
-        from trellm_kernels.triton_linear import int8_group_linear_triton
-        y = int8_group_linear_triton(x, *w.rows(), w.group)    # rows: on a GPU they are what is held
+        from trellm_kernels.triton_linear import group_linear_triton
+        y = group_linear_triton(x, *w.rows(), w.group)    # rows: on a GPU they are what is held
         return y if bias is None else y + bias
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
     if w.packed:
         y = torch.empty(x2.shape[0], w.out_features, dtype=torch.float32)
-        cpu_ops.for_tensor(x2).int8_group_linear(y, x2, w.q, w.scales, w.group)
+        cpu_ops.for_tensor(x2).group_linear(y, x2, w.q, w.scales, w.group)
     else:
         y = x2 @ w.tensor(torch.float32).t()
     if bias is not None:

@@ -31,13 +31,17 @@ constexpr int64_t BLOCK = 32;     // outputs per packed block (kernels/linear.py
 constexpr int64_t MT_REGISTERS = 12;  // tokens per tile held in registers: 24 accumulators + 2 weights in 32 AVX-512
 constexpr int64_t M_CHUNK = 96;   // tokens whose x rows stay in L2 while the thread's blocks pass over them
 
-// A tile's rows of x: the first row, the row stride, and each row's scale (null for float32 rows).
+// A tile's rows of x: the first row, the row stride, and each row's scale (null for float32 rows), or a row of
+// `ld_scales` values per row of x (group_linear.cpp: each group's sum of the row).
 template <class In>
 struct Rows {
   const In* x;
   int64_t ldx;
   const float* scales;
-  Rows at(int64_t m) const { return {x + m * ldx, ldx, scales != nullptr ? scales + m : nullptr}; }
+  int64_t ld_scales = 1;
+  Rows at(int64_t m) const {
+    return {x + m * ldx, ldx, scales != nullptr ? scales + m * ld_scales : nullptr, ld_scales};
+  }
 };
 
 // The float32 bias of the packed weight's N outputs, or null without one.
@@ -93,10 +97,10 @@ constexpr std::array<TileFn<Kernel>, sizeof...(I)> tile_table(std::index_sequenc
 }
 
 // y = x times the packed weight, through Kernel's tiles; `epilogue` (or null): N floats, the bias or the scales;
-// `x_scales`: one per row of x when x is quantized (Kernel::Input int16), else null.
+// `x_scales`: one per row of x when x is quantized (Kernel::Input int16), or `ld_x_scales` per row, else null.
 template <class Kernel>
 void run(const char* name, at::Tensor y, at::Tensor x, const float* x_scales, at::Tensor packed,
-         const float* epilogue) {
+         const float* epilogue, int64_t ld_x_scales = 1) {
   using W = typename Kernel::Weight;
   using In = typename Kernel::Input;
   TORCH_CHECK(x.scalar_type() == c10::CppTypeToScalarType<In>::value && y.scalar_type() == at::kFloat, name,
@@ -116,7 +120,7 @@ void run(const char* name, at::Tensor y, at::Tensor x, const float* x_scales, at
   TORCH_CHECK(y.size(0) == M && y.size(1) == N, name, ": y must be [M, N]");
   constexpr int64_t MT_MAX = Kernel::MT_MAX;
   static constexpr auto tiles = tile_table<Kernel>(std::make_index_sequence<MT_MAX>{});
-  const Rows<In> rows{x.data_ptr<In>(), ldx, x_scales};
+  const Rows<In> rows{x.data_ptr<In>(), ldx, x_scales, ld_x_scales};
   const W* w = packed.data_ptr<W>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {

@@ -5,8 +5,11 @@
 // Layout (the driver, cpu/blocked_linear.h): blocks of 32 outputs, int8 [N/32][K][32] or, for 4 bits, bytes
 // [N/32][K/2][32] whose low nibble is input 2i and high nibble input 2i + 1; the scales per block and group
 // [N/32][K/G][S][32] (S = 2: the scales, then the minimums). Each group's sums start at zero and are scaled into the
-// token's total once, so registers hold two sums per token and output half: 6 tokens per tile (5 with minimums).
-// A group's sum of x is taken in one fixed order, so a token's result does not depend on the call's other tokens.
+// token's total once, so registers hold two sums per token and output half: 6 tokens per tile.
+// Each row's group sums of x are taken once per call, in one fixed order, so a token's result does not depend on
+// the call's other tokens.
+#include <ATen/ops/empty.h>
+
 #include "blocked_linear.h"
 
 #include <cstring>
@@ -43,8 +46,9 @@ inline float group_sum(const float* x) {
   return _mm512_reduce_add_ps(G == 32 ? _mm512_add_ps(load(x), load(x + 16)) : load(x));
 }
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 2); }
-constexpr int64_t TILE_TOKENS = 6;       // 24 sums + 2-4 weights + 1-2 broadcasts of 32 registers
-constexpr int64_t MIN_TILE_TOKENS = 5;
+constexpr int64_t TILE_TOKENS = 6;       // 24 sums + 2-4 weights + 1-2 broadcasts of 32 registers (the scales
+                                         // and minimums load once the group's weights are done)
+constexpr int64_t MIN_TILE_TOKENS = 6;
 #else   // AVX2 and portable builds: GCC vector types (AVX2 lowers each 16-lane operation to two)
 using Vec = trellm::v16;
 inline Vec zero() { return Vec{}; }
@@ -83,10 +87,11 @@ constexpr int64_t TILE_TOKENS = 4;
 constexpr int64_t MIN_TILE_TOKENS = 4;
 #endif
 
-// The group's sums scaled into the totals, and with minimums each token's group sum of x times the minimum taken off.
+// The group's sums scaled into the totals, and with minimums each token's group sum of x (`sums`, a row of K/G per
+// token, summed once per call) times the minimum taken off.
 template <int G, bool MIN, int MT>
-inline void finish_group(const Vec* part0, const Vec* part1, Vec* acc0, Vec* acc1, const float* s, const float* x,
-                         int64_t K, int64_t k0) {
+inline void finish_group(const Vec* part0, const Vec* part1, Vec* acc0, Vec* acc1, const float* s,
+                         trellm::blocked_linear::Rows<float> rows, int64_t k0) {
   const Vec s0 = load(s), s1 = load(s + 16);
   for (int m = 0; m < MT; ++m) {
     acc0[m] = madd(part0[m], s0, acc0[m]);
@@ -95,7 +100,7 @@ inline void finish_group(const Vec* part0, const Vec* part1, Vec* acc0, Vec* acc
   if constexpr (MIN) {
     const Vec n0 = load(s + BLOCK), n1 = load(s + BLOCK + 16);
     for (int m = 0; m < MT; ++m) {
-      const Vec xs = broadcast(group_sum<G>(x + m * K + k0));
+      const Vec xs = broadcast(rows.scales[m * rows.ld_scales + k0 / G]);
       acc0[m] = nmadd(xs, n0, acc0[m]);
       acc1[m] = nmadd(xs, n1, acc1[m]);
     }
@@ -131,7 +136,7 @@ inline void int8_tile(trellm::blocked_linear::Rows<float> rows, int64_t K, const
         part1[m] = madd(w1, xb, part1[m]);
       }
     }
-    finish_group<G, MIN, MT>(part0, part1, acc0, acc1, s, x, K, k0);
+    finish_group<G, MIN, MT>(part0, part1, acc0, acc1, s, rows, k0);
   }
   store_rows<MT>(acc0, acc1, y, N);
 }
@@ -158,7 +163,7 @@ inline void nibble_tile(trellm::blocked_linear::Rows<float> rows, int64_t K, con
         part1[m] = madd(w[3], xb, madd(w[1], xa, part1[m]));
       }
     }
-    finish_group<G, MIN, MT>(part0, part1, acc0, acc1, s, x, K, k0);
+    finish_group<G, MIN, MT>(part0, part1, acc0, acc1, s, rows, k0);
   }
   store_rows<MT>(acc0, acc1, y, N);
 }
@@ -196,13 +201,32 @@ struct NibbleGroupKernel {
   }
 };
 
+// Each row's sum over each group of G inputs [M, K/G], in one fixed order (group_sum), once per call.
+template <int G>
+at::Tensor group_sums(at::Tensor x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto sums = at::empty({M, K / G}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* sp = sums.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < K / G; ++g) sp[m * (K / G) + g] = group_sum<G>(xp + m * K + g * G);
+  });
+  return sums;
+}
+
 template <template <int, bool> class Kernel, int G>
 void run_group(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales) {
   const float* s = scales.data_ptr<float>();
-  if (scales.size(2) == 2)
-    trellm::blocked_linear::run<Kernel<G, true>>("group_linear", y, x, nullptr, packed, s);
-  else
+  if (scales.size(2) == 2) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % G == 0,
+                "group_linear: x must be contiguous float32 [M, K]");
+    const at::Tensor sums = group_sums<G>(x);
+    trellm::blocked_linear::run<Kernel<G, true>>("group_linear", y, x, sums.data_ptr<float>(), packed, s,
+                                                 sums.size(1));
+  } else {
     trellm::blocked_linear::run<Kernel<G, false>>("group_linear", y, x, nullptr, packed, s);
+  }
 }
 
 }  // namespace

@@ -80,22 +80,24 @@ async def measure(args, plan, model: str) -> tuple[list[dict], bool]:
 
 
 async def run_plan(url: str, model: str, plan, send_min_tokens: bool, send_ids: bool, metrics_url: str | None,
-                   no_progress: bool, cpu=None, extra_body: dict | None = None) -> list[dict]:
+                   no_progress: bool, cpu=None, extra_body: dict | None = None, keep_alive: bool = True) -> list[dict]:
     """Every level of `plan` against `model` at `url` (gRPC, or an OpenAI server when it starts with http://, each
-    request with `extra_body`'s fields); with `cpu` (a cpu_use.CPUUse) each level also carries its CPU seconds by
+    request with `extra_body`'s fields, over connections kept alive or not); with `cpu` (a cpu_use.CPUUse) each level also carries its CPU seconds by
     process (`cpu_s`)."""
     levels = []
     total = sum(len(items) for _, _, items in plan)
     with tqdm(total=total, unit="req", desc=model, file=sys.stderr, disable=no_progress) as bar:
         # One short request first: the first request of a fresh server pays one-off costs.
         warmup = dataclasses.replace(plan[0][2][0], output_tokens=4)
-        await grpc_load.run_level(url, model, [warmup], 1, send_min_tokens, send_ids=send_ids, extra_body=extra_body)
+        await grpc_load.run_level(url, model, [warmup], 1, send_min_tokens, send_ids=send_ids, extra_body=extra_body,
+                                  keep_alive=keep_alive)
         for name, concurrency, items in plan:
             bar.set_postfix_str(f"{name} c={concurrency}")
             before = cpu.snapshot() if cpu else None
             timings, wall, kv_peak = await grpc_load.run_level(url, model, items, concurrency,
                                                                 send_min_tokens, metrics_url, bar.update,
-                                                                send_ids=send_ids, extra_body=extra_body)
+                                                                send_ids=send_ids, extra_body=extra_body,
+                                                                keep_alive=keep_alive)
             levels.append(report.summarize(name, concurrency, timings, wall, kv_peak))
             if cpu:
                 levels[-1]["cpu_s"] = cpu_use.cpu_seconds(before, cpu.snapshot())
@@ -292,12 +294,13 @@ def gguf_file_of_model(args) -> str:
 
 def run_llamacpp_served(args, plan) -> list[dict]:
     """The plan's levels against llama-server on the same weights (text prompts; ignore_eos, so that every request
-    makes its full output, as ours do with min_tokens)."""
+    makes its full output, as ours do with min_tokens; a connection per request, since it closes one after a
+    stream)."""
     slots = max(c for _, c, _ in plan)
     slot_context = max(len(it.prompt_ids) + it.output_tokens for _, _, items in plan for it in items) + 64
     with llamacpp_server(args.llamacpp_server, gguf_file_of_model(args), slots, slot_context, args.out) as url:
         return asyncio.run(run_plan(url, "model", plan, False, False, None, args.no_progress,
-                                    extra_body={"ignore_eos": True}))
+                                    extra_body={"ignore_eos": True}, keep_alive=False))
 
 
 def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict:

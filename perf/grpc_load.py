@@ -147,17 +147,18 @@ async def _one_openai(session, base_url: str, model: str, item, send_min_tokens:
 
 async def run_level(url: str, model: str, items: list, concurrency: int, send_min_tokens: bool,
                     metrics_url: str | None = None, on_done=None,
-                    send_ids: bool = False, extra_body: dict | None = None
+                    send_ids: bool = False, extra_body: dict | None = None, keep_alive: bool = True
                     ) -> tuple[list[RequestTiming], float, float | None]:
     """Send `items` with `concurrency` in flight; returns the timings (in item order), the wall time and the peak
     of KV_USAGE_GAUGES seen meanwhile (None when the server does not export it). `send_ids`: prompts as token ids
     (the `llm` model) instead of text. A `url` starting with http:// is an OpenAI server's (`extra_body`: fields
-    added to each request)."""
+    added to each request; without `keep_alive` each request opens its own connection, for a server that closes
+    one after a stream, as llama-server does)."""
     import aiohttp
     import tritonclient.grpc.aio as grpc
     openai = url.startswith("http://")
     client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                   connector=aiohttp.TCPConnector(limit=0)) if openai \
+                                   connector=aiohttp.TCPConnector(limit=0, force_close=not keep_alive)) if openai \
         else grpc.InferenceServerClient(url)
     queue = list(enumerate(items))[::-1]
     timings: list[RequestTiming | None] = [None] * len(items)

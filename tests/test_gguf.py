@@ -249,3 +249,14 @@ def test_every_block_format_is_held_as_the_files_own_values(file_type):
     if mins is not None:
         back = back - np.repeat(mins, group, axis=1)
     assert np.array_equal(back, quants.dequantize(data, qtype))
+
+
+@pytest.mark.parametrize("name", ["llama-gqa4-hd128", "qwen2-bias-gqa4"])    # an LM head of its own, and tied
+def test_a_quantized_lm_head_stays_in_its_blocks(hf_variants, tmp_path, name):
+    """The LM head is read from the file's blocks (from the embeddings' tensor when tied), not widened to float: at
+    one user it is a large share of a step's bytes."""
+    folder = gguf_folder(hf_variants[name], tmp_path, "Q8_0")
+    engine = LLMEngine(EngineConfig(model_path=folder, kv_cache_bytes=16 << 20))
+    lm_head = engine.runner.model.lm_head
+    assert lm_head.grouped is not None and lm_head.dense is None and lm_head.packed is None
+    assert lm_head.grouped.out_features == engine.model_config.vocab_size

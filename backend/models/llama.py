@@ -21,7 +21,7 @@ from trellm_backend.models.weights import Checkpoint
 from trellm_kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from trellm_kernels.attention import paged_attention
 from trellm_kernels.kv_cache import rotary_and_write_kv
-from trellm_kernels.linear import Weight, linear, linear_path, prepare_weight
+from trellm_kernels.linear import Weight, linear, linear_path
 from trellm_kernels.rmsnorm import fused_add_rms_norm, rms_norm
 
 
@@ -117,8 +117,7 @@ class LlamaModel:
                 window=cfg.layer_windows[i] if cfg.layer_windows else 0,
             ))
         self.norm = norm("model.norm.weight")
-        lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
-        self.lm_head = prepare_weight(self.embed if cfg.tie_word_embeddings or lm_head is None else lm_head)
+        self.lm_head = ck.lm_head(self.embed)
         unread = state.leftover() if isinstance(state, GgufState) else []
         if unread:
             raise ModelConfigError(f"{state.file}: tensors {', '.join(unread)} are not read by the {cfg.family} "

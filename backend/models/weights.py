@@ -125,8 +125,23 @@ class Checkpoint:
                                    f"({', '.join(sorted(set(types)))}); quantization={self.quantization!r} must be none")
         if not all(blocks):     # a float part beside quantized ones (no file we know of mixes them in one layer)
             return prepare_weight(self.stacked(*(n + ".weight" for n in names)))
-        w = pack_groups(cat_groups([self.state.pop_blocks(n + ".weight") for n in names]))
+        return self.held_blocks(cat_groups([self.state.pop_blocks(n + ".weight") for n in names]))
+
+    def held_blocks(self, w) -> Weight:
+        """A GGUF linear's blocks packed for its device's operator, on the device."""
+        w = pack_groups(w)
         if w.q.device != self.device:
             w = replace(w, q=w.q.to(self.device), scales=w.scales.to(self.device),
                         mins=None if w.mins is None else w.mins.to(self.device))
         return Weight(None, grouped=w)
+
+    def lm_head(self, embed: torch.Tensor) -> Weight:
+        """The LM head in the model's dtype (the embeddings `embed` when tied). A GGUF file's quantized one stays in
+        its blocks, read from the embeddings' tensor when tied: at one user the LM head is a large share of the
+        bytes a step reads, and of the memory of a large vocabulary."""
+        if isinstance(self.state, GgufState):
+            name = "lm_head.weight" if self.state.type_of("lm_head.weight") else "model.embed_tokens.weight"
+            if self.state.type_of(name) not in FLOAT_TYPES:
+                return self.held_blocks(self.state.pop_blocks(name))
+        lm_head = self.take("lm_head.weight", required=not self.cfg.tie_word_embeddings)
+        return prepare_weight(embed if self.cfg.tie_word_embeddings or lm_head is None else lm_head)

@@ -260,3 +260,18 @@ def test_a_quantized_lm_head_stays_in_its_blocks(hf_variants, tmp_path, name):
     lm_head = engine.runner.model.lm_head
     assert lm_head.grouped is not None and lm_head.dense is None and lm_head.packed is None
     assert lm_head.grouped.out_features == engine.model_config.vocab_size
+
+
+def test_the_load_check_counts_a_quantized_file_at_its_held_size_not_as_floats(hf_variants, tmp_path):
+    """The memory check before a load (triton/checks.py) must not refuse a 4-bit model that fits because its weights
+    were counted as float32: quantized linears count at their held size, bounded from above."""
+    from trellm_backend.models.gguf import gguf_weight_bytes
+    q4 = gguf_folder(hf_variants["llama-gqa4-hd128"], tmp_path, "Q4_K_M")
+    f32 = gguf_folder(hf_variants["llama-gqa4-hd128"], tmp_path, "F32")
+    estimate = gguf_weight_bytes(q4, 4)
+    assert estimate < 0.6 * gguf_weight_bytes(f32, 4)
+    model = LLMEngine(EngineConfig(model_path=q4, kv_cache_bytes=16 << 20)).runner.model
+    held = model.embed.nbytes + sum(t.nbytes for layer in model.layers for site in ("qkv", "o", "gate_up", "down")
+                                    for t in (getattr(layer, site).grouped.q, getattr(layer, site).grouped.scales))
+    held += model.lm_head.grouped.q.nbytes + model.lm_head.grouped.scales.nbytes
+    assert held <= estimate

@@ -411,9 +411,10 @@ def rotary_halves(w, heads: int):
 
 
 class GgufState:
-    """The state dict of a GGUF folder, under Hugging Face names, as `Checkpoint` pops it: each tensor is read when
+    """The state dict of a GGUF folder, under Hugging Face names, as `Checkpoint` takes it: each tensor is read when
     taken (so the host copy lives only until the model's copy is made) and converted from llama.cpp's conventions.
-    Quantized tensors are dequantized to float32 here, logged once per type; `leftover` names what no layer took."""
+    `pop` gives float32 values (a quantized tensor outside the linears is dequantized, logged once per type);
+    `pop_blocks` a quantized linear's own values; `leftover` names what no layer took."""
 
     def __init__(self, path: str):
         from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
@@ -426,7 +427,7 @@ class GgufState:
         arch_id = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
         self.names = get_tensor_name_map(arch_id, int(self.meta[f"{arch}.block_count"]))
         self.taken: set[str] = set()
-        self.logged: set[str] = set()
+        self.logged: set[str] = set()    # the types `pop` has dequantized
         self.stack = (None, None)   # the experts' tensor last read: (GGUF name, float32 values)
 
     def locate(self, hf_name: str) -> tuple[str, int | None] | None:
@@ -467,8 +468,8 @@ class GgufState:
         name, expert = where
         self.taken.add(name)
         t = self.tensors[name]
-        if t.quantized and (t.type_name, "float") not in self.logged:
-            self.logged.add((t.type_name, "float"))
+        if t.quantized and t.type_name not in self.logged:
+            self.logged.add(t.type_name)
             log.info("%s: %s tensors outside the linears (%s first) are dequantized to float at load", self.file,
                      t.type_name, name)
         if expert is None:
@@ -494,7 +495,18 @@ class GgufState:
         return sorted(set(self.tensors) - self.taken)
 
 
+HELD_BLOCK_BYTES = 1.5    # bytes a quantized linear's weight takes at most held: int8, a scale and a minimum per 16
+
+
 def gguf_weight_bytes(path: str, item_bytes: int) -> int:
-    """Bytes the folder's GGUF weights take once loaded: float tensors at `item_bytes` each."""
+    """Bytes the folder's GGUF weights take once loaded, at most: float tensors and the embeddings (dequantized) at
+    `item_bytes` an element, quantized linears at HELD_BLOCK_BYTES (the tied LM head's blocks counted once more)."""
     _, tensors = read_gguf(gguf_file_of(path))
-    return sum(int(np.prod(t.shape)) * item_bytes for t in tensors.values())
+    total = 0
+    for name, t in tensors.items():
+        n = int(np.prod(t.shape))
+        total += int(n * (HELD_BLOCK_BYTES if t.quantized and name != "token_embd.weight" else item_bytes))
+    embed = tensors.get("token_embd.weight")
+    if "output.weight" not in tensors and embed is not None and embed.quantized:
+        total += int(np.prod(embed.shape) * HELD_BLOCK_BYTES)
+    return total

@@ -13,6 +13,7 @@
 #include "blocked_linear.h"
 
 #include <cstring>
+#include <type_traits>
 
 #include "vec_math.h"
 
@@ -168,36 +169,25 @@ inline void nibble_tile(trellm::blocked_linear::Rows<float> rows, int64_t K, con
   store_rows<MT>(acc0, acc1, y, N);
 }
 
-template <int G, bool MIN>
-struct Int8GroupKernel {
-  using Weight = int8_t;
+// The driver's kernel: int8 weights, or uint8 bytes holding two 4-bit ones.
+template <class W, int G, bool MIN>
+struct GroupKernel {
+  static constexpr bool NIBBLES = std::is_same_v<W, uint8_t>;
+  using Weight = W;
   using Input = float;
   static constexpr int64_t K_ALIGN = 1;
   static constexpr int64_t K_GROUP = 1;
+  static constexpr int64_t WEIGHTS_PER_ELEMENT = NIBBLES ? 2 : 1;
   static constexpr int64_t MT_MAX = MIN ? MIN_TILE_TOKENS : TILE_TOKENS;
   static int64_t epilogue_stride(int64_t K) { return K / G * (MIN ? 2 : 1) * BLOCK; }
 
   template <int MT>
-  static void tile(trellm::blocked_linear::Rows<float> rows, int64_t K, const int8_t* blk, const int8_t* next,
+  static void tile(trellm::blocked_linear::Rows<float> rows, int64_t K, const W* blk, const W* next,
                    const float* scales, float* y, int64_t N) {
-    int8_tile<G, MIN, MT>(rows, K, blk, next, scales, y, N);
-  }
-};
-
-template <int G, bool MIN>
-struct NibbleGroupKernel {
-  using Weight = uint8_t;
-  using Input = float;
-  static constexpr int64_t K_ALIGN = 1;
-  static constexpr int64_t K_GROUP = 1;
-  static constexpr int64_t WEIGHTS_PER_ELEMENT = 2;
-  static constexpr int64_t MT_MAX = MIN ? MIN_TILE_TOKENS : TILE_TOKENS;
-  static int64_t epilogue_stride(int64_t K) { return K / G * (MIN ? 2 : 1) * BLOCK; }
-
-  template <int MT>
-  static void tile(trellm::blocked_linear::Rows<float> rows, int64_t K, const uint8_t* blk, const uint8_t* next,
-                   const float* scales, float* y, int64_t N) {
-    nibble_tile<G, MIN, MT>(rows, K, blk, next, scales, y, N);
+    if constexpr (NIBBLES)
+      nibble_tile<G, MIN, MT>(rows, K, blk, next, scales, y, N);
+    else
+      int8_tile<G, MIN, MT>(rows, K, blk, next, scales, y, N);
   }
 };
 
@@ -215,17 +205,17 @@ at::Tensor group_sums(at::Tensor x) {
   return sums;
 }
 
-template <template <int, bool> class Kernel, int G>
+template <class W, int G>
 void run_group(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales) {
   const float* s = scales.data_ptr<float>();
   if (scales.size(2) == 2) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % G == 0,
                 "group_linear: x must be contiguous float32 [M, K]");
     const at::Tensor sums = group_sums<G>(x);
-    trellm::blocked_linear::run<Kernel<G, true>>("group_linear", y, x, sums.data_ptr<float>(), packed, s,
-                                                 sums.size(1));
+    trellm::blocked_linear::run<GroupKernel<W, G, true>>("group_linear", y, x, sums.data_ptr<float>(), packed, s,
+                                                         sums.size(1));
   } else {
-    trellm::blocked_linear::run<Kernel<G, false>>("group_linear", y, x, nullptr, packed, s);
+    trellm::blocked_linear::run<GroupKernel<W, G, false>>("group_linear", y, x, nullptr, packed, s);
   }
 }
 
@@ -242,9 +232,7 @@ void group_linear_cpu(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor 
               (scales.size(2) == 1 || scales.size(2) == 2) && scales.size(3) == BLOCK,
               "group_linear: float32 scales (and minimums) packed [N/32, K/", group, ", 1 or 2, 32]");
   if (nibbles)
-    group == 16 ? run_group<NibbleGroupKernel, 16>(y, x, packed, scales)
-                : run_group<NibbleGroupKernel, 32>(y, x, packed, scales);
+    group == 16 ? run_group<uint8_t, 16>(y, x, packed, scales) : run_group<uint8_t, 32>(y, x, packed, scales);
   else
-    group == 16 ? run_group<Int8GroupKernel, 16>(y, x, packed, scales)
-                : run_group<Int8GroupKernel, 32>(y, x, packed, scales);
+    group == 16 ? run_group<int8_t, 16>(y, x, packed, scales) : run_group<int8_t, 32>(y, x, packed, scales);
 }

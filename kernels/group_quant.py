@@ -8,10 +8,11 @@ q is int8, or for 4-bit formats uint8 values 0..15 (held two to a byte).
 Why: every GGUF block format the engine reads has this form, with scales that are products of fp16 and small
 integers, exact in float32 (Q8_0: q and a scale per 32; Q4_0: q - 8; Q4_1, Q4_K and Q5_K: a scale and a minimum
 per 32; Q6_K: q - 32 and a scale per 16). So one representation holds each of them as the file's own values, 4-bit
-ones at their own size, and one operator multiplies by it (cpu/group_linear.cpp: the bytes read once, widened in
-registers, each group's sums scaled once, and with minimums each token's sum over the group times the minimum
-taken off), so that a token's result does not depend on the other tokens of the call; on a GPU, a Triton kernel
-(triton_linear.py) that dequantizes each group's tile in registers.
+ones at their own size, and one operator multiplies by it (kernels/linear.py's group_linear, which calls
+cpu/group_linear.cpp: the bytes read once, widened in registers, each group's sums scaled once, and with minimums
+each token's sum over the group times the minimum taken off), so that a token's result does not depend on the
+other tokens of the call; on a GPU, a Triton kernel (triton_linear.py) that dequantizes each group's tile in
+registers.
 
 Held packed for the C++ operator on a CPU where the outputs fill its blocks: int8 q as kernels/linear.py's
 pack_blocks, [N/32, K, 32]; 4-bit q as bytes [N/32, K/2, 32] holding input 2i in the low nibble and 2i + 1 in the
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from trellm_kernels import cpu_ops
-from trellm_kernels.dispatch import use_triton
 
 GROUPS = (16, 32)      # what the C++ operator runs
 BLOCK = 32             # kernels/linear.py's CPU_BLOCK: outputs per packed block
@@ -111,23 +111,3 @@ def pack(w: GroupWeight) -> GroupWeight:
     packed_q = packed_q.contiguous()
     packed_epilogue = epilogue.view(epilogue.shape[0], epilogue.shape[1], N // BLOCK, BLOCK).permute(2, 1, 0, 3)
     return GroupWeight(packed_q, packed_epilogue.contiguous(), None, w.group)
-
-
-def group_linear(x: torch.Tensor, w: GroupWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype: on a GPU (or with force_triton) the Triton kernel, which rounds each
-    dequantized tile to x's dtype as INT4's does; elsewhere computed in float32."""
-    if use_triton(x):
-        from trellm_kernels.triton_linear import group_linear_triton
-        y = group_linear_triton(x, *w.rows(), w.group)    # rows: on a GPU they are what is held
-        return y if bias is None else y + bias
-    x2 = x.reshape(-1, x.shape[-1])
-    x2 = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
-    if w.packed:
-        y = torch.empty(x2.shape[0], w.out_features, dtype=torch.float32)
-        cpu_ops.for_tensor(x2).group_linear(y, x2, w.q, w.scales, w.group)
-    else:
-        y = x2 @ w.tensor(torch.float32).t()
-    if bias is not None:
-        y += bias
-    y = y if y.dtype == x.dtype else y.to(x.dtype)
-    return y.reshape(*x.shape[:-1], y.shape[-1])

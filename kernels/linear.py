@@ -51,7 +51,7 @@ from trellm_kernels import dispatch
 from trellm_kernels import linear_choice
 from trellm_kernels.dispatch import use_triton
 from trellm_kernels.int4 import Int4Weight, cpu_op_accepts, quantize_int4, to_cpu_int4pack
-from trellm_kernels.group_quant import GroupWeight, group_linear
+from trellm_kernels.group_quant import GroupWeight
 
 
 # int4 is int4-g128: 128 inputs per scale, what most GPTQ/AWQ checkpoints use.
@@ -509,6 +509,25 @@ def int8_linear_int16_reference(x: torch.Tensor, w: Weight) -> torch.Tensor:
         k1 = k0 + INT16_ACTIVATION_CHUNK
         sums += (xq[:, k0:k1] @ q[:, k0:k1].T).to(torch.float32)
     return sums * w.scales.float() * x_scale
+
+
+def group_linear(x: torch.Tensor, w: GroupWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """GGUF's blocks (group_quant.py): on a GPU (or with force_triton) the Triton kernel, which rounds each
+    dequantized tile to x's dtype as INT4's does; on a CPU the C++ operator on fp32 activations (bf16/fp16 ones are
+    widened for it, the bias added before the result is rounded back), or, where the weight is not held packed for
+    it, the dequantized weight in fp32."""
+    if use_triton(x):
+        from trellm_kernels.triton_linear import group_linear_triton
+        y = group_linear_triton(x, *w.rows(), w.group)    # rows: on a GPU they are what is held
+        return y if bias is None else y + bias
+    if not w.packed:
+        return linear_in_fp32(x, w.tensor(torch.float32), bias)
+    x2 = rows_as(x, torch.float32)
+    y = torch.empty(x2.shape[0], w.out_features, dtype=torch.float32)
+    cpu_ops.for_tensor(x2).group_linear(y, x2, w.q, w.scales, w.group)
+    if bias is not None:
+        y += bias
+    return output_like(y, x)
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

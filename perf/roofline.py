@@ -323,16 +323,10 @@ def model_for(model_dir: str, name: str, out_dir: str) -> str:
     tools/write_gguf.py, once, under `out_dir`/gguf/)."""
     if not name.startswith("gguf-"):
         return model_dir
-    from trellm_backend.models.gguf import write_hf_files
-    from trellm_backend.tools.write_gguf import write_gguf
+    from trellm_backend.tools.write_gguf import write_gguf_folder
     kind = name.removeprefix("gguf-")
     folder = os.path.join(out_dir, "gguf", f"{os.path.basename(os.path.normpath(model_dir))}-{kind}")
-    file = os.path.join(folder, "model.gguf")
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        os.makedirs(folder, exist_ok=True)
-        write_gguf(model_dir, file, kind)
-        write_hf_files(file)
-    return folder
+    return folder if os.path.isfile(os.path.join(folder, "config.json")) else write_gguf_folder(model_dir, folder, kind)
 
 
 def measure_engine(model_dir: str, name: str, args, limits: dict) -> dict:

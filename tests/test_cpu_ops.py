@@ -967,7 +967,7 @@ def test_cpu_group_linear_matches_a_float64_reference(ops, bits, group, mins, to
     """GGUF's blocks as group-quantized weights (kernels/group_quant.py: int8, or 4-bit two to a byte) through each
     build's operator: within fp32 summation error of the float64 product, and a token's result independent of the
     call's other tokens."""
-    from trellm_kernels.group_quant import GroupWeight, group_linear, pack
+    from trellm_kernels.group_quant import GroupWeight, pack
     g = torch.Generator().manual_seed(2)
     q = (torch.randint(-32, 32, (out_f, in_f), generator=g, dtype=torch.int8) if bits == 8 else
          torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.uint8))
@@ -977,10 +977,10 @@ def test_cpu_group_linear_matches_a_float64_reference(ops, bits, group, mins, to
     assert w.packed, "CPU weights whose outputs fill the blocks are packed for the operator"
     assert w.q.numel() == q.numel() * bits // 8 and torch.equal(w.rows()[0], q), "held at its own size, exactly"
     x = randn(g, tokens, in_f, dtype=F32)
-    y = group_linear(x, w)
+    y = linear.group_linear(x, w)
     exact = x.double() @ GroupWeight(q, scales, m, group).tensor(torch.float64).t()
     magnitude = GroupWeight(q.abs(), scales, None if m is None else -m, group).tensor(torch.float64)
     bound = in_f * 2 ** -23 * (x.double().abs() @ magnitude.t()) * 4   # |q| s + m: the min term sums apart
     assert (y.double() - exact).abs().le(bound).all()
     for i in (0, tokens - 1):
-        assert torch.equal(group_linear(x[i:i + 1], w), y[i:i + 1])
+        assert torch.equal(linear.group_linear(x[i:i + 1], w), y[i:i + 1])

@@ -21,7 +21,7 @@ from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.models.config import ModelConfigError, load_model_config
 from trellm_backend.models.gguf import write_hf_files
-from trellm_backend.tools.write_gguf import quantize, write_gguf
+from trellm_backend.tools.write_gguf import quantize, write_gguf, write_gguf_folder
 
 MAX_TOKENS = 10
 
@@ -52,11 +52,7 @@ def hf_variants(tmp_path_factory, default_model_path):
 
 
 def gguf_folder(hf_folder: str, out_root, file_type: str) -> str:
-    folder = out_root / f"{os.path.basename(hf_folder)}-{file_type}"
-    folder.mkdir()
-    file = str(folder / "model.gguf")
-    write_gguf(hf_folder, file, file_type)
-    return write_hf_files(file)
+    return write_gguf_folder(hf_folder, str(out_root / f"{os.path.basename(hf_folder)}-{file_type}"), file_type)
 
 
 def transformers_greedy(folder: str, prompts: list[list[int]]) -> list[list[int]]:

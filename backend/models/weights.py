@@ -114,8 +114,8 @@ class Checkpoint:
         return prepare_int4(w)
 
     def gguf_linear(self, names: tuple[str, ...]) -> Weight:
-        """A GGUF file's linears: kept in their blocks as group-scaled INT8 (kernels/group_quant.py) where every part
-        is quantized, else in float (`quantization` applies then)."""
+        """A GGUF file's linears: kept in their blocks (kernels/group_quant.py: int8, or 4-bit two to a byte) where
+        every part is quantized, else in float (`quantization` applies then)."""
         types = [self.state.type_of(n + ".weight") for n in names]
         blocks = [t is not None and t not in FLOAT_TYPES for t in types]
         if not any(blocks):

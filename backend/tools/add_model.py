@@ -24,7 +24,7 @@ import re
 import shutil
 import sys
 import tempfile
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from tritonclient.grpc import model_config_pb2
 
@@ -117,9 +117,9 @@ def add_model(name: str, hf_folder: str, repository: str = DEFAULT_REPOSITORY, e
     if not NAME_PATTERN.match(name):
         raise ValueError(f"model name {name!r}: use letters, digits, '_', '.', '-' (starting with a letter or digit)")
     engine = {k: str(v) for k, v in (engine or {}).items()}
-    EngineConfig.from_strings({"model_path": hf_folder, **engine})   # raises on unknown names and bad values
-    hf_folder = gguf_folder(hf_folder)
-    config = EngineConfig.from_strings({"model_path": hf_folder, **engine})
+    config = EngineConfig.from_strings({"model_path": hf_folder, **engine})   # raises on unknown names and bad values
+    hf_folder = gguf_folder(hf_folder)     # only after the settings are checked: it writes beside a GGUF file
+    config = replace(config, model_path=hf_folder)
     if not os.path.isfile(os.path.join(hf_folder, "config.json")):
         raise ValueError(f"{os.path.join(hf_folder, 'config.json')}: missing; HF_FOLDER must be a Hugging Face "
                          "model folder")
@@ -168,8 +168,8 @@ def remove_model(name: str, repository: str = DEFAULT_REPOSITORY, template_dir: 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name")
-    ap.add_argument("hf_folder", nargs="?", help="Hugging Face model folder (config.json, *.safetensors, tokenizer), or a GGUF file "
-                    "(config.json and the tokenizer are derived from it and written beside it)")
+    ap.add_argument("hf_folder", nargs="?", help="Hugging Face model folder (config.json, *.safetensors, "
+                    "tokenizer), or a GGUF file (config.json and the tokenizer are derived from it, beside it)")
     ap.add_argument("--repository", default=DEFAULT_REPOSITORY)
     ap.add_argument("--remove", action="store_true", help="delete NAME's entries instead of adding them")
     ap.add_argument("--force", action="store_true", help="replace NAME's entries if they exist")

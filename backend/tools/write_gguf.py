@@ -291,6 +291,14 @@ def write_gguf(folder: str, out_file: str, file_type: str = "Q8_0") -> str:
     return out_file
 
 
+def write_gguf_folder(folder: str, out_folder: str, file_type: str) -> str:
+    """`folder` written as `out_folder`/model.gguf, with the config.json and tokenizer a served GGUF folder has
+    derived beside it (models/gguf.py); returns `out_folder`."""
+    from trellm_backend.models.gguf import write_hf_files
+    os.makedirs(out_folder, exist_ok=True)
+    return write_hf_files(write_gguf(folder, os.path.join(out_folder, "model.gguf"), file_type))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("hf_folder")

@@ -119,12 +119,12 @@ fi
 
 # llama.cpp's server (the `llamacpp_served` baseline of perf/benchmark.py) on request only: WITH_LLAMACPP=1. Built
 # from the llama.cpp that the llama-cpp-python sdist vendors (PyPI is reachable where GitHub may not be), for this
-# CPU (GGML_NATIVE), about 10 minutes on 2 cores. Without AMX: on a KVM Xeon that exposes AMX, its AMX matmul died
+# CPU (GGML_NATIVE), which takes minutes. Without AMX: on a KVM Xeon that exposes AMX, its AMX matmul died
 # on SIGILL (a tile instruction) at the first step of every model, so it is compiled out; AVX-512 and VNNI stay.
 LLAMACPP_DIR=${LLAMACPP_DIR:-.llama.cpp}
 LLAMACPP_SDIST=llama_cpp_python-0.3.36
 if [ "${WITH_LLAMACPP:-0}" = 1 ] && [ ! -x "$LLAMACPP_DIR/build/bin/llama-server" ]; then
-  echo "[setup] building llama.cpp's llama-server into $LLAMACPP_DIR (about 10 minutes)"
+  echo "[setup] building llama.cpp's llama-server into $LLAMACPP_DIR (minutes)"
   scratch=$(mktemp -d)
   "$VENV/bin/python" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$scratch"
   tar xzf "$scratch/$LLAMACPP_SDIST.tar.gz" -C "$scratch"

@@ -21,34 +21,37 @@ from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.models.config import ModelConfigError, load_model_config
 from trellm_backend.models.gguf import write_hf_files
+from trellm_backend.models.rope import rope_inv_freq
 from trellm_backend.tools.write_gguf import quantize, write_gguf, write_gguf_folder
 
 MAX_TOKENS = 10
 
-# variant of hf_models.VARIANTS -> (changes to its config, the quantized GGUF types checked against transformers'
-# GGUF loader). Every variant is also written in F32 and checked against its own folder, which needs no GGUF code
-# on the oracle's side (transformers' loader does not map Mixtral). Changes: what llama.cpp keeps outside the
-# metadata set to what a file says (Gemma's attention scale is 1/sqrt(head size); Phi-3's longrope lives in tensors;
-# Qwen2-MoE files have no dense layers); widths of 256 where the K-quants are checked.
+# case -> (variant of hf_models.VARIANTS, changes to its config, the quantized GGUF types checked against
+# transformers' GGUF loader with the derived config.json). Every case is also written in F32 and checked against its
+# own folder, which needs no GGUF code on the oracle's side (transformers' loader does not map Mixtral) and checks
+# the rope settings llama.cpp keeps in tensors. Changes: what llama.cpp keeps outside the metadata set to what a file
+# says (Gemma's attention scale is 1/sqrt(head size); Qwen2-MoE files have no dense layers); widths of 256 where the
+# K-quants are checked.
 CASES = {
-    "llama-gqa4-hd128": ({}, ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K", "Q6_K", "BF16", "F16")),
-    "qwen2-bias-gqa4": ({"hidden_size": 256}, ("Q8_0", "Q4_K_M")),
-    "qwen3-qknorm-hd8": ({}, ("Q8_0",)),
-    "mistral-sliding": ({}, ("Q8_0",)),
-    "gemma2-softcap": ({}, ("Q8_0",)),
-    "gemma3-text": ({"query_pre_attn_scalar": 16, "hidden_size": 256}, ("Q8_0", "Q4_K_M")),
-    "phi3-longrope": ({"rope_scaling": None, "original_max_position_embeddings": 512}, ("Q8_0",)),
-    "mixtral-moe8": ({}, ()),
-    "qwen3-moe8-qknorm": ({}, ("Q8_0",)),
-    "qwen2-moe-shared": ({"mlp_only_layers": []}, ("Q8_0",)),
+    "llama-gqa4-hd128": ("llama-gqa4-hd128", {}, ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K", "Q6_K", "BF16", "F16")),
+    "llama3-rope-bias": ("llama3-rope-bias", {}, ("Q8_0",)),
+    "qwen2-bias-gqa4": ("qwen2-bias-gqa4", {"hidden_size": 256}, ("Q8_0", "Q4_K_M")),
+    "qwen3-qknorm-hd8": ("qwen3-qknorm-hd8", {}, ("Q8_0",)),
+    "mistral-sliding": ("mistral-sliding", {}, ("Q8_0",)),
+    "gemma2-softcap": ("gemma2-softcap", {}, ("Q8_0",)),
+    "gemma3-text": ("gemma3-text", {"query_pre_attn_scalar": 16, "hidden_size": 256}, ("Q8_0", "Q4_K_M")),
+    "phi3-longrope": ("phi3-longrope", {}, ("Q8_0",)),
+    "mixtral-moe8": ("mixtral-moe8", {}, ()),
+    "qwen3-moe8-qknorm": ("qwen3-moe8-qknorm", {}, ("Q8_0",)),
+    "qwen2-moe-shared": ("qwen2-moe-shared", {"mlp_only_layers": []}, ("Q8_0",)),
 }
 
 
 @pytest.fixture(scope="module")
 def hf_variants(tmp_path_factory, default_model_path):
     root = tmp_path_factory.mktemp("gguf-hf")
-    return {name: with_tokenizer(name, default_model_path, str(root / name), changes)
-            for name, (changes, _) in CASES.items()}
+    return {name: with_tokenizer(variant, default_model_path, str(root / name), changes)
+            for name, (variant, changes, _) in CASES.items()}
 
 
 def gguf_folder(hf_folder: str, out_root, file_type: str) -> str:
@@ -69,7 +72,7 @@ def assert_same(got, expected):
         assert g == e, f"prompt {i} (length {LENGTHS[i]}): engine {g} != transformers {e}"
 
 
-@pytest.mark.parametrize("name,file_type", [(n, t) for n, (_, types) in CASES.items() for t in types])
+@pytest.mark.parametrize("name,file_type", [(n, t) for n, (_, _, types) in CASES.items() for t in types])
 def test_a_gguf_file_gives_transformers_greedy_tokens(hf_variants, tmp_path, name, file_type):
     folder = gguf_folder(hf_variants[name], tmp_path, file_type)
     prompts = random_prompts(0, 4096, LENGTHS)
@@ -88,10 +91,17 @@ def test_an_f32_gguf_file_gives_the_original_folders_greedy_tokens(hf_variants, 
 def test_the_derived_config_says_what_the_checkpoint_said(hf_variants, tmp_path, name):
     original = load_model_config(hf_variants[name])
     derived = load_model_config(gguf_folder(hf_variants[name], tmp_path, "F32"))
-    assert replace(derived, path="", dtype="", eos_token_ids=[]) == \
-        replace(original, path="", dtype="", eos_token_ids=[])
+    assert replace(derived, path="", dtype="", eos_token_ids=[], rope_scaling=None) == \
+        replace(original, path="", dtype="", eos_token_ids=[], rope_scaling=None)
+    for table in (rope_inv_freq, lambda cfg: (long_factors(cfg),)):    # the rope's frequencies, as two ways say them
+        for got, want in zip(table(derived), table(original)):
+            assert torch.allclose(torch.as_tensor(got), torch.as_tensor(want), rtol=1e-6, atol=0)
     assert derived.eos_token_ids[0] == original.eos_token_ids[0]
     assert derived.dtype == "float32"
+
+
+def long_factors(cfg) -> torch.Tensor:
+    return torch.tensor((cfg.rope_scaling or {}).get("long_factor", []), dtype=torch.float64)
 
 
 def test_the_tokenizer_and_chat_template_come_from_the_file(default_model_path, tmp_path):
@@ -109,7 +119,7 @@ def test_the_tokenizer_and_chat_template_come_from_the_file(default_model_path, 
 
 
 def rewrite(src: str, dst: str, drop_key: str | None = None, add: dict | None = None,
-            tensor_type: dict | None = None, extra_tensor: str | None = None) -> str:
+            tensor_type: dict | None = None, extra_tensor: str | None = None, extra_values=None) -> str:
     """A copy of GGUF file `src` with a metadata key dropped or added, or tensors rewritten in another type."""
     from gguf import GGUFReader, GGUFWriter, GGMLQuantizationType, GGUFValueType
     reader = GGUFReader(src)
@@ -136,7 +146,8 @@ def rewrite(src: str, dst: str, drop_key: str | None = None, add: dict | None = 
         else:
             writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     if extra_tensor:
-        writer.add_tensor(extra_tensor, np.ones(16, dtype=np.float32))
+        writer.add_tensor(extra_tensor, np.asarray(np.ones(16) if extra_values is None else extra_values,
+                                                   dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -148,7 +159,10 @@ def rewrite(src: str, dst: str, drop_key: str | None = None, add: dict | None = 
     (dict(add={"llama.attention.clamp_kqv": 8}), "metadata key llama.attention.clamp_kqv is not supported"),
     (dict(add={"split.count": 2}), "split.count: split GGUF files are not supported"),
     (dict(tensor_type={"blk.0.attn_q.weight": "Q5_0"}), "tensor blk.0.attn_q.weight has type Q5_0"),
-    (dict(extra_tensor="rope_freqs.weight"), "tensor rope_freqs.weight (Llama 3's rope scaling"),
+    (dict(extra_tensor="rope_freqs.weight", extra_values=np.linspace(3, 1, 16)),
+     "tensor rope_freqs.weight does not follow Llama 3's rope scaling"),
+    (dict(extra_tensor="rope_factors_long.weight"), "rope_factors_long.weight (rope settings) is read for "
+                                                    "architecture phi3 only, not llama"),
 ])
 def test_what_the_engine_does_not_read_is_refused_by_name_before_writing(default_model_path, tmp_path, change,
                                                                            message):

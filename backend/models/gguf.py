@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -67,7 +68,7 @@ ARCH_KEYS = {
     "llama": {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
     "qwen2": {},
     "qwen3": {},
-    "phi3": {},
+    "phi3": {"rope.scaling.attn_factor": None, "rope.scaling.original_context_length": None},
     "gemma2": {"attn_logit_softcapping": "attn_logit_softcapping",
                "final_logit_softcapping": "final_logit_softcapping"},
     "gemma3": {"attention.sliding_window_pattern": None, "final_logit_softcapping": "final_logit_softcapping"},
@@ -78,12 +79,10 @@ ARCH_KEYS = {
                  "expert_feed_forward_length": "moe_intermediate_size"},
 }
 ROPE_SCALING_TYPES = ("none", "linear")
-# Tensors llama.cpp writes for features the engine does not read from a GGUF file yet
-UNREAD_TENSORS = {
-    "rope_freqs.weight": "Llama 3's rope scaling, stored as per-frequency divisors",
-    "rope_factors_long.weight": "Phi-3's longrope factors",
-    "rope_factors_short.weight": "Phi-3's longrope factors",
-}
+# Rope settings llama.cpp keeps as tensors (read into config.json by rope_from_tensors), and the architectures whose
+# files carry them
+ROPE_TENSORS = {"rope_freqs.weight": ("llama",), "rope_factors_long.weight": ("phi3",),
+                "rope_factors_short.weight": ("phi3",)}
 
 
 @dataclass
@@ -152,8 +151,9 @@ def check_gguf(file: str, meta: dict, tensors: dict[str, GgufTensor]) -> str:
         raise ModelConfigError(f"{file}: {arch}.rope.scaling.type={scaling!r} is not supported "
                                f"({', '.join(ROPE_SCALING_TYPES)})")
     for name, t in tensors.items():
-        if name in UNREAD_TENSORS:
-            raise ModelConfigError(f"{file}: tensor {name} ({UNREAD_TENSORS[name]}) is not supported")
+        if name in ROPE_TENSORS and arch not in ROPE_TENSORS[name]:
+            raise ModelConfigError(f"{file}: tensor {name} (rope settings) is read for architecture "
+                                   f"{'/'.join(ROPE_TENSORS[name])} only, not {arch}")
         if t.type_name not in SUPPORTED_TYPES:
             raise ModelConfigError(f"{file}: tensor {name} has type {t.type_name}, which is not supported (one of "
                                    f"{', '.join(SUPPORTED_TYPES)})")
@@ -209,6 +209,9 @@ def hf_config(file: str, meta: dict, tensors: dict[str, GgufTensor]) -> dict:
     rope = {"rope_type": "default", "rope_theta": _float(get("rope.freq_base", 10000.0))}
     if get("rope.scaling.type", "none") == "linear":
         rope.update(rope_type="linear", factor=_float(get("rope.scaling.factor")))
+    rope.update(rope_from_tensors(file, arch, meta, tensors, rope["rope_theta"], rotary))
+    if rope["rope_type"] == "longrope":
+        c["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     if arch == "gemma3":
         c["rope_parameters"] = {"full_attention": rope,
                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
@@ -247,6 +250,80 @@ def hf_config(file: str, meta: dict, tensors: dict[str, GgufTensor]) -> dict:
             c[hf] = int(meta[f"tokenizer.ggml.{key}"])
     return {"architectures": [architecture], "model_type": model_type, **c, "dtype": served_dtype(tensors),
             "gguf_file": os.path.basename(file)}
+
+
+LLAMA3_PRETRAINING_LENGTH = 8192    # Llama 3's original_max_position_embeddings; only ratios to it are in a file
+
+
+def rope_from_tensors(file: str, arch: str, meta: dict, tensors: dict[str, GgufTensor], theta: float,
+                      rotary: int) -> dict:
+    """The rope settings llama.cpp stores as tensors, as config.json's rope parameters (empty where there are none).
+
+    Llama 3's scaling is `rope_freqs`: one divisor per frequency. It is read back as the llama3 rope type whose
+    formula gives those divisors, so config.json stays what transformers reads; the file keeps only the band edges'
+    ratios to the pretraining length, which is taken as Llama 3's own. Phi-3's longrope is its two factor lists,
+    with the pretraining length and the attention factor in the metadata."""
+    from trellm_backend.models.rope import default_inv_freq, llama3_inv_freq, longrope_attention_factor
+    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+        lists = {}
+        for which in ("long", "short"):
+            t = tensors.get(f"rope_factors_{which}.weight")
+            if t is None or t.type_name != "F32" or t.shape != (rotary // 2,):
+                raise ModelConfigError(f"{file}: longrope needs rope_factors_long.weight and rope_factors_short.weight"
+                                       f" as F32 [{rotary // 2}] tensors (one factor per rotary frequency)")
+            lists[which] = [_float(v) for v in np.asarray(t.data)]
+        orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if orig is None:
+            raise ModelConfigError(f"{file}: longrope tensors without {arch}.rope.scaling.original_context_length")
+        longest = meta.get(f"{arch}.context_length", orig)
+        rope = {"rope_type": "longrope", "long_factor": lists["long"], "short_factor": lists["short"],
+                "original_max_position_embeddings": int(orig)}
+        attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+        derived = longrope_attention_factor(longest / orig, orig)
+        if attn is not None and not math.isclose(float(attn), derived, rel_tol=1e-6):
+            rope["attention_factor"] = _float(attn)
+        return rope
+    t = tensors.get("rope_freqs.weight")
+    if t is None:
+        return {}
+    if t.type_name != "F32" or t.shape != (rotary // 2,):
+        raise ModelConfigError(f"{file}: tensor rope_freqs.weight must be F32 [{rotary // 2}] (one divisor per rotary "
+                               f"frequency), got {t.type_name} {list(t.shape)}")
+    divisors = np.asarray(t.data, dtype=np.float64)
+    inv = default_inv_freq(rotary, theta).double().numpy()
+    if np.allclose(divisors, 1.0, rtol=1e-6):
+        return {}
+    edges = llama3_band_edges(inv / (2 * math.pi), divisors)
+    old = LLAMA3_PRETRAINING_LENGTH
+    rope = {"rope_type": "llama3", "factor": _float(divisors.max()), "low_freq_factor": float(f"{edges[0] * old:.10g}"),
+            "high_freq_factor": float(f"{edges[1] * old:.10g}"), "original_max_position_embeddings": old}
+    import torch
+    got = llama3_inv_freq(torch.from_numpy(inv), rope).numpy()
+    if edges[0] <= 0 or not np.allclose(inv / got, divisors, rtol=1e-5):
+        raise ModelConfigError(f"{file}: tensor rope_freqs.weight does not follow Llama 3's rope scaling (divisors "
+                               f"{np.round(divisors, 4).tolist()}), which is the one read")
+    return rope
+
+
+def llama3_band_edges(u: np.ndarray, divisors: np.ndarray) -> tuple[float, float]:
+    """(low, high): the inverse wavelengths where Llama 3's blend starts and ends (low_freq_factor and
+    high_freq_factor over the pretraining length), from the per-frequency divisors. A divisor of 1 is a kept
+    frequency, the largest one is `factor`, and between, 1/divisor moves linearly in the inverse wavelength."""
+    factor = divisors.max()
+    kept, scaled = np.isclose(divisors, 1.0, rtol=1e-6), np.isclose(divisors, factor, rtol=1e-6)
+    blend = ~kept & ~scaled
+    s = (1 / divisors[blend] - 1 / factor) / (1 - 1 / factor)     # 0 at the low edge, 1 at the high one
+    if blend.sum() >= 2:
+        slope, at0 = np.polyfit(u[blend], s, 1)
+        return -at0 / slope, (1 - at0) / slope
+    # too few blended frequencies to fix the edges: any edges between the kept and the scaled ones give the same model
+    below = u[scaled].max() if scaled.any() else 0.0
+    above = u[kept].min() if kept.any() else 2 * u.max()
+    if blend.sum() == 1:
+        u1, s1 = u[blend][0], s[0]
+        width = 0.5 * min((u1 - below) / s1, (above - u1) / (1 - s1))
+        return u1 - s1 * width, u1 - s1 * width + width
+    return below + (above - below) / 3, below + 2 * (above - below) / 3
 
 
 def stop_token_ids(meta: dict) -> list[int]:
@@ -492,7 +569,8 @@ class GgufState:
         return w
 
     def leftover(self) -> list[str]:
-        return sorted(set(self.tensors) - self.taken)
+        """What no layer took; the rope tensors were read into config.json."""
+        return sorted(set(self.tensors) - self.taken - set(ROPE_TENSORS))
 
 
 HELD_BLOCK_BYTES = 1.5    # bytes a quantized linear's weight takes at most held: int8, a scale and a minimum per 16

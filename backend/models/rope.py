@@ -13,7 +13,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [rotary_dim/2] (fp32) and the cos/sin scale, following transformers' rope types."""
     dim = cfg.rotary_dim
     base = cfg.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = default_inv_freq(dim, base)
     s = cfg.rope_scaling
     if s is None:
         return inv_freq, 1.0
@@ -23,16 +23,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     if kind == "linear":
         return inv_freq / float(s["factor"]), 1.0
     if kind == "llama3":
-        factor = float(s["factor"])
-        low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
-        old_ctx = float(s.get("original_max_position_embeddings", 8192))
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled), 1.0
+        return llama3_inv_freq(inv_freq, s), 1.0
     # yarn
     factor = float(s["factor"])
     old_ctx = float(s.get("original_max_position_embeddings") or cfg.max_position_embeddings)
@@ -67,6 +58,26 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+def llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3's scaling of the default frequencies: the low ones divided by `factor`, the high ones kept, a smooth
+    blend between (wavelengths measured against the pretraining length)."""
+    factor = float(s["factor"])
+    low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+    old_ctx = float(s.get("original_max_position_embeddings", 8192))
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    """The unscaled inverse frequencies [rotary_dim/2] (fp32), as transformers computes them."""
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+
+
 def _longrope_inv_freq(cfg: ModelConfig, which: str) -> tuple[torch.Tensor, float]:
     """Longrope's frequencies with its short or long factors, and the attention factor both share."""
     s, dim = cfg.rope_scaling, cfg.rotary_dim
@@ -74,9 +85,14 @@ def _longrope_inv_freq(cfg: ModelConfig, which: str) -> tuple[torch.Tensor, floa
     factor = float(s.get("factor") or cfg.max_position_embeddings / orig)
     attention_factor = s.get("attention_factor")
     if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        attention_factor = longrope_attention_factor(factor, orig)
     shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     return 1.0 / (torch.tensor(s[which], dtype=torch.float32) * cfg.rope_theta ** shape), float(attention_factor)
+
+
+def longrope_attention_factor(factor: float, pretraining_length: int) -> float:
+    """Longrope's cos/sin scale when a setting does not give it: grows with the context's stretch `factor`."""
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(pretraining_length))
 
 
 def long_rope_from(cfg: ModelConfig) -> int | None:

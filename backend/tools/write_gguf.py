@@ -10,6 +10,7 @@ llama.cpp's conventions, which the reader and transformers' GGUF loader both und
   and biases in F32;
 - Llama's q and k rows permuted to llama.cpp's rotary order (pairs (i, i + d/2) stored as neighbours);
 - Gemma's norms stored as 1 + w (what the model multiplies by);
+- Llama 3's rope scaling as `rope_freqs` (a divisor per frequency) and Phi-3's longrope as its factor tensors;
 - the tokenizer as `tokenizer.ggml.*` (byte-level BPE: tokens, merges, token types, special ids) and the chat
   template.
 The K-quant quantizers (Q4_K, Q5_K, Q6_K), which gguf-py does not have, round to nearest within llama.cpp's block
@@ -184,11 +185,29 @@ def gguf_tensors(folder: str, cfg, arch: str) -> list[tuple[str, np.ndarray]]:
     return out
 
 
+def rope_tensors(cfg) -> list[tuple[str, np.ndarray]]:
+    """The rope settings llama.cpp keeps as tensors: Llama 3's scaling as one divisor per frequency, Phi-3's
+    longrope as its factor lists."""
+    import torch
+
+    from trellm_backend.models.rope import default_inv_freq, llama3_inv_freq
+    s = cfg.rope_scaling or {}
+    if s.get("rope_type") == "llama3":
+        inv = default_inv_freq(cfg.rotary_dim, cfg.rope_theta).double()
+        return [("rope_freqs.weight", (inv / llama3_inv_freq(inv, s)).float().numpy())]
+    if s.get("rope_type") == "longrope":
+        return [(f"rope_factors_{which}.weight", np.asarray(s[f"{which}_factor"], dtype=np.float32))
+                for which in ("long", "short")]
+    return []
+
+
 # ------------------------------------------------------------------------------------------------ metadata
 
 def write_metadata(writer, folder: str, cfg, config: dict, arch: str) -> None:
     from gguf import RopeScalingType
     from transformers import PreTrainedTokenizerFast
+
+    from trellm_backend.models.rope import longrope_attention_factor
     writer.add_name("mistral" if cfg.family == "mistral" else os.path.basename(os.path.normpath(folder)))
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -202,10 +221,14 @@ def write_metadata(writer, folder: str, cfg, config: dict, arch: str) -> None:
     writer.add_value_length(cfg.head_dim)
     writer.add_rope_dimension_count(cfg.rotary_dim)
     writer.add_vocab_size(cfg.vocab_size)
-    if cfg.rope_scaling is not None:
-        writer.add_rope_scaling_type(RopeScalingType(cfg.rope_scaling["rope_type"]))
-        if "factor" in cfg.rope_scaling:
-            writer.add_rope_scaling_factor(float(cfg.rope_scaling["factor"]))
+    scaling = cfg.rope_scaling or {"rope_type": "default"}
+    if scaling["rope_type"] == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+    elif scaling["rope_type"] == "longrope":      # the factors go in tensors (rope_tensors)
+        orig = scaling["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(orig)
+        writer.add_rope_scaling_attn_factors(longrope_attention_factor(cfg.max_position_embeddings / orig, orig))
     windows = [w for w in cfg.layer_windows if w]
     if windows:
         writer.add_sliding_window(windows[0])
@@ -275,13 +298,13 @@ def write_gguf(folder: str, out_file: str, file_type: str = "Q8_0") -> str:
         config = json.load(f)
     arch = GGUF_ARCH[cfg.family]
     scaling = (cfg.rope_scaling or {}).get("rope_type", "default")
-    if scaling not in ("default", "linear"):
-        raise ValueError(f"{folder}: rope scaling {scaling!r} is not written (llama.cpp keeps it in tensors)")
+    if scaling not in ("default", "linear", "llama3", "longrope"):
+        raise ValueError(f"{folder}: rope scaling {scaling!r} is not written (default, linear, llama3, longrope)")
     writer = GGUFWriter(out_file, arch)
     write_metadata(writer, folder, cfg, config, arch)
     writer.add_file_type(getattr(LlamaFileType, "MOSTLY_" + file_type, LlamaFileType.ALL_F32)
                          if file_type != "F32" else LlamaFileType.ALL_F32)
-    for name, w in gguf_tensors(folder, cfg, arch):
+    for name, w in rope_tensors(cfg) + gguf_tensors(folder, cfg, arch):
         data, qtype = quantize(w, tensor_type(name, w.shape, file_type))
         writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()

@@ -54,6 +54,10 @@ class GroupWeight:
     def out_features(self) -> int:
         return self.q.shape[0] * self.q.shape[2] if self.packed else self.q.shape[0]
 
+    @property
+    def in_features(self) -> int:
+        return self.scales.shape[1] * self.group if self.packed else self.scales.shape[0] * self.group
+
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """q [N, K], the scales [K/group, N] and the minimums [K/group, N] or None (copies when held packed)."""
         if not self.packed:
@@ -64,6 +68,25 @@ class GroupWeight:
         q = q.permute(0, 2, 1).reshape(self.out_features, -1)
         epilogue = self.scales.permute(2, 1, 0, 3).reshape(self.scales.shape[2], self.scales.shape[1], -1)
         return q, epilogue[0], epilogue[1] if self.has_mins else None
+
+    def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, float32 [len(ids), K], decoded as `tensor` decodes them: an embedding lookup
+        that reads only the looked-up rows' blocks."""
+        if self.packed:
+            block, lane = ids // BLOCK, ids % BLOCK
+            q = self.q[block, :, lane]                        # [T, K] values, or [T, K/2] bytes
+            if self.bits == 4:
+                q = torch.stack([q & 15, q >> 4], dim=2).reshape(len(ids), -1)
+            epilogue = self.scales[block, :, :, lane]          # [T, K/group, 1 or 2]
+            scales, mins = epilogue[..., 0], epilogue[..., 1] if self.has_mins else None
+        else:
+            q, scales, mins = self.q[ids], self.scales[:, ids].t(), None if self.mins is None else self.mins[:, ids].t()
+        w = q.to(torch.float32) * scales.repeat_interleave(self.group, dim=1)
+        return w if mins is None else w - mins.repeat_interleave(self.group, dim=1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
 
     def tensor(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K], computed in float32 (float64 for a float64 oracle) and rounded once to `dtype`."""

@@ -23,6 +23,7 @@ from trellm_backend.models.config import ModelConfigError, load_model_config
 from trellm_backend.models.gguf import write_hf_files
 from trellm_backend.models.rope import rope_inv_freq
 from trellm_backend.tools.write_gguf import quantize, write_gguf, write_gguf_folder
+from trellm_kernels.group_quant import GroupWeight, pack
 
 MAX_TOKENS = 10
 
@@ -262,26 +263,45 @@ def test_every_block_format_is_held_as_the_files_own_values(file_type):
 
 
 @pytest.mark.parametrize("name", ["llama-gqa4-hd128", "qwen2-bias-gqa4"])    # an LM head of its own, and tied
-def test_a_quantized_lm_head_stays_in_its_blocks(hf_variants, tmp_path, name):
-    """The LM head is read from the file's blocks (from the embeddings' tensor when tied), not widened to float: at
-    one user it is a large share of a step's bytes."""
+def test_a_quantized_lm_head_and_embeddings_stay_in_their_blocks(hf_variants, tmp_path, name):
+    """The LM head and the embeddings are read from the file's blocks, not widened to float (one set of blocks when
+    tied): at one user the LM head is a large share of a step's bytes, and with a large vocabulary the two are a
+    large share of the memory."""
     folder = gguf_folder(hf_variants[name], tmp_path, "Q8_0")
-    engine = LLMEngine(EngineConfig(model_path=folder, kv_cache_bytes=16 << 20))
-    lm_head = engine.runner.model.lm_head
+    model = LLMEngine(EngineConfig(model_path=folder, kv_cache_bytes=16 << 20)).runner.model
+    lm_head = model.lm_head
     assert lm_head.grouped is not None and lm_head.dense is None and lm_head.packed is None
-    assert lm_head.grouped.out_features == engine.model_config.vocab_size
+    assert lm_head.grouped.out_features == model.cfg.vocab_size
+    assert isinstance(model.embed, GroupWeight)
+    assert (model.embed is lm_head.grouped) == model.cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_K", "Q6_K", "Q4_1"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_looking_rows_up_in_the_blocks_decodes_them_as_the_whole_weight(file_type, packed):
+    """An embedding lookup from the blocks equals those rows of the decoded weight bit for bit, held as rows or
+    packed for the operator, 4-bit (two to a byte) or int8, with minimums or without."""
+    from trellm_backend.models.gguf import GgufTensor, decode_blocks
+    w = np.random.default_rng(2).standard_normal((96, 512)).astype(np.float32)
+    q, scales, mins, group = decode_blocks(GgufTensor("w", file_type, w.shape, quantize(w, file_type)[0]))
+    weight = GroupWeight(torch.from_numpy(q.copy()), torch.from_numpy(scales).t().contiguous(),
+                         None if mins is None else torch.from_numpy(mins).t().contiguous(), group)
+    if packed:
+        weight = pack(weight)
+        assert weight.packed, "the C++ operators are built by setup (tests/test_cpu_ops.py)"
+    ids = torch.tensor([0, 95, 31, 32, 7, 7, 64])
+    assert torch.equal(weight.take_rows(ids), weight.tensor()[ids])
 
 
 def test_the_load_check_counts_a_quantized_file_at_its_held_size_not_as_floats(hf_variants, tmp_path):
     """The memory check before a load (triton/checks.py) must not refuse a 4-bit model that fits because its weights
-    were counted as float32: quantized linears count at their held size, bounded from above."""
+    were counted as float32: quantized tensors count at their held size, bounded from above."""
     from trellm_backend.models.gguf import gguf_weight_bytes
     q4 = gguf_folder(hf_variants["llama-gqa4-hd128"], tmp_path, "Q4_K_M")
     f32 = gguf_folder(hf_variants["llama-gqa4-hd128"], tmp_path, "F32")
     estimate = gguf_weight_bytes(q4, 4)
     assert estimate < 0.6 * gguf_weight_bytes(f32, 4)
     model = LLMEngine(EngineConfig(model_path=q4, kv_cache_bytes=16 << 20)).runner.model
-    held = model.embed.nbytes + sum(t.nbytes for layer in model.layers for site in ("qkv", "o", "gate_up", "down")
-                                    for t in (getattr(layer, site).grouped.q, getattr(layer, site).grouped.scales))
-    held += model.lm_head.grouped.q.nbytes + model.lm_head.grouped.scales.nbytes
+    held = model.embed.nbytes + model.lm_head.grouped.nbytes
+    held += sum(getattr(layer, site).grouped.nbytes for layer in model.layers for site in ("qkv", "o", "gate_up", "down"))
     assert held <= estimate

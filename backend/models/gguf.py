@@ -573,18 +573,11 @@ class GgufState:
         return sorted(set(self.tensors) - self.taken - set(ROPE_TENSORS))
 
 
-HELD_BLOCK_BYTES = 1.5    # bytes a quantized linear's weight takes at most held: int8, a scale and a minimum per 16
+HELD_BLOCK_BYTES = 1.5    # bytes a quantized weight takes at most held: int8, a scale and a minimum per 16
 
 
 def gguf_weight_bytes(path: str, item_bytes: int) -> int:
-    """Bytes the folder's GGUF weights take once loaded, at most: float tensors and the embeddings (dequantized) at
-    `item_bytes` an element, quantized linears at HELD_BLOCK_BYTES (the tied LM head's blocks counted once more)."""
+    """Bytes the folder's GGUF weights take once loaded, at most: float tensors at `item_bytes` an element, quantized
+    ones (the linears, and the embeddings, which a tied LM head shares) at HELD_BLOCK_BYTES."""
     _, tensors = read_gguf(gguf_file_of(path))
-    total = 0
-    for name, t in tensors.items():
-        n = int(np.prod(t.shape))
-        total += int(n * (HELD_BLOCK_BYTES if t.quantized and name != "token_embd.weight" else item_bytes))
-    embed = tensors.get("token_embd.weight")
-    if "output.weight" not in tensors and embed is not None and embed.quantized:
-        total += int(np.prod(embed.shape) * HELD_BLOCK_BYTES)
-    return total
+    return sum(int(np.prod(t.shape) * (HELD_BLOCK_BYTES if t.quantized else item_bytes)) for t in tensors.values())

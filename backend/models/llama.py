@@ -78,9 +78,11 @@ class LlamaModel:
             # Gemma stores its norms' weights as w and scales by 1 + w
             return take(name) + 1 if gemma is not None else take(name)
 
-        self.embed = take("model.embed_tokens.weight")
-        if self.embed.shape != (cfg.vocab_size, cfg.hidden_size):
-            raise ModelConfigError(f"{source}: model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
+        self.embed = ck.embeddings()     # a tensor, or a GGUF file's blocks (GroupWeight)
+        shape = tuple(self.embed.shape) if isinstance(self.embed, torch.Tensor) else \
+            (self.embed.out_features, self.embed.in_features)
+        if shape != (cfg.vocab_size, cfg.hidden_size):
+            raise ModelConfigError(f"{source}: model.embed_tokens.weight has shape {shape}, "
                                    f"config.json says vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}")
         self.cos_sin = cos_sin_cache(cfg, max_positions).to(device)
         local_cos_sin = None
@@ -166,7 +168,8 @@ class LlamaModel:
         """
         cfg = self.cfg
         T = input_ids.shape[0]
-        h = self.embed[input_ids]
+        h = self.embed[input_ids] if isinstance(self.embed, torch.Tensor) else \
+            self.embed.take_rows(input_ids).to(self.dtype)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         rope_rows = meta.positions

@@ -13,7 +13,7 @@ from trellm_backend.models.config import ModelConfig, ModelConfigError
 from trellm_backend.models.gguf import FLOAT_TYPES, GgufState, gguf_file_of
 from trellm_backend.models.quant_formats import take_int4
 from trellm_kernels.int4 import cat_outputs
-from trellm_kernels.group_quant import cat_outputs as cat_groups, pack as pack_groups
+from trellm_kernels.group_quant import GroupWeight, cat_outputs as cat_groups, pack as pack_groups
 from trellm_kernels.linear import Weight, prepare_int4, prepare_weight
 
 
@@ -135,13 +135,24 @@ class Checkpoint:
                         mins=None if w.mins is None else w.mins.to(self.device))
         return Weight(None, grouped=w)
 
-    def lm_head(self, embed: torch.Tensor) -> Weight:
+    def embeddings(self) -> torch.Tensor | GroupWeight:
+        """The embeddings [vocab, hidden] in the model's dtype; a GGUF file's quantized ones stay in their blocks
+        (GroupWeight.take_rows decodes the rows a step looks up), shared with the LM head when tied."""
+        name = "model.embed_tokens.weight"
+        if isinstance(self.state, GgufState) and self.state.type_of(name) not in (None, *FLOAT_TYPES):
+            return self.held_blocks(self.state.pop_blocks(name)).grouped
+        return self.take(name)
+
+    def lm_head(self, embed: torch.Tensor | GroupWeight) -> Weight:
         """The LM head in the model's dtype (the embeddings `embed` when tied). A GGUF file's quantized one stays in
-        its blocks, read from the embeddings' tensor when tied: at one user the LM head is a large share of the
-        bytes a step reads, and of the memory of a large vocabulary."""
-        if isinstance(self.state, GgufState):
-            name = "lm_head.weight" if self.state.type_of("lm_head.weight") else "model.embed_tokens.weight"
-            if self.state.type_of(name) not in FLOAT_TYPES:
-                return self.held_blocks(self.state.pop_blocks(name))
-        lm_head = self.take("lm_head.weight", required=not self.cfg.tie_word_embeddings)
-        return prepare_weight(embed if self.cfg.tie_word_embeddings or lm_head is None else lm_head)
+        its blocks: at one user the LM head is a large share of the bytes a step reads, and of the memory of a
+        large vocabulary."""
+        tied = self.cfg.tie_word_embeddings
+        if isinstance(embed, GroupWeight) and tied:
+            return Weight(None, grouped=embed)
+        if isinstance(self.state, GgufState) and self.state.type_of("lm_head.weight") not in (None, *FLOAT_TYPES):
+            return self.held_blocks(self.state.pop_blocks("lm_head.weight"))
+        lm_head = self.take("lm_head.weight", required=not tied)
+        if isinstance(embed, GroupWeight) and lm_head is None:
+            return Weight(None, grouped=embed)
+        return prepare_weight(embed if tied or lm_head is None else lm_head)

@@ -5,7 +5,6 @@ import dataclasses
 import functools
 import logging
 import threading
-import time
 
 from trellm_backend.engine.kv_cache_manager import KVCacheManager
 from trellm_backend.engine.limits import context_limit, kv_window, resolve_block_size, resolve_device_dtype
@@ -15,10 +14,9 @@ from trellm_backend.models.lora import AdapterRegistry, adapter_table
 from trellm_backend.models.rope import long_rope_from
 from trellm_backend.engine.runner import ModelRunner
 from trellm_backend.engine.output_processor import OutputProcessor, bad_words_ids
-from trellm_backend.engine.request import Request, RequestOutput, SamplingParams, Status
+from trellm_backend.engine.request import Request, RequestOutput, SamplingParams, request_output
 from trellm_backend.engine.draft import load_draft_config
-from trellm_backend.engine.sampler import SampledToken
-from trellm_backend.engine.scheduler import ScheduledChunk, Scheduler
+from trellm_backend.engine.scheduler import Scheduler
 from trellm_backend.engine.stats import SchedulerStats
 from trellm_backend.engine.structured_output import GrammarCompiler, GuidedRow, fill_masks
 
@@ -46,8 +44,8 @@ class LLMEngine:
                                    num_speculative_tokens=config.num_speculative_tokens if self.runner.proposer else 0,
                                    speculative_disable_batch_size=config.speculative_disable_batch_size,
                                    lookahead_slots=draft_cfg is not None, max_loras=config.max_loras,
-                                   long_rope_from=long_rope_from(mc))
-        self.requests: dict[str, Request] = {}
+                                   long_rope_from=long_rope_from(mc), eos_token_ids=frozenset(mc.eos_token_ids))
+        self.requests: dict[str, Request] = {}     # by id: those added and not yet finished or aborted
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.pool_tokens = self.kv.num_blocks * config.block_size
         self.loras = AdapterRegistry(adapter_table(config.lora_adapters), mc, config.max_lora_rank,
@@ -127,9 +125,9 @@ class LLMEngine:
             return None
         self.scheduler.finish(req, "abort")
         if req.output_processor is None:
-            return self._output(req, len(req.unsent))
+            return request_output(req, len(req.unsent))
         r = req.output_processor.flush()
-        return self._output(req, r.num_tokens, r.text, r.context_ids)
+        return request_output(req, r.num_tokens, r.text, r.context_ids)
 
     # -- stepping ------------------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -141,9 +139,11 @@ class LLMEngine:
         if not sched.chunks and not sched.reset_ids:
             return []
         result = self.runner.execute(sched, self._grammar_masks(sched))
-        sampled = iter(result.sampled)
-        return [self._advance(chunk, next(sampled), result.guesses.get(chunk.request_id, []))
-                for chunk in sched.chunks if chunk.samples]
+        outputs = self.scheduler.update_from_output(sched, result.sampled, result.guesses)
+        for o in outputs:
+            if o.finished:
+                del self.requests[o.request_id]
+        return outputs
 
     def _grammar_masks(self, sched):
         """The step's token bitmask for the guided requests' rows (structured_output.py), or None."""
@@ -156,76 +156,6 @@ class LLMEngine:
                 rows += [None if m is None else GuidedRow(m, c.draft_token_ids[:j])
                          for j in range(len(c.draft_token_ids) + 1)]
         return fill_masks(self._grammars, rows)
-
-    def _advance(self, chunk: ScheduledChunk, rows: list[SampledToken], guesses: list[int]) -> RequestOutput:
-        """Append the step's tokens to the chunk's request: the guesses the target sampled the same token for,
-        then the target's token at the first disagreement (or after the last guess); stop at the first token that
-        finishes the request (the rest are dropped, so max_tokens and stops are never overshot). The output carries the
-        tokens whose text is settled (output_processor.py); the rest wait in `req.unsent`. `guesses`: those
-        proposed for the request's next step."""
-        req, drafts = self.requests[chunk.request_id], chunk.draft_token_ids
-        if drafts:
-            self.scheduler.verify(req, len(drafts), len(rows) - 1)
-        if req.generator is not None and rows[-1].rng_state is not None:
-            req.generator.set_state(rows[-1].rng_state)
-        now = time.time_ns()
-        req.times.first_token_ns = req.times.first_token_ns or now
-        req.times.last_token_ns = now
-        texts, context, cut, released, reason = [], None, 0, 0, None
-        for s in rows:
-            token = s.token_id
-            req.token_ids.append(token)
-            req.unsent.append(s)
-            if s.logprob is not None:
-                req.cumulative_logprob += s.logprob
-            reason = self._finish_reason(req, token)
-            if req.grammar is not None:
-                if not req.grammar.accept_token(token):
-                    log.warning("%s: token %d is outside its grammar; ending it", req.request_id, token)
-                    reason = "stop"
-                elif req.grammar.is_terminated():   # the grammar took a stop token: done, ignore_eos or not
-                    reason = "stop"
-            if req.output_processor is None:
-                released = len(req.unsent)
-            else:
-                # Like EOS, stop strings count only once min_tokens are out.
-                r = req.output_processor.add(token, reason is not None,
-                                             req.num_output_tokens >= req.params.min_tokens)
-                if r.num_tokens and context is None:
-                    context = r.context_ids
-                released, cut = released + r.num_tokens, r.cut_chars
-                texts.append(r.text)
-                reason = "stop" if r.stopped else reason
-            if reason:
-                break
-        if reason:
-            self.scheduler.finish(req, reason)
-            del self.requests[req.request_id]
-        else:
-            req.spec_token_ids = guesses
-        return self._output(req, released, "".join(texts), context, cut)
-
-    def _finish_reason(self, req: Request, token: int) -> str | None:
-        p = req.params
-        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
-            return "stop"
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_len:
-            return "length"
-        return None
-
-    @staticmethod
-    def _output(req: Request, num_released: int, text: str = "", context_ids: list[int] | None = None,
-                cut_chars: int = 0) -> RequestOutput:
-        """The request's output for the oldest `num_released` unsent tokens (with their logprobs)."""
-        out, req.unsent = req.unsent[:num_released], req.unsent[num_released:]
-        logprobs = [s.logprob for s in out] if out and out[0].logprob is not None else None
-        top = [(s.rank, s.top) for s in out] if out and out[0].top is not None else None
-        return RequestOutput(req.request_id, [s.token_id for s in out], finished=req.status is Status.FINISHED,
-                             finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
-                             num_output_tokens=req.num_output_tokens, text=text, context_ids=context_ids or [],
-                             cut_chars=cut_chars,
-                             logprobs=logprobs, top_logprobs=top, cumulative_logprob=req.cumulative_logprob,
-                             times=dataclasses.replace(req.times), num_cached_tokens=req.num_cached_tokens)
 
     # -- convenience ---------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -274,3 +274,17 @@ class RequestOutput:
             later, new_token_ids=self.new_token_ids + later.new_token_ids, text=self.text + later.text,
             context_ids=self.context_ids if self.new_token_ids else later.context_ids,
             logprobs=both(self.logprobs, later.logprobs), top_logprobs=both(self.top_logprobs, later.top_logprobs))
+
+
+def request_output(req: Request, num_released: int, text: str = "", context_ids: list[int] | None = None,
+                   cut_chars: int = 0) -> RequestOutput:
+    """`req`'s output for its oldest `num_released` unsent tokens (with their logprobs), which leave `req.unsent`."""
+    out, req.unsent = req.unsent[:num_released], req.unsent[num_released:]
+    logprobs = [s.logprob for s in out] if out and out[0].logprob is not None else None
+    top = [(s.rank, s.top) for s in out] if out and out[0].top is not None else None
+    return RequestOutput(req.request_id, [s.token_id for s in out], finished=req.status is Status.FINISHED,
+                         finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
+                         num_output_tokens=req.num_output_tokens, text=text, context_ids=context_ids or [],
+                         cut_chars=cut_chars, logprobs=logprobs, top_logprobs=top,
+                         cumulative_logprob=req.cumulative_logprob, times=replace(req.times),
+                         num_cached_tokens=req.num_cached_tokens)

@@ -38,9 +38,9 @@ log = logging.getLogger("trellm")
 
 @dataclass
 class RunnerOutput:
-    """What one step yields, for the engine to apply: for each chunk that samples (in chunk order) its tokens, the
-    guesses the target agreed with and the target's own token after them; and the guesses proposed for the next step,
-    by request id."""
+    """What one step yields, for the scheduler to apply (Scheduler.update_from_output): for each chunk that samples
+    (in chunk order) its tokens, the guesses the target agreed with and the target's own token after them; and the
+    guesses proposed for the next step, by request id."""
     sampled: list[list[SampledToken]] = field(default_factory=list)
     guesses: dict[str, list[int]] = field(default_factory=dict)
 

@@ -25,19 +25,23 @@ The scheduler alone advances request progress: once a step is planned, each sche
 `num_computed_tokens` already counts that step's tokens (vLLM v1 does the same), and the output is plain data fixed
 at planning time (where each chunk starts, its tokens, its block table, what sampling its rows reads, its adapter),
 so the model runner and the sampler read facts that no later update can change and never see a live `Request`.
-Only the scheduler and the engine (which applies a step's outcome) hold those.
+Only the scheduler and the engine hold those. The scheduler also applies a step's outcome (`update_from_output`, as
+vLLM v1's does): the sampled tokens appended, stops and lengths checked, finished requests' blocks returned.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from trellm_backend.engine.kv_cache_manager import KVCacheManager
-from trellm_backend.engine.request import Request, Status
-from trellm_backend.engine.sampler import SamplingRow
+from trellm_backend.engine.request import Request, RequestOutput, Status, request_output
+from trellm_backend.engine.sampler import SampledToken, SamplingRow
 from trellm_backend.engine.stats import SchedulerStats
+
+log = logging.getLogger("trellm")
 
 
 @dataclass(frozen=True)
@@ -115,10 +119,13 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  num_speculative_tokens: int = 0, speculative_disable_batch_size: int = 0,
-                 lookahead_slots: bool = False, max_loras: int = 0, long_rope_from: int | None = None):
+                 lookahead_slots: bool = False, max_loras: int = 0, long_rope_from: int | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()):
         """`lookahead_slots`: the proposer writes K/V at the positions it guesses (a draft model), so a request
-        that asks for guesses gets slots for them in the step before."""
+        that asks for guesses gets slots for them in the step before. `eos_token_ids`: the model's end of
+        generation, which finishes a request unless it ignores EOS."""
         self.kv = kv_cache_manager
+        self.eos_token_ids = eos_token_ids
         self.long_rope_from = long_rope_from   # longrope's pretraining length (models/rope.py), or None
         self.max_loras = max_loras      # most LoRA adapters among the running requests (0: no limit)
         self.num_speculative_tokens = num_speculative_tokens
@@ -343,6 +350,72 @@ class Scheduler:
         self.reset_ids.append(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason = reason
+
+    # -- a step's results ---------------------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: list[list[SampledToken]],
+                           guesses: dict[str, list[int]]) -> list[RequestOutput]:
+        """Apply what the runner made of the step `out` planned (runner.RunnerOutput: the tokens of each sampling
+        chunk, in chunk order, and the guesses proposed for the next step): an output for each request that got
+        tokens, those that finished taken out of the queues with their blocks returned."""
+        running = {r.request_id: r for r in self.running}
+        rows = iter(sampled)
+        return [self._advance(running[c.request_id], c, next(rows), guesses.get(c.request_id, []))
+                for c in out.chunks if c.samples]
+
+    def _advance(self, req: Request, chunk: ScheduledChunk, rows: list[SampledToken],
+                 guesses: list[int]) -> RequestOutput:
+        """Append the step's tokens to `req`: the guesses the target sampled the same token for, then the target's
+        token at the first disagreement (or after the last guess); stop at the first token that finishes the request
+        (the rest are dropped, so max_tokens and stops are never overshot). The output carries the tokens whose text
+        is settled (output_processor.py); the rest wait in `req.unsent`. `guesses`: those proposed for the
+        request's next step."""
+        if chunk.draft_token_ids:
+            self.verify(req, len(chunk.draft_token_ids), len(rows) - 1)
+        if req.generator is not None and rows[-1].rng_state is not None:
+            req.generator.set_state(rows[-1].rng_state)
+        now = time.time_ns()
+        req.times.first_token_ns = req.times.first_token_ns or now
+        req.times.last_token_ns = now
+        texts, context, cut, released, reason = [], None, 0, 0, None
+        for s in rows:
+            token = s.token_id
+            req.token_ids.append(token)
+            req.unsent.append(s)
+            if s.logprob is not None:
+                req.cumulative_logprob += s.logprob
+            reason = self._finish_reason(req, token)
+            if req.grammar is not None:
+                if not req.grammar.accept_token(token):
+                    log.warning("%s: token %d is outside its grammar; ending it", req.request_id, token)
+                    reason = "stop"
+                elif req.grammar.is_terminated():   # the grammar took a stop token: done, ignore_eos or not
+                    reason = "stop"
+            if req.output_processor is None:
+                released = len(req.unsent)
+            else:
+                # Like EOS, stop strings count only once min_tokens are out.
+                r = req.output_processor.add(token, reason is not None,
+                                             req.num_output_tokens >= req.params.min_tokens)
+                if r.num_tokens and context is None:
+                    context = r.context_ids
+                released, cut = released + r.num_tokens, r.cut_chars
+                texts.append(r.text)
+                reason = "stop" if r.stopped else reason
+            if reason:
+                break
+        if reason:
+            self.finish(req, reason)
+        else:
+            req.spec_token_ids = guesses
+        return request_output(req, released, "".join(texts), context, cut)
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            return "stop"
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= req.max_len:
+            return "length"
+        return None
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv

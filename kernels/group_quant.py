@@ -27,7 +27,7 @@ import torch
 
 from trellm_kernels import cpu_ops
 
-GROUPS = (16, 32)      # what the C++ operator runs
+GROUPS = (16, 32, 64, 128)      # what the C++ operator runs (GGUF's 16 and 32, INT4's 64 and 128)
 BLOCK = 32             # kernels/linear.py's CPU_BLOCK: outputs per packed block
 
 
@@ -120,11 +120,15 @@ def cat_outputs(parts: list[GroupWeight]) -> GroupWeight:
     return GroupWeight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts], dim=1), mins, group)
 
 
+def pack_takes(t: torch.Tensor) -> bool:
+    """Whether weights living where `t` does can be held for the C++ operator (a CPU build with the operators)."""
+    return t.device.type == "cpu" and cpu_ops.for_tensor(t) is not None
+
+
 def pack(w: GroupWeight) -> GroupWeight:
     """Held for the C++ operator where it runs it (a CPU build with the operators, outputs filling its blocks)."""
     N = w.out_features
-    if w.packed or w.q.device.type != "cpu" or cpu_ops.for_tensor(w.q) is None or N % BLOCK \
-            or w.group not in GROUPS:
+    if w.packed or not pack_takes(w.q) or N % BLOCK or w.group not in GROUPS:
         return w
     q, scales, mins = w.rows()
     epilogue = torch.stack([scales] if mins is None else [scales, mins])          # [1 or 2, K/g, N]

@@ -20,6 +20,11 @@ Layouts of `packed`:
   path is a scalar loop, many times slower than the bf16 one: perf/RESULTS.md, section "Weight-only INT4"). q is
   recovered from it exactly by running the operator on an identity matrix with scale 1 and zero 8 (`q()`), so
   nothing depends on the layout.
+- the group operator's blocks (cpu/group_linear.cpp, kernels/group_quant.py), set when `groups` is, on a CPU where
+  that operator runs: the nibbles in its blocks of 32 outputs, with float32 scales and z * s as its minimums, so
+  y = sum_g (s * sum q x - z s * sum x) on float32 activations. It reads the same 4 bits a weight and was faster
+  than torch's int4pack operator at every token count (perf/RESULTS.md, "INT4 on the group operator"); it is the
+  CPU's layout where it takes the shape, torch's int4pack elsewhere.
 
 The quantizer is round-to-nearest over [min(w, 0), max(w, 0)] of each group (GPTQ's quantizer without its error
 feedback): 0 is always on the grid and every weight lies within half a step of its dequantized value.
@@ -30,7 +35,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from trellm_kernels import group_quant
 from trellm_kernels.formats import GROUP_SIZES
+from trellm_kernels.group_quant import GroupWeight
 
 CPU_OP_GROUPS = (32, 64, 128, 256)     # what torch._weight_int4pack_mm_for_cpu accepts
 
@@ -44,6 +51,7 @@ class Int4Weight:
     in_features: int                               # K
     perm: torch.Tensor | None = None               # int64 [K]: stored input i is the layer's input perm[i]
     cpu_scales_zeros: torch.Tensor | None = None   # bf16 [G, N, 2]: packed is torch's CPU int4pack layout
+    groups: GroupWeight | None = None              # held for the group operator (packed is its nibble blocks)
 
     @property
     def out_features(self) -> int:
@@ -51,6 +59,8 @@ class Int4Weight:
 
     def q(self) -> torch.Tensor:
         """uint8 [N, K], values 0..15, in stored (permuted) input order."""
+        if self.groups is not None:
+            return self.groups.rows()[0][:, :self.in_features].contiguous()
         if self.cpu_scales_zeros is None:
             return unpack_nibbles(self.packed, self.in_features)
         G, N = self.scales.shape
@@ -155,6 +165,25 @@ def to_cpu_int4pack(w: Int4Weight) -> Int4Weight:
     return replace(w, packed=packed, cpu_scales_zeros=sz)
 
 
+def group_op_accepts(w: Int4Weight) -> bool:
+    """Shapes the group operator takes (group_quant.pack): a CPU with the operators, whole blocks of outputs, and a
+    group size it runs (a short last group is padded, as for torch's operator)."""
+    return (w.packed.device.type == "cpu" and w.out_features % group_quant.BLOCK == 0
+            and w.group in group_quant.GROUPS and group_quant.pack_takes(w.packed))
+
+
+def to_cpu_groups(w: Int4Weight) -> Int4Weight:
+    """The same weight held for the group operator (caller checks group_op_accepts): its nibbles, inputs padded to
+    whole groups with q = 0 (they meet zero activations), scales in float32 and z * s as the minimums."""
+    q = w.q()
+    pad = w.scales.shape[0] * w.group - w.in_features
+    if pad:
+        q = torch.nn.functional.pad(q, (0, pad))
+    s = w.scales.float()
+    groups = group_quant.pack(GroupWeight(q, s.contiguous(), (w.zeros.float() * s).contiguous(), w.group))
+    return replace(w, packed=groups.q, groups=groups)
+
+
 def cat_outputs(parts: list[Int4Weight], where: str) -> Int4Weight:
     """Weights sharing one input (q/k/v, gate/up) stacked along the outputs; they must agree on the group and on
     the input permutation (GPTQ quantizes them with one act-order, from the same inputs). `where` names them."""
@@ -167,7 +196,7 @@ def cat_outputs(parts: list[Int4Weight], where: str) -> Int4Weight:
                              f"{first.group}, {first.in_features})")
         if (p.perm is None) != (first.perm is None) or (p.perm is not None and not torch.equal(p.perm, first.perm)):
             raise ValueError(f"{where}: the act-order g_idx differ between the projections that share an input")
-        if p.cpu_scales_zeros is not None:
+        if p.cpu_scales_zeros is not None or p.groups is not None:
             raise ValueError(f"{where}: join weights before converting them to the CPU layout")
     return Int4Weight(torch.cat([p.packed for p in parts]).contiguous(),
                       torch.cat([p.scales for p in parts], dim=1).contiguous(),

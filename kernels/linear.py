@@ -50,7 +50,8 @@ from trellm_kernels import cpu_ops
 from trellm_kernels import dispatch
 from trellm_kernels import linear_choice
 from trellm_kernels.dispatch import use_triton
-from trellm_kernels.int4 import Int4Weight, cpu_op_accepts, quantize_int4, to_cpu_int4pack
+from trellm_kernels.int4 import (Int4Weight, cpu_op_accepts, group_op_accepts, quantize_int4, to_cpu_groups,
+                                 to_cpu_int4pack)
 from trellm_kernels.group_quant import GroupWeight
 
 
@@ -235,8 +236,11 @@ def hold(w: torch.Tensor, layout: str, typical_tokens: int = 64) -> Weight:
 
 
 def prepare_int4(w: Int4Weight) -> Weight:
-    """An INT4 weight (quantized here or read from a GPTQ/AWQ checkpoint) in the layout its device's path reads."""
-    if w.packed.device.type == "cpu" and cpu_op_accepts(w):
+    """An INT4 weight (quantized here or read from a GPTQ/AWQ checkpoint) in the layout its device's path reads: on
+    a CPU the group operator's blocks where it takes the shape, else torch's int4pack where that takes it."""
+    if group_op_accepts(w):
+        w = to_cpu_groups(w)
+    elif w.packed.device.type == "cpu" and cpu_op_accepts(w):
         w = to_cpu_int4pack(w)
     return Weight(None, int4=w)
 
@@ -318,6 +322,11 @@ CALLS = {
 }
 
 
+def cpp_build(ops) -> str:
+    """The C++ operators' build, in words."""
+    return "C++ (AVX-512)" if ops.avx512 else "C++ (AVX2)" if ops.avx2 else "C++ (portable)"
+
+
 def linear_path(w: Weight) -> str:
     """Which implementation `linear` runs for `w`, in words, for the load log: the same tests in the same order."""
     device = w.tensor_device()
@@ -330,14 +339,14 @@ def linear_path(w: Weight) -> str:
     if w.int4 is not None:
         if triton:
             return "INT4 Triton kernel"
+        if w.int4.groups is not None:
+            return f"INT4 (groups of {w.int4.group}) on the group operator, {cpp_build(ops)}, float32 activations"
         if w.int4.cpu_scales_zeros is not None:
             return "INT4 torch _weight_int4pack_mm_for_cpu (bf16 activations)"
         return f"INT4 dequantized, then {dense_path(w.int4.scales.dtype)}"
     if w.grouped is not None:
         g = w.grouped
-        where = "Triton kernel" if triton else (
-            ("C++ (AVX-512)" if ops.avx512 else "C++ (AVX2)" if ops.avx2 else "C++ (portable)") if g.packed
-            else "dequantized, then torch linear float32")
+        where = "Triton kernel" if triton else (cpp_build(ops) if g.packed else "dequantized, then torch linear float32")
         return (f"{'4-bit' if g.bits == 4 else 'INT8'} with a scale{' and a minimum' if g.has_mins else ''} per "
                 f"{g.group} inputs, {where}")
     if w.w8a8:
@@ -533,6 +542,9 @@ def group_linear(x: torch.Tensor, w: GroupWeight, bias: torch.Tensor | None = No
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if w.perm is not None:     # act-order: the stored inputs are the layer's in this order
         x = x.index_select(-1, w.perm)
+    if w.groups is not None:
+        pad = w.scales.shape[0] * w.group - w.in_features       # a short last group, padded at load
+        return group_linear(x if not pad else torch.nn.functional.pad(x, (0, pad)), w.groups, bias)
     if use_triton(x):
         from trellm_kernels.triton_linear import int4_linear_triton
         return int4_linear_triton(x, w.packed, w.scales, w.zeros, w.group, bias)

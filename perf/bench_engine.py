@@ -47,7 +47,9 @@ def main():
                     "engine's, auto)")
     ap.add_argument("--profile-step", action="store_true", help="profile one decode step of the whole batch")
     ap.add_argument("--anchor", action="store_true", help="the anchor profile's requests, time by step kind")
-    ap.add_argument("--by-op", action="store_true", help="with --anchor: seconds per forward operation and step kind")
+    ap.add_argument("--by-op", action="store_true", help="with --anchor: seconds per forward operation and step kind; "
+                    "else: milliseconds of a decode step of --requests sequences per forward operation, the rest of "
+                    "the runner's work, and the engine's outside it (scheduling, applying the tokens)")
     args = ap.parse_args()
 
     extra = {k: v for k, v in (("kv_cache_bytes", args.kv_cache_bytes), ("block_size", args.block_size),
@@ -67,6 +69,8 @@ def main():
         engine.add_request(str(i), torch.randint(10, vocab, (args.prompt_len,), generator=g).tolist(), params)
     if args.profile_step:
         return profile_decode_step(engine, args.requests)
+    if args.by_op:
+        return decode_step_by_op(engine, args.requests)
     model_time = 0.0
     execute = engine.runner.model.forward
 
@@ -92,6 +96,45 @@ def main():
 
 FORWARD_OPS = ("linear", "paged_attention", "rotary_and_write_kv", "fused_add_rms_norm", "rms_norm",
                "silu_and_mul")
+
+
+def decode_step_by_op(engine: LLMEngine, num_requests: int, timed_steps: int = 200):
+    """Once every request decodes, time `timed_steps` steps: each of FORWARD_OPS as the model module calls it, the
+    rest of the runner's execute, and what the engine does outside it."""
+    from collections import defaultdict
+    while sum(len(o.new_token_ids) for o in engine.step()) < num_requests:
+        if not engine.has_unfinished():
+            raise SystemExit("the requests finished before all of them decoded together: raise --gen-len")
+    seconds: dict[str, float] = defaultdict(float)
+
+    def timed(name, fn):
+        def call(*a, **kw):
+            t = time.perf_counter()
+            r = fn(*a, **kw)
+            seconds[name] += time.perf_counter() - t
+            return r
+        return call
+
+    originals = {name: getattr(llama, name) for name in FORWARD_OPS}
+    for name, fn in originals.items():
+        setattr(llama, name, timed(name, fn))
+    execute = engine.runner.execute
+    engine.runner.execute = timed("execute", execute)
+    start = time.perf_counter()
+    for _ in range(timed_steps):
+        engine.step()
+    step = (time.perf_counter() - start) / timed_steps
+    engine.runner.execute = execute
+    for name, fn in originals.items():
+        setattr(llama, name, fn)
+    if len(engine.scheduler.running) < num_requests:
+        raise SystemExit("requests finished while the steps were timed: raise --gen-len")
+    ms = {name: sec / timed_steps * 1e3 for name, sec in seconds.items()}
+    ops = {name: ms.get(name, 0.0) for name in FORWARD_OPS}
+    print(f"decode step, {num_requests} sequences: {step * 1e3:.3f} ms; "
+          + ", ".join(f"{op} {t:.3f}" for op, t in ops.items())
+          + f", the rest of the runner {ms['execute'] - sum(ops.values()):.3f}, outside the runner "
+          f"{step * 1e3 - ms['execute']:.3f} ms")
 
 
 def split_anchor_steps(engine: LLMEngine, model_dir: str, by_op: bool = False):

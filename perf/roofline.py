@@ -75,7 +75,12 @@ def weight_read_tensors(w: Weight) -> list[torch.Tensor]:
     """The tensors `linear` reads for w on a CPU: the one form the weight is held in and its scales."""
     if w.int4 is not None:
         q = w.int4
-        parts = [q.packed, q.cpu_scales_zeros] if q.cpu_scales_zeros is not None else [q.packed, q.scales, q.zeros]
+        if q.groups is not None:         # the group operator's nibbles and its scales and minimums
+            parts = [q.groups.q, q.groups.scales]
+        elif q.cpu_scales_zeros is not None:
+            parts = [q.packed, q.cpu_scales_zeros]
+        else:
+            parts = [q.packed, q.scales, q.zeros]
         return parts + ([q.perm] if q.perm is not None else [])
     if w.scales is not None:     # INT8 rows or blocks, or W8A8's oneDNN layout
         return [w.qweight if w.qweight is not None else w.prepared, w.scales]

@@ -509,7 +509,7 @@ def test_the_logged_linear_path_is_the_one_linear_runs(ops, monkeypatch, quantiz
     spy(torch.ops.mkldnn, "_linear_pointwise", lambda a: "oneDNN")
     spy(torch, "_weight_int4pack_mm_for_cpu", lambda a: "_weight_int4pack_mm")
     spy(torch.nn.functional, "linear", lambda a: f"torch linear on {a[0].dtype}")
-    ops = ("fp32_linear", "half_linear", "bf16_linear", "bf16_amx_linear", "int8_linear", "oneDNN",
+    ops = ("fp32_linear", "half_linear", "bf16_linear", "bf16_amx_linear", "int8_linear", "group_linear", "oneDNN",
            "_weight_int4pack_mm", "torch linear on")
     g = torch.Generator().manual_seed(3)
     w = linear.prepare_weight(randn(g, out_f, 256, dtype=dtype), quantization)
@@ -521,7 +521,8 @@ def test_the_logged_linear_path_is_the_one_linear_runs(ops, monkeypatch, quantiz
         return [c for c in called if c.startswith(ops)]
     torch_linear = f"torch linear on {dtype}"
     named = {"fp32 C++": "fp32_linear", "(AVX512-BF16": "bf16_linear", "float16 C++": "half_linear",
-             "INT8 C++": "int8_linear", "oneDNN": "oneDNN", "_weight_int4pack_mm": "_weight_int4pack_mm",
+             "INT8 C++": "int8_linear", "group operator": "group_linear", "oneDNN": "oneDNN",
+             "_weight_int4pack_mm": "_weight_int4pack_mm",
              "dequantized": torch_linear, "torch linear": torch_linear}
     head = path.split(",")[0]
     assert runs(1) == [op for words, op in named.items() if words in head][:1], (path, called)
@@ -960,13 +961,13 @@ def test_cpu_lora_add_operator_matches_reference(ops, tokens, k, ranks, widths):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("group,mins", [(32, False), (32, True), (16, False)])
-@pytest.mark.parametrize("tokens, out_f, in_f", [(1, 64, 256), (5, 96, 512), (6, 32, 64), (13, 64, 1024),
+@pytest.mark.parametrize("group,mins", [(32, False), (32, True), (16, False), (64, True), (128, True)])
+@pytest.mark.parametrize("tokens, out_f, in_f", [(1, 64, 256), (5, 96, 512), (6, 32, 128), (13, 64, 1024),
                                                  (100, 32, 256)])   # tiles of 6 (4 portable) and a chunk of 96
 def test_cpu_group_linear_matches_a_float64_reference(ops, bits, group, mins, tokens, out_f, in_f):
-    """GGUF's blocks as group-quantized weights (kernels/group_quant.py: int8, or 4-bit two to a byte) through each
-    build's operator: within fp32 summation error of the float64 product, and a token's result independent of the
-    call's other tokens."""
+    """GGUF's blocks (groups of 16 and 32) and INT4's (64 and 128, with minimums) as group-quantized weights
+    (kernels/group_quant.py: int8, or 4-bit two to a byte) through each build's operator: within fp32 summation error
+    of the float64 product, and a token's result independent of the call's other tokens."""
     from trellm_kernels.group_quant import GroupWeight, pack
     g = torch.Generator().manual_seed(2)
     q = (torch.randint(-32, 32, (out_f, in_f), generator=g, dtype=torch.int8) if bits == 8 else

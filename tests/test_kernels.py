@@ -796,8 +796,10 @@ def test_int4_linear_kernel_and_cpu_path_match_the_dequantizing_reference(dtype,
     assert ((q.tensor().float() - w.float()).abs() <= step / 2 + slack + EPS32 * (w.float().abs() + step)).all()
     x = randn(g, tokens, in_f, dtype=dtype)
     prepared = linear.prepare_int4(q)
-    on_cpu_op = prepared.int4.cpu_scales_zeros is not None
-    assert on_cpu_op == (out_f % 16 == 0)     # a short last group is padded for the operator
+    on_group_op, on_torch_op = prepared.int4.groups is not None, prepared.int4.cpu_scales_zeros is not None
+    on_cpu_op = on_group_op or on_torch_op
+    # whole blocks of 32 outputs: the group operator; else whole 16s: torch's; a short last group padded for both
+    assert (on_group_op, on_torch_op) == (out_f % 32 == 0, out_f % 32 != 0 and out_f % 16 == 0)
     assert torch.equal(prepared.int4.q(), q.q()), "the CPU layout holds exactly the quantized values"
     for bias in (None, b):
         # the kernel rounds its dequantized tile to the dtype, and its output
@@ -829,20 +831,30 @@ def test_group_linear_kernel_matches_the_dequantizing_reference(dtype, group, mi
 
 
 def check_int4_cpu_path(actual, x, weight, bias=None):
-    """linear() on a CPU for an INT4 weight against the exact product. torch's int4pack operator computes
-    sum x * ((q - 8) * scale + zero') with zero' = (8 - zeros) * scale, all in bf16 (the activations, zero', the
-    dequantized weight and the output: four roundings, of terms whose magnitudes are those of the two parts); the
-    dequantizing path rounds the weight to the scales' dtype, then linear's output."""
+    """linear() on a CPU for an INT4 weight against the exact product. The group operator computes
+    sum_g (s * sum q x - z s * sum x) in fp32 (the two parts' magnitudes; bf16/fp16 activations widened exactly,
+    the output rounded once). torch's int4pack operator computes sum x * ((q - 8) * scale + zero') with
+    zero' = (8 - zeros) * scale, all in bf16 (the activations, zero', the dequantized weight and the output: four
+    roundings, of terms whose magnitudes are those of the two parts); the dequantizing path rounds the weight to the
+    scales' dtype, then linear's output."""
     w64 = weight.int4.tensor(torch.float64)
-    if weight.int4.cpu_scales_zeros is None:
+    if weight.int4.groups is None and weight.int4.cpu_scales_zeros is None:
         assert_within_rounding(actual, exact_linear(x, w64, bias), roundings=1 if x.dtype == F32 else 2)
         return
     scales = weight.int4.scales.double().repeat_interleave(weight.int4.group, 0)[:x.shape[-1]].t()
     zeros = weight.int4.zeros.double().repeat_interleave(weight.int4.group, 0)[:x.shape[-1]].t()
-    parts = (weight.int4.stored_tensor(torch.float64) + (zeros - 8) * scales).abs() + ((8 - zeros) * scales).abs()
+    stored = weight.int4.stored_tensor(torch.float64)
+    if weight.int4.groups is not None:
+        parts = (stored + zeros * scales).abs() + (zeros * scales).abs()
+    else:
+        parts = (stored + (zeros - 8) * scales).abs() + ((8 - zeros) * scales).abs()
     if weight.int4.perm is not None:
         parts = torch.empty_like(parts).index_copy_(1, weight.int4.perm, parts)
-    assert_within_rounding(actual, exact_linear(x, w64, bias, w_abs=parts), BF16, roundings=4)
+    exact = exact_linear(x, w64, bias, w_abs=parts)
+    if weight.int4.groups is not None:
+        assert_within_rounding(actual, exact, roundings=1)
+    else:
+        assert_within_rounding(actual, exact, BF16, roundings=4)
 
 
 def test_int4_act_order_permutes_the_inputs_before_the_kernel():

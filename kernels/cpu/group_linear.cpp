@@ -1,7 +1,8 @@
 // Group-quantized linear on a CPU: y[m, n] = sum_g (s[g, n] * sum_{k in g} x[m, k] * q[n, k] - min[g, n] *
 // sum_{k in g} x[m, k]), a float32 scale (and, in formats with one, a minimum) per output and group of G = 16 or 32
-// inputs, x and y float32. GGUF's blocks read exactly (kernels/group_quant.py): Q8_0, Q5_K and Q6_K as int8 q,
-// Q4_0, Q4_1 and Q4_K as 4-bit q (0..15) two to a byte, so a 4-bit file is read at its own size.
+// inputs (G = 64 or 128 too: INT4's groups), x and y float32. GGUF's blocks read exactly (kernels/group_quant.py):
+// Q8_0, Q5_K and Q6_K as int8 q, Q4_0, Q4_1 and Q4_K as 4-bit q (0..15) two to a byte, so a 4-bit file is read at
+// its own size; and INT4 weights (int4.py) as their nibbles, with z * s as the minimum.
 // Layout (the driver, cpu/blocked_linear.h): blocks of 32 outputs, int8 [N/32][K][32] or, for 4 bits, bytes
 // [N/32][K/2][32] whose low nibble is input 2i and high nibble input 2i + 1; the scales per block and group
 // [N/32][K/G][S][32] (S = 2: the scales, then the minimums). Each group's sums start at zero and are scaled into the
@@ -44,7 +45,9 @@ inline void widen_nibbles(const uint8_t* p, Vec w[4]) {
 }
 template <int G>
 inline float group_sum(const float* x) {
-  return _mm512_reduce_add_ps(G == 32 ? _mm512_add_ps(load(x), load(x + 16)) : load(x));
+  Vec v = load(x);
+  for (int i = 16; i < G; i += 16) v = _mm512_add_ps(v, load(x + i));
+  return _mm512_reduce_add_ps(v);
 }
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 2); }
 constexpr int64_t TILE_TOKENS = 6;       // 24 sums + 2-4 weights + 1-2 broadcasts of 32 registers (the scales
@@ -78,7 +81,7 @@ inline void widen_nibbles(const uint8_t* p, Vec w[4]) {
 template <int G>
 inline float group_sum(const float* x) {
   Vec v = load(x);
-  if (G == 32) v += load(x + 16);
+  for (int i = 16; i < G; i += 16) v += load(x + i);
   float total = 0;
   for (int i = 0; i < 16; ++i) total += v[i];
   return total;
@@ -219,12 +222,23 @@ void run_group(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales)
   }
 }
 
+template <class W>
+void run_any_group(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t group) {
+  switch (group) {
+    case 16: return run_group<W, 16>(y, x, packed, scales);
+    case 32: return run_group<W, 32>(y, x, packed, scales);
+    case 64: return run_group<W, 64>(y, x, packed, scales);
+    default: return run_group<W, 128>(y, x, packed, scales);
+  }
+}
+
 }  // namespace
 
 void group_linear_cpu(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t group) {
   const bool nibbles = packed.scalar_type() == at::kByte;
   TORCH_CHECK(nibbles || packed.scalar_type() == at::kChar, "group_linear: int8 weights, or uint8 holding 4-bit ones");
-  TORCH_CHECK(group == 16 || group == 32, "group_linear: groups of 16 or 32 inputs, not ", group);
+  TORCH_CHECK(group == 16 || group == 32 || group == 64 || group == 128,
+              "group_linear: groups of 16, 32, 64 or 128 inputs, not ", group);
   const int64_t K = packed.size(1) * (nibbles ? 2 : 1);
   TORCH_CHECK(packed.dim() == 3 && K % group == 0, "group_linear: K must be whole groups");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 4 &&
@@ -232,7 +246,7 @@ void group_linear_cpu(at::Tensor y, at::Tensor x, at::Tensor packed, at::Tensor 
               (scales.size(2) == 1 || scales.size(2) == 2) && scales.size(3) == BLOCK,
               "group_linear: float32 scales (and minimums) packed [N/32, K/", group, ", 1 or 2, 32]");
   if (nibbles)
-    group == 16 ? run_group<uint8_t, 16>(y, x, packed, scales) : run_group<uint8_t, 32>(y, x, packed, scales);
+    run_any_group<uint8_t>(y, x, packed, scales, group);
   else
-    group == 16 ? run_group<int8_t, 16>(y, x, packed, scales) : run_group<int8_t, 32>(y, x, packed, scales);
+    run_any_group<int8_t>(y, x, packed, scales, group);
 }

@@ -20,8 +20,8 @@ peak. Serving adds the cost of Triton, the stubs and the client per token on top
      the last-level cache;
    - `--users` users: FLOP of the linear layers (2 x out x in of every linear, the LM head included, per
      token) over the time spent in them (`linear` timed around each call), against the GEMM peak of the dtype the
-     multiplications run in (bf16 for bf16 and INT4, whose CPU operator takes bf16 activations; fp32 for fp32 and
-     weight-only INT8, whose C++ operator multiplies in fp32; oneDNN int8 for W8A8); the step's own rate beside it.
+     multiplications run in (bf16 for bf16; fp32 for fp32, weight-only INT8 and INT4 on the group operator, which
+     multiply in fp32; bf16 for INT4 on torch's operator; oneDNN int8 for W8A8); the step's own rate beside it.
 3. `--served`: a tritonserver per model and dtype (the launcher's, on a private copy of model_repository/ pointing
    at the model), `--served-requests` streamed requests one at a time over gRPC (ignore_eos, `--max-tokens`
    tokens); the mean inter-token time of the streams, and the serving overhead per token: that time less the
@@ -243,14 +243,15 @@ def parse_dtype(name: str) -> tuple[str, str]:
     return quant, "none"
 
 
-def peak_for(name: str, dtype: torch.dtype, limits: dict) -> tuple[str, float | None]:
+def peak_for(name: str, dtype: torch.dtype, limits: dict, model=None) -> tuple[str, float | None]:
     """The GEMM peak a row's linear layers are compared with, and its name: the dtype their multiplications run
     in (kernels/linear.py)."""
     quant = parse_dtype(name)[1]
     if quant == "w8a8":
         key = "int8"
-    elif quant == "int4":
-        key = "bfloat16"                 # torch's CPU INT4 operator takes bf16 activations
+    elif quant == "int4":                # the group operator multiplies in fp32, torch's INT4 one in bf16
+        in_groups = model is not None and all(w.int4 is None or w.int4.groups is not None for w in linears(model))
+        key = "float32" if in_groups else "bfloat16"
     elif quant == "int8":
         key = "float32"                  # the C++ INT8 operator multiplies in fp32 (AVX2 builds: int16 madds)
     else:
@@ -370,7 +371,7 @@ def measure_engine(model_dir: str, name: str, args, limits: dict) -> dict:
                "bandwidth_gb_s": bandwidth, "fraction": step_bytes / one["step_s"] / 1e9 / bandwidth}}
     if many is not None:
         flop = linear_flop(model, args.users)
-        peak_name, peak = peak_for(name, runner.dtype, limits)
+        peak_name, peak = peak_for(name, runner.dtype, limits, model)
         gflop_s = flop / many["linear_s"] / 1e9
         row["users"] = {**many, "users": args.users, "linear_flop": flop, "linear_gflop_s": gflop_s,
                         "step_gflop_s": flop / many["step_s"] / 1e9, "peak": peak_name, "peak_gflop_s": peak,

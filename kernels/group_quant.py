@@ -1,5 +1,5 @@
 """Group-quantized weights: integers with a float32 scale, and optionally a float32 minimum, per output and group of
-16 or 32 inputs:
+16 or 32 inputs (GGUF's blocks), or 64 or 128 (INT4's, int4.py, with z * s as the minimum):
 
     W[n, k] = q[n, k] * scales[k // group, n] - mins[k // group, n]
 
@@ -76,7 +76,7 @@ class GroupWeight:
             block, lane = ids // BLOCK, ids % BLOCK
             q = self.q[block, :, lane]                        # [T, K] values, or [T, K/2] bytes
             if self.bits == 4:
-                q = torch.stack([q & 15, q >> 4], dim=2).reshape(len(ids), -1)
+                q = torch.stack([q & 15, q >> 4], dim=2).reshape(len(ids), 2 * q.shape[1])
             epilogue = self.scales[block, :, :, lane]          # [T, K/group, 1 or 2]
             scales, mins = epilogue[..., 0], epilogue[..., 1] if self.has_mins else None
         else:

@@ -44,7 +44,8 @@ CPU_OP_GROUPS = (32, 64, 128, 256)     # what torch._weight_int4pack_mm_for_cpu 
 
 @dataclass
 class Int4Weight:
-    packed: torch.Tensor                           # nibbles uint8 [N, ceil(K/2)], or torch's CPU int4pack layout
+    packed: torch.Tensor                           # nibbles uint8 [N, ceil(K/2)], torch's CPU int4pack layout, or
+    #                                                the group operator's blocks [N/32, G * group / 2, 32] (groups)
     scales: torch.Tensor                           # [G, N], G = ceil(K / group), the activations' dtype
     zeros: torch.Tensor                            # uint8 [G, N], integer zero points in 0..15
     group: int
@@ -56,6 +57,11 @@ class Int4Weight:
     @property
     def out_features(self) -> int:
         return self.scales.shape[1]
+
+    @property
+    def padding(self) -> int:
+        """Inputs a short last group lacks; the CPU layouts pad them (q = 0, met by zero activations)."""
+        return self.scales.shape[0] * self.group - self.in_features
 
     def q(self) -> torch.Tensor:
         """uint8 [N, K], values 0..15, in stored (permuted) input order."""
@@ -156,9 +162,8 @@ def to_cpu_int4pack(w: Int4Weight) -> Int4Weight:
     """The same weight in the layout of torch's CPU int4 operator (caller checks cpu_op_accepts); inputs padded
     to whole groups (the padding's q is 0: it meets zero activations)."""
     q = w.q().to(torch.int32)
-    pad = w.scales.shape[0] * w.group - w.in_features
-    if pad:
-        q = torch.nn.functional.pad(q, (0, pad))
+    if w.padding:
+        q = torch.nn.functional.pad(q, (0, w.padding))
     packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
     s = w.scales.float()
     sz = torch.stack([s, (8 - w.zeros.float()) * s], dim=-1).to(torch.bfloat16).contiguous()
@@ -168,17 +173,16 @@ def to_cpu_int4pack(w: Int4Weight) -> Int4Weight:
 def group_op_accepts(w: Int4Weight) -> bool:
     """Shapes the group operator takes (group_quant.pack): a CPU with the operators, whole blocks of outputs, and a
     group size it runs (a short last group is padded, as for torch's operator)."""
-    return (w.packed.device.type == "cpu" and w.out_features % group_quant.BLOCK == 0
-            and w.group in group_quant.GROUPS and group_quant.pack_takes(w.packed))
+    return (w.out_features % group_quant.BLOCK == 0 and w.group in group_quant.GROUPS
+            and group_quant.pack_takes(w.packed))
 
 
 def to_cpu_groups(w: Int4Weight) -> Int4Weight:
     """The same weight held for the group operator (caller checks group_op_accepts): its nibbles, inputs padded to
     whole groups with q = 0 (they meet zero activations), scales in float32 and z * s as the minimums."""
     q = w.q()
-    pad = w.scales.shape[0] * w.group - w.in_features
-    if pad:
-        q = torch.nn.functional.pad(q, (0, pad))
+    if w.padding:
+        q = torch.nn.functional.pad(q, (0, w.padding))
     s = w.scales.float()
     groups = group_quant.pack(GroupWeight(q, s.contiguous(), (w.zeros.float() * s).contiguous(), w.group))
     return replace(w, packed=groups.q, groups=groups)

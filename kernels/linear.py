@@ -34,10 +34,11 @@ moves greedy tokens further from the float model's than weight-only INT8 does (t
 
 Weight-only INT4 (`quantization="int4"`, or "int4-g64"/"int4-g32" for smaller groups; GPTQ and AWQ checkpoints):
 group-wise with zero points (int4.py says why and how it is laid out). CUDA runs the Triton kernel
-(triton_linear.py), which unpacks the nibbles in registers; a CPU runs torch's `_weight_int4pack_mm_for_cpu` on bf16
-activations at every token count, the fastest of the paths measured (perf/RESULTS.md, "Weight-only INT4"; a short
-last group is padded to a whole one), and dequantize-then-GEMM (the reference) for the shapes that operator cannot
-take (outputs not a multiple of 16).
+(triton_linear.py), which unpacks the nibbles in registers. A CPU runs the group operator of GGUF's blocks
+(`group_linear`, z * s as its minimum, fp32 activations) where the outputs fill its blocks of 32, faster than torch's
+`_weight_int4pack_mm_for_cpu` at every token count measured (perf/RESULTS.md, "INT4 on the group operator"); torch's
+operator (bf16 activations) where only it takes the shape (outputs a multiple of 16); and dequantize-then-GEMM (the
+reference) for the rest. A short last group is padded to a whole one for either operator.
 """
 from __future__ import annotations
 
@@ -337,16 +338,17 @@ def linear_path(w: Weight) -> str:
     ops = cpu_ops.for_tensor(torch.empty(0, device=device))
     triton = device.type == "cuda" or dispatch.settings().force_triton   # as use_triton decides for the call
     if w.int4 is not None:
-        if triton:
-            return "INT4 Triton kernel"
         if w.int4.groups is not None:
             return f"INT4 (groups of {w.int4.group}) on the group operator, {cpp_build(ops)}, float32 activations"
+        if triton:
+            return "INT4 Triton kernel"
         if w.int4.cpu_scales_zeros is not None:
             return "INT4 torch _weight_int4pack_mm_for_cpu (bf16 activations)"
         return f"INT4 dequantized, then {dense_path(w.int4.scales.dtype)}"
     if w.grouped is not None:
         g = w.grouped
-        where = "Triton kernel" if triton else (cpp_build(ops) if g.packed else "dequantized, then torch linear float32")
+        where = "Triton kernel" if triton else (
+            cpp_build(ops) if g.packed else "dequantized, then torch linear float32")
         return (f"{'4-bit' if g.bits == 4 else 'INT8'} with a scale{' and a minimum' if g.has_mins else ''} per "
                 f"{g.group} inputs, {where}")
     if w.w8a8:
@@ -521,10 +523,10 @@ def int8_linear_int16_reference(x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 
 def group_linear(x: torch.Tensor, w: GroupWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """GGUF's blocks (group_quant.py): on a GPU (or with force_triton) the Triton kernel, which rounds each
-    dequantized tile to x's dtype as INT4's does; on a CPU the C++ operator on fp32 activations (bf16/fp16 ones are
-    widened for it, the bias added before the result is rounded back), or, where the weight is not held packed for
-    it, the dequantized weight in fp32."""
+    """Group-quantized weights (group_quant.py: GGUF's blocks, INT4's): on a GPU (or with force_triton) the Triton
+    kernel, which rounds each dequantized tile to x's dtype as INT4's does; on a CPU the C++ operator on fp32
+    activations (bf16/fp16 ones are widened for it, the bias added before the result is rounded back), or, where
+    the weight is not held packed for it, the dequantized weight in fp32."""
     if use_triton(x):
         from trellm_kernels.triton_linear import group_linear_triton
         y = group_linear_triton(x, *w.rows(), w.group)    # rows: on a GPU they are what is held
@@ -543,16 +545,14 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
     if w.perm is not None:     # act-order: the stored inputs are the layer's in this order
         x = x.index_select(-1, w.perm)
     if w.groups is not None:
-        pad = w.scales.shape[0] * w.group - w.in_features       # a short last group, padded at load
-        return group_linear(x if not pad else torch.nn.functional.pad(x, (0, pad)), w.groups, bias)
+        return group_linear(torch.nn.functional.pad(x, (0, w.padding)) if w.padding else x, w.groups, bias)
     if use_triton(x):
         from trellm_kernels.triton_linear import int4_linear_triton
         return int4_linear_triton(x, w.packed, w.scales, w.zeros, w.group, bias)
     if w.cpu_scales_zeros is not None:
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        pad = w.scales.shape[0] * w.group - w.in_features       # a short last group, padded at load
-        if pad:
-            x2 = torch.nn.functional.pad(x2, (0, pad))
+        if w.padding:       # a short last group, padded at load
+            x2 = torch.nn.functional.pad(x2, (0, w.padding))
         y = torch._weight_int4pack_mm_for_cpu(x2, w.packed, w.group, w.cpu_scales_zeros).to(x.dtype)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias

@@ -102,7 +102,7 @@ def decode_step_by_op(engine: LLMEngine, num_requests: int, timed_steps: int = 2
     """Once every request decodes, time `timed_steps` steps: each of FORWARD_OPS as the model module calls it, the
     rest of the runner's execute, and what the engine does outside it."""
     from collections import defaultdict
-    while sum(len(o.new_token_ids) for o in engine.step()) < num_requests:
+    while sum(1 for o in engine.step() if o.new_token_ids) < num_requests:
         if not engine.has_unfinished():
             raise SystemExit("the requests finished before all of them decoded together: raise --gen-len")
     seconds: dict[str, float] = defaultdict(float)
@@ -116,17 +116,19 @@ def decode_step_by_op(engine: LLMEngine, num_requests: int, timed_steps: int = 2
         return call
 
     originals = {name: getattr(llama, name) for name in FORWARD_OPS}
-    for name, fn in originals.items():
-        setattr(llama, name, timed(name, fn))
     execute = engine.runner.execute
-    engine.runner.execute = timed("execute", execute)
-    start = time.perf_counter()
-    for _ in range(timed_steps):
-        engine.step()
-    step = (time.perf_counter() - start) / timed_steps
-    engine.runner.execute = execute
-    for name, fn in originals.items():
-        setattr(llama, name, fn)
+    try:
+        for name, fn in originals.items():
+            setattr(llama, name, timed(name, fn))
+        engine.runner.execute = timed("execute", execute)
+        start = time.perf_counter()
+        for _ in range(timed_steps):
+            engine.step()
+        step = (time.perf_counter() - start) / timed_steps
+    finally:
+        engine.runner.execute = execute
+        for name, fn in originals.items():
+            setattr(llama, name, fn)
     if len(engine.scheduler.running) < num_requests:
         raise SystemExit("requests finished while the steps were timed: raise --gen-len")
     ms = {name: sec / timed_steps * 1e3 for name, sec in seconds.items()}

@@ -30,7 +30,7 @@ def after_prompt(tok, prompt, ids, skip=True):
 
 def engine_steps(tok, prompt, ids, step=1, **params) -> list[RequestOutput]:
     """The engine's outputs for `ids` arriving `step` tokens per engine step (as speculation gives), made as
-    LLMEngine._advance makes them: each step's released tokens with their text, after the context of the step's
+    Scheduler._advance makes them: each step's released tokens with their text, after the context of the step's
     first release; the step of the last token, or of a stop, finishes the request."""
     proc = OutputProcessor(tok, prompt, SamplingParams(**params))
     outs, unsent = [], []

@@ -22,7 +22,7 @@ from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.models.config import ModelConfigError, load_model_config
 from trellm_backend.models.gguf import write_hf_files
-from trellm_backend.models.rope import rope_inv_freq
+from trellm_backend.models.rope import default_inv_freq, llama3_inv_freq, long_rope_from, rope_inv_freq
 from trellm_backend.tools.write_gguf import quantize, write_gguf, write_gguf_folder
 from trellm_kernels.group_quant import GroupWeight, pack
 
@@ -98,15 +98,41 @@ def test_the_derived_config_says_what_the_checkpoint_said(hf_variants, tmp_path,
     # the rope's frequencies and longrope's factors, said two ways: the file holds them as float32, and the llama3
     # settings read back from its divisors compute them with other constants (a few float32 roundings)
     for got, want in ((rope_inv_freq(derived)[0], rope_inv_freq(original)[0]),
-                      (long_factors(derived), long_factors(original))):
+                      (long_factors(derived), long_factors(original)),
+                      (torch.tensor([rope_inv_freq(derived)[1]]), torch.tensor([rope_inv_freq(original)[1]]))):
         want = want.double()
         assert_within_rounding(got.double(), Exact(want, want.abs(), FIXED_STEPS), narrow=torch.float32)
+    assert long_rope_from(derived) == long_rope_from(original)
     assert derived.eos_token_ids[0] == original.eos_token_ids[0]
     assert derived.dtype == "float32"
 
 
 def long_factors(cfg) -> torch.Tensor:
     return torch.tensor((cfg.rope_scaling or {}).get("long_factor", []), dtype=torch.float64)
+
+
+LLAMA3 = dict(rope_type="llama3", original_max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("scaling", [
+    dict(LLAMA3, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0),    # two frequencies in the blend
+    dict(LLAMA3, factor=4.0, low_freq_factor=1.0, high_freq_factor=1.5),    # one
+    dict(LLAMA3, factor=32.0, low_freq_factor=1.5, high_freq_factor=2.0),   # none: kept, then scaled
+])
+def test_llama3_rope_is_read_back_from_its_divisors_however_few_frequencies_blend(scaling):
+    """rope_freqs holds a divisor per frequency; the llama3 settings read back give those frequencies whether the
+    blend between kept and scaled frequencies has two points or more (the line through them), one, or none."""
+    from trellm_backend.models.gguf import GgufTensor, rope_from_tensors
+    inv = default_inv_freq(16, 10000.0).double()
+    want = llama3_inv_freq(inv, scaling)
+    divisors = (inv / want).float().numpy()
+    rope = rope_from_tensors("m.gguf", "llama", {}, {"rope_freqs.weight": GgufTensor("rope_freqs.weight", "F32", (8,),
+                                                                                     divisors)}, 10000.0, 16)
+    assert rope["rope_type"] == "llama3" and rope["factor"] == scaling["factor"]
+    assert_within_rounding(llama3_inv_freq(inv, rope), Exact(want, want.abs(), FIXED_STEPS), narrow=torch.float32)
+    with pytest.raises(ModelConfigError, match="divisors below 1 or not finite"):
+        rope_from_tensors("m.gguf", "llama", {}, {"rope_freqs.weight": GgufTensor(
+            "rope_freqs.weight", "F32", (8,), divisors / 2)}, 10000.0, 16)
 
 
 def test_the_tokenizer_and_chat_template_come_from_the_file(default_model_path, tmp_path):
@@ -307,5 +333,6 @@ def test_the_load_check_counts_a_quantized_file_at_its_held_size_not_as_floats(h
     assert estimate < 0.6 * gguf_weight_bytes(f32, 4)
     model = LLMEngine(EngineConfig(model_path=q4, kv_cache_bytes=16 << 20)).runner.model
     held = model.embed.nbytes + model.lm_head.grouped.nbytes
-    held += sum(getattr(layer, site).grouped.nbytes for layer in model.layers for site in ("qkv", "o", "gate_up", "down"))
+    held += sum(getattr(layer, site).grouped.nbytes for layer in model.layers
+                for site in ("qkv", "o", "gate_up", "down"))
     assert held <= estimate

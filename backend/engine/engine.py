@@ -35,6 +35,7 @@ class LLMEngine:
         self._bad_words_ids = functools.lru_cache(maxsize=8)(
             lambda words: bad_words_ids(self.tokenizer, list(words)))
         self.max_model_len = context_limit(config, mc)
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
         draft_cfg = load_draft_config(config, mc, self.max_model_len)
         self.runner = ModelRunner(config, mc, self.max_model_len, draft_cfg)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -44,9 +45,8 @@ class LLMEngine:
                                    num_speculative_tokens=config.num_speculative_tokens if self.runner.proposer else 0,
                                    speculative_disable_batch_size=config.speculative_disable_batch_size,
                                    lookahead_slots=draft_cfg is not None, max_loras=config.max_loras,
-                                   long_rope_from=long_rope_from(mc), eos_token_ids=frozenset(mc.eos_token_ids))
+                                   long_rope_from=long_rope_from(mc), eos_token_ids=self.eos_token_ids)
         self.requests: dict[str, Request] = {}     # by id: those added and not yet finished or aborted
-        self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.pool_tokens = self.kv.num_blocks * config.block_size
         self.loras = AdapterRegistry(adapter_table(config.lora_adapters), mc, config.max_lora_rank,
                                      config.max_cpu_loras, self.runner.dtype, self.runner.device)

@@ -1,6 +1,6 @@
 """Owns the model work of a step: the weights, the KV cache tensor, the forward pass, sampling, the verdict on
 speculative guesses and the proposer of the next ones (vLLM v1's shape: the scheduler plans, the runner runs, the
-engine applies the outcome in one place).
+scheduler applies the outcome in one place, update_from_output).
 
 Batch preparation works on whole tensors: Python touches each scheduled sequence once, never each token. With
 speculation the runner keeps a record of each running request's tokens, updated from each step's chunks and

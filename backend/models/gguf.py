@@ -291,6 +291,9 @@ def rope_from_tensors(file: str, arch: str, meta: dict, tensors: dict[str, GgufT
                                f"frequency), got {t.type_name} {list(t.shape)}")
     divisors = np.asarray(t.data, dtype=np.float64)
     inv = default_inv_freq(rotary, theta).double().numpy()
+    if not np.isfinite(divisors).all() or divisors.min() < 1 - 1e-6:
+        raise ModelConfigError(f"{file}: tensor rope_freqs.weight holds divisors below 1 or not finite, which no "
+                               "Llama 3 rope scaling gives")
     if np.allclose(divisors, 1.0, rtol=1e-6):
         return {}
     edges = llama3_band_edges(inv / (2 * math.pi), divisors)

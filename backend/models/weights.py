@@ -128,8 +128,10 @@ class Checkpoint:
         return self.held_blocks(cat_groups([self.state.pop_blocks(n + ".weight") for n in names]))
 
     def held_blocks(self, w) -> Weight:
-        """A GGUF linear's blocks packed for its device's operator, on the device."""
-        w = pack_groups(w)
+        """A GGUF linear's blocks packed for its device's operator (the C++ operator's blocks on a CPU, rows on a
+        GPU), on the device."""
+        if self.device.type == "cpu":
+            w = pack_groups(w)
         if w.q.device != self.device:
             w = replace(w, q=w.q.to(self.device), scales=w.scales.to(self.device),
                         mins=None if w.mins is None else w.mins.to(self.device))

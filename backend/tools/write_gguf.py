@@ -228,7 +228,9 @@ def write_metadata(writer, folder: str, cfg, config: dict, arch: str) -> None:
     elif scaling["rope_type"] == "longrope":      # the factors go in tensors (rope_tensors)
         orig = scaling["original_max_position_embeddings"]
         writer.add_rope_scaling_orig_ctx_len(orig)
-        writer.add_rope_scaling_attn_factors(longrope_attention_factor(cfg.max_position_embeddings / orig, orig))
+        attn = scaling.get("attention_factor")
+        writer.add_rope_scaling_attn_factors(
+            longrope_attention_factor(cfg.max_position_embeddings / orig, orig) if attn is None else float(attn))
     windows = [w for w in cfg.layer_windows if w]
     if windows:
         writer.add_sliding_window(windows[0])

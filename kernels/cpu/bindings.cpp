@@ -49,7 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear_cpu, "y = x (q * scales)^T with q int8 packed [N/32, K, 32]", no_gil);
   m.def("group_linear", &group_linear_cpu,
         "y = x (q * scales - mins)^T with q int8 packed [N/32, K, 32] or 4-bit packed two inputs a byte "
-        "[N/32, K/2, 32], a scale (and a minimum) per output and group of 16 or 32 inputs packed "
+        "[N/32, K/2, 32], a scale (and a minimum) per output and group of 16, 32, 64 or 128 inputs packed "
         "[N/32, K/group, 1 or 2, 32]", no_gil);
   m.def("quantize_rows_int8", &quantize_rows_int8_cpu,
         "q[m] = x[m] rounded to int8 with scales[m] = max |x[m]| / 127 (W8A8 activations)", no_gil);

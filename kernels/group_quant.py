@@ -58,6 +58,11 @@ class GroupWeight:
     def in_features(self) -> int:
         return self.scales.shape[1] * self.group if self.packed else self.scales.shape[0] * self.group
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[N, K], as a weight tensor's."""
+        return self.out_features, self.in_features
+
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """q [N, K], the scales [K/group, N] and the minimums [K/group, N] or None (copies when held packed)."""
         if not self.packed:

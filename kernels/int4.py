@@ -63,6 +63,11 @@ class Int4Weight:
         """Inputs a short last group lacks; the CPU layouts pad them (q = 0, met by zero activations)."""
         return self.scales.shape[0] * self.group - self.in_features
 
+    def padded_q(self) -> torch.Tensor:
+        """q() with a short last group padded to a whole one (q = 0): [N, G * group]."""
+        q = self.q()
+        return torch.nn.functional.pad(q, (0, self.padding)) if self.padding else q
+
     def q(self) -> torch.Tensor:
         """uint8 [N, K], values 0..15, in stored (permuted) input order."""
         if self.groups is not None:
@@ -86,7 +91,7 @@ class Int4Weight:
         dtype = dtype or self.scales.dtype
         wide = torch.promote_types(dtype, torch.float32)
         K, (G, N) = self.in_features, self.scales.shape
-        q = torch.nn.functional.pad(self.q(), (0, G * self.group - K)).view(N, G, self.group).to(wide)
+        q = self.padded_q().view(N, G, self.group).to(wide)
         w = (q - self.zeros.t().to(wide)[:, :, None]) * self.scales.t().to(wide)[:, :, None]
         return w.view(N, G * self.group)[:, :K].to(dtype)
 
@@ -161,10 +166,7 @@ def cpu_op_accepts(w: Int4Weight) -> bool:
 def to_cpu_int4pack(w: Int4Weight) -> Int4Weight:
     """The same weight in the layout of torch's CPU int4 operator (caller checks cpu_op_accepts); inputs padded
     to whole groups (the padding's q is 0: it meets zero activations)."""
-    q = w.q().to(torch.int32)
-    if w.padding:
-        q = torch.nn.functional.pad(q, (0, w.padding))
-    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    packed = torch._convert_weight_to_int4pack_for_cpu(w.padded_q().to(torch.int32), 1)
     s = w.scales.float()
     sz = torch.stack([s, (8 - w.zeros.float()) * s], dim=-1).to(torch.bfloat16).contiguous()
     return replace(w, packed=packed, cpu_scales_zeros=sz)
@@ -180,11 +182,8 @@ def group_op_accepts(w: Int4Weight) -> bool:
 def to_cpu_groups(w: Int4Weight) -> Int4Weight:
     """The same weight held for the group operator (caller checks group_op_accepts): its nibbles, inputs padded to
     whole groups with q = 0 (they meet zero activations), scales in float32 and z * s as the minimums."""
-    q = w.q()
-    if w.padding:
-        q = torch.nn.functional.pad(q, (0, w.padding))
     s = w.scales.float()
-    groups = group_quant.pack(GroupWeight(q, s.contiguous(), (w.zeros.float() * s).contiguous(), w.group))
+    groups = group_quant.pack(GroupWeight(w.padded_q(), s.contiguous(), (w.zeros.float() * s).contiguous(), w.group))
     return replace(w, packed=groups.q, groups=groups)
 
 

@@ -46,7 +46,6 @@ class LLMEngine:
                                    speculative_disable_batch_size=config.speculative_disable_batch_size,
                                    lookahead_slots=draft_cfg is not None, max_loras=config.max_loras,
                                    long_rope_from=long_rope_from(mc), eos_token_ids=self.eos_token_ids)
-        self.requests: dict[str, Request] = {}     # by id: those added and not yet finished or aborted
         self.pool_tokens = self.kv.num_blocks * config.block_size
         self.loras = AdapterRegistry(adapter_table(config.lora_adapters), mc, config.max_lora_rank,
                                      config.max_cpu_loras, self.runner.dtype, self.runner.device)
@@ -108,11 +107,10 @@ class LLMEngine:
         return req
 
     def add(self, req: Request) -> None:
-        if req.request_id in self.requests:
+        if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already running")
         if req.grammar_future is not None and req.grammar is None:
             req.grammar = self.grammars.matcher(req.grammar_future.result())   # GuideError: this request's error
-        self.requests[req.request_id] = req
         self.scheduler.add(req)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -120,7 +118,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks now. Returns its final output, or None if it is not known."""
-        req = self.requests.pop(request_id, None)
+        req = self.scheduler.requests.get(request_id)
         if req is None:
             return None
         self.scheduler.finish(req, "abort")
@@ -139,11 +137,7 @@ class LLMEngine:
         if not sched.chunks and not sched.reset_ids:
             return []
         result = self.runner.execute(sched, self._grammar_masks(sched))
-        outputs = self.scheduler.update_from_output(sched, result.sampled, result.guesses)
-        for o in outputs:
-            if o.finished:
-                del self.requests[o.request_id]
-        return outputs
+        return self.scheduler.update_from_output(sched, result.sampled, result.guesses)
 
     def _grammar_masks(self, sched):
         """The step's token bitmask for the guided requests' rows (structured_output.py), or None."""
@@ -152,7 +146,7 @@ class LLMEngine:
         rows = []
         for c in sched.chunks:
             if c.samples:
-                m = self.requests[c.request_id].grammar
+                m = self.scheduler.requests[c.request_id].grammar
                 rows += [None if m is None else GuidedRow(m, c.draft_token_ids[:j])
                          for j in range(len(c.draft_token_ids) + 1)]
         return fill_masks(self._grammars, rows)

@@ -141,10 +141,12 @@ class Scheduler:
         self.prefill_cap = long_prefill_token_threshold if capped else max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}     # by id: those added and not yet finished or aborted
         self.num_preemptions = 0
         self.reset_ids: list[str] = []     # for the next step's output
 
     def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -348,6 +350,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         self.reset_ids.append(req.request_id)
+        del self.requests[req.request_id]
         req.status = Status.FINISHED
         req.finish_reason = reason
 
@@ -357,9 +360,8 @@ class Scheduler:
         """Apply what the runner made of the step `out` planned (runner.RunnerOutput: the tokens of each sampling
         chunk, in chunk order, and the guesses proposed for the next step): an output for each request that got
         tokens, those that finished taken out of the queues with their blocks returned."""
-        running = {r.request_id: r for r in self.running}
         rows = iter(sampled)
-        return [self._advance(running[c.request_id], c, next(rows), guesses.get(c.request_id, []))
+        return [self._advance(self.requests[c.request_id], c, next(rows), guesses.get(c.request_id, []))
                 for c in out.chunks if c.samples]
 
     def _advance(self, req: Request, chunk: ScheduledChunk, rows: list[SampledToken],

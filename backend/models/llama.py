@@ -79,10 +79,8 @@ class LlamaModel:
             return take(name) + 1 if gemma is not None else take(name)
 
         self.embed = ck.embeddings()     # a tensor, or a GGUF file's blocks (GroupWeight)
-        shape = tuple(self.embed.shape) if isinstance(self.embed, torch.Tensor) else \
-            (self.embed.out_features, self.embed.in_features)
-        if shape != (cfg.vocab_size, cfg.hidden_size):
-            raise ModelConfigError(f"{source}: model.embed_tokens.weight has shape {shape}, "
+        if tuple(self.embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ModelConfigError(f"{source}: model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
                                    f"config.json says vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}")
         self.cos_sin = cos_sin_cache(cfg, max_positions).to(device)
         local_cos_sin = None

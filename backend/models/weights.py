@@ -117,7 +117,7 @@ class Checkpoint:
         """A GGUF file's linears: kept in their blocks (kernels/group_quant.py: int8, or 4-bit two to a byte) where
         every part is quantized, else in float (`quantization` applies then)."""
         types = [self.state.type_of(n + ".weight") for n in names]
-        blocks = [t is not None and t not in FLOAT_TYPES for t in types]
+        blocks = [self.in_blocks(n + ".weight") for n in names]
         if not any(blocks):
             return prepare_weight(self.stacked(*(n + ".weight" for n in names)), self.quantization)
         if self.quantization != "none":
@@ -137,24 +137,23 @@ class Checkpoint:
                         mins=None if w.mins is None else w.mins.to(self.device))
         return Weight(None, grouped=w)
 
+    def in_blocks(self, name: str) -> bool:
+        """Whether `name` is a GGUF file's quantized tensor, which is held in its blocks."""
+        return isinstance(self.state, GgufState) and self.state.type_of(name) not in (None, *FLOAT_TYPES)
+
     def embeddings(self) -> torch.Tensor | GroupWeight:
         """The embeddings [vocab, hidden] in the model's dtype; a GGUF file's quantized ones stay in their blocks
         (GroupWeight.take_rows decodes the rows a step looks up), shared with the LM head when tied."""
         name = "model.embed_tokens.weight"
-        if isinstance(self.state, GgufState) and self.state.type_of(name) not in (None, *FLOAT_TYPES):
-            return self.held_blocks(self.state.pop_blocks(name)).grouped
-        return self.take(name)
+        return self.held_blocks(self.state.pop_blocks(name)).grouped if self.in_blocks(name) else self.take(name)
 
     def lm_head(self, embed: torch.Tensor | GroupWeight) -> Weight:
         """The LM head in the model's dtype (the embeddings `embed` when tied). A GGUF file's quantized one stays in
         its blocks: at one user the LM head is a large share of the bytes a step reads, and of the memory of a
         large vocabulary."""
         tied = self.cfg.tie_word_embeddings
-        if isinstance(embed, GroupWeight) and tied:
-            return Weight(None, grouped=embed)
-        if isinstance(self.state, GgufState) and self.state.type_of("lm_head.weight") not in (None, *FLOAT_TYPES):
+        if self.in_blocks("lm_head.weight"):
             return self.held_blocks(self.state.pop_blocks("lm_head.weight"))
         lm_head = self.take("lm_head.weight", required=not tied)
-        if isinstance(embed, GroupWeight) and lm_head is None:
-            return Weight(None, grouped=embed)
-        return prepare_weight(embed if tied or lm_head is None else lm_head)
+        head = embed if tied or lm_head is None else lm_head
+        return Weight(None, grouped=head) if isinstance(head, GroupWeight) else prepare_weight(head)

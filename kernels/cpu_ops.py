@@ -27,8 +27,9 @@ _CPU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
 SOURCES = [os.path.join(_CPU_DIR, name) for name in ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp",
                                                    "int8_linear.cpp", "group_linear.cpp", "fp32_linear.cpp",
                                                    "half_linear.cpp", "bf16_linear.cpp", "bf16_amx_linear.cpp",
-                                                   "lora.cpp")]
-HEADERS = [os.path.join(_CPU_DIR, name) for name in ("vec_math.h", "blocked_linear.h")]
+                                                   "lora.cpp", "decode_layers.cpp")]
+HEADERS = [os.path.join(_CPU_DIR, name) for name in ("vec_math.h", "blocked_linear.h", "operators.h",
+                                                   "decode_layers.h")]
 # -fopenmp: ATen's at::parallel_for is an inline template that splits work over torch's threads only where the
 # including file is compiled with OpenMP; without it every operator here ran on one thread (perf/RESULTS.md, "the
 # C++ operators on both cores"). The link names libgomp.so.1,

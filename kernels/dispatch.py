@@ -21,6 +21,7 @@ class KernelSettings:
     cpu_ops: bool = True             # TRELLM_CPU_OPS=0: no C++ CPU operators (the PyTorch path)
     cpu_ops_cache: str | None = None  # TRELLM_CPU_OPS_CACHE: where the C++ operators are built (cpu_ops.build_dir)
     cpu_linear: str = "auto"         # TRELLM_CPU_LINEAR: CPU linear layers: auto (timed at load), cpp, onednn, torch
+    decode_layers: bool = True       # TRELLM_DECODE_LAYERS=0: short steps run layer by layer from Python on a CPU too
     attn_splits: int | None = None   # TRELLM_ATTN_SPLITS: decode attention's key segments on a GPU (None: chosen)
     triton_interpret: bool = False   # TRITON_INTERPRET=1: Triton's interpreter (read by Triton itself too)
 
@@ -36,6 +37,7 @@ class KernelSettings:
                    cpu_ops=env.get("TRELLM_CPU_OPS", "1") != "0",
                    cpu_ops_cache=env.get("TRELLM_CPU_OPS_CACHE") or None,
                    cpu_linear=linear,
+                   decode_layers=env.get("TRELLM_DECODE_LAYERS", "1") != "0",
                    attn_splits=int(splits) if splits else None,
                    triton_interpret=env.get("TRITON_INTERPRET") == "1")
 

@@ -312,6 +312,38 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return dense_linear(x, w.dense, bias)
 
 
+# The C++ operators a CPU linear layer runs on, numbered as cpu/decode_layers.h's LinearKind.
+FP32_PACKED, HALF_PACKED, BF16_PAIRS, INT8_PACKED, GROUPS = range(5)
+
+
+def cpu_operator(w: Weight, tokens: int) -> tuple[int, torch.Tensor, torch.Tensor | None, int] | None:
+    """Which C++ operator `linear` runs for w at `tokens` rows on a CPU with the operators built, as (kind, the
+    weight it reads, its scales, inputs per group); None where it runs anything else (oneDNN, torch, AMX tiles, a
+    dequantized weight). cpu/decode_layers.cpp calls that operator itself, so this follows `linear` branch by
+    branch."""
+    if w.calls is not None:
+        return _packed_operator(w.packed) if w.calls[linear_choice.count_index(tokens)] == "cpp" else None
+    if w.int4 is not None:
+        g = w.int4
+        if g.perm is not None or g.groups is None or g.padding:
+            return None
+        return (GROUPS, g.groups.q, g.groups.scales, g.groups.group) if g.groups.packed else None
+    if w.grouped is not None:
+        return (GROUPS, w.grouped.q, w.grouped.scales, w.grouped.group) if w.grouped.packed else None
+    if w.scales is not None:
+        return (INT8_PACKED, w.qweight, w.scales, 0) if not w.w8a8 and w.qweight.dim() == 3 else None
+    if w.packed is None or (tokens >= AMX_FROM_TOKENS and amx_takes(w.packed)) or (
+            w.packed.dim() == 3 and w.packed.dtype != torch.float32 and tokens >= HALF_UNPACKED_FROM_TOKENS):
+        return None
+    return _packed_operator(w.packed)
+
+
+def _packed_operator(packed: torch.Tensor) -> tuple[int, torch.Tensor, None, int]:
+    """packed_linear's operator (without AMX) for a weight held packed."""
+    kind = BF16_PAIRS if packed.dim() == 4 else FP32_PACKED if packed.dtype == torch.float32 else HALF_PACKED
+    return kind, packed, None, 0
+
+
 # The calls a CPU weight's timed choice can name (linear_choice.LAYOUT_CALLS), each f(x, weight, bias).
 CALLS = {
     "cpp": lambda x, w, b: packed_linear(x, w.packed, b),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from trellm_backend.models.config import ModelConfig, ModelConfigError
+from trellm_backend.models.decode_stack import DecodeStack
 from trellm_backend.models.gguf import GgufState
 from trellm_backend.models.moe import SparseMlp, load_sparse_mlp
 from trellm_backend.models.rope import cos_sin_cache, long_rope_from
@@ -133,6 +134,8 @@ class LlamaModel:
         self.attention_cap = (gemma and gemma.attn_logit_softcapping) or 0.0
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # On a CPU, short steps run the layers in one C++ call where they hold nothing else (decode_stack.py)
+        self.decode_stack = DecodeStack.build(self) if device.type == "cpu" else None
 
     def has_sparse_layers(self) -> bool:
         return any(layer.sparse is not None for layer in self.layers)
@@ -170,6 +173,25 @@ class LlamaModel:
             self.embed.take_rows(input_ids).to(self.dtype)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        stack = self.decode_stack
+        if stack is not None and lora is None and meta.rope_long is None and stack.takes(T, meta.max_seqlen_q):
+            h, residual = stack.forward(h, meta, kv_cache, kv_scales)
+        else:
+            h, residual = self._layers(h, meta, kv_cache, kv_scales, lora)
+        # Only the rows that will be sampled go through the final norm and the vocabulary projection.
+        h = h[logits_indices]
+        residual = residual[logits_indices]
+        x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
+        logits = linear(x, self.lm_head).float()
+        if self.logit_cap is not None:
+            logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
+        return logits
+
+    def _layers(self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                kv_scales: torch.Tensor | None, lora: LoraStep | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers from Python, operator by operator: (h, residual) after the last one."""
+        cfg = self.cfg
+        T = h.shape[0]
         rope_rows = meta.positions
         if meta.rope_long is not None:
             # longrope: the long factors are the table's second half (the scheduler decides which tokens take them)
@@ -218,11 +240,4 @@ class LlamaModel:
                 lora.add(h, act, i, "down")
             if w.mlp_out_norm is not None:
                 h = rms_norm(h, w.mlp_out_norm, cfg.rms_norm_eps)
-        # Only the rows that will be sampled go through the final norm and the vocabulary projection.
-        h = h[logits_indices]
-        residual = residual[logits_indices]
-        x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
-        logits = linear(x, self.lm_head).float()
-        if self.logit_cap is not None:
-            logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
-        return logits
+        return h, residual

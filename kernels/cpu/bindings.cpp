@@ -3,36 +3,9 @@
 #include <torch/extension.h>
 
 #include "blocked_linear.h"
+#include "decode_layers.h"
+#include "operators.h"
 #include "vec_math.h"
-
-void paged_attention_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                         torch::Tensor cu_seqlens_q, torch::Tensor seq_lens, torch::Tensor block_tables,
-                         double scale, int64_t max_q_len, int64_t window, double softcap);
-void paged_attention_quantized_cpu(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                   torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor cu_seqlens_q,
-                                   torch::Tensor seq_lens, torch::Tensor block_tables, double scale, int64_t max_q_len,
-                                   bool is_int8, int64_t window, double softcap);
-void rms_norm_cpu(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
-void fused_add_rms_norm_cpu(torch::Tensor out, torch::Tensor res_out, torch::Tensor x, torch::Tensor residual,
-                            torch::Tensor weight, double eps);
-void rotary_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos_sin);
-void silu_and_mul_cpu(torch::Tensor out, torch::Tensor x);
-void int8_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, torch::Tensor scales);
-void group_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t group);
-void quantize_rows_int8_cpu(torch::Tensor q, torch::Tensor scales, torch::Tensor x);
-void fp32_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
-void half_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
-void bf16_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
-void bf16_amx_linear_cpu(torch::Tensor y, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
-bool bf16_amx_ready();
-void write_kv_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor slot_mapping);
-void gather_dequantize_cpu(torch::Tensor out, torch::Tensor cache, torch::Tensor scales, torch::Tensor blocks,
-                           bool is_int8);
-void lora_add_cpu(torch::Tensor out, torch::Tensor x, torch::Tensor at, torch::Tensor bt, torch::Tensor spans,
-                  double scale);
-void write_kv_quantized_cpu(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor slot_mapping, bool is_int8);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
@@ -91,4 +64,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil);
   m.def("write_kv_quantized", &write_kv_quantized_cpu,
         "quantize k and v per token and head into an INT8 or FP8 cache (int8 views) and its float16 scales", no_gil);
+  py::class_<trellm::DecodeLayers>(m, "DecodeLayers",
+                                    "a decoder's layers for a step of few rows in one call (decode_layers.cpp)")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor>(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("cos_sin"))
+      .def("add_layer", &trellm::DecodeLayers::add_layer, py::arg("input_norm"), py::arg("post_norm"),
+           py::arg("window"))
+      .def("add_linear", &trellm::DecodeLayers::add_linear, py::arg("kind"), py::arg("weight"), py::arg("scales"),
+           py::arg("bias"), py::arg("group"))
+      .def("forward", &trellm::DecodeLayers::forward, "(h, residual) after the last layer", no_gil);
 }

@@ -1,0 +1,75 @@
+"""A decoder's layers in one C++ call for CPU steps of short rows (kernels/cpu/decode_layers.cpp).
+
+Why: at one user a small model's decode step is mostly the time between operators. Each layer of LlamaModel's
+loop makes about ten calls, and from Python each costs microseconds of dispatch beside microseconds of work.
+The C++ stack calls the same operators in the same order on the same dtypes, so a step gives the same logits to
+the bit with or without it (tests/test_decode_stack.py holds it to that), and TRELLM_DECODE_LAYERS=0 turns it off.
+
+It takes the layers that have nothing but the C++ operators in them: dense MLPs with SiLU, no q/k norms, no
+Gemma norms or caps, one rope table, fp32 or bf16 activations, and linears that `linear` runs on one of the C++
+operators at that step's token count (kernels/linear.py's cpu_operator). Steps with LoRA, longrope's long
+factors or rows longer than the C++ attention takes run the Python loop.
+"""
+from __future__ import annotations
+
+import torch
+
+from trellm_kernels import cpu_ops
+from trellm_kernels.attention import CPU_OP_MAX_Q_LEN
+from trellm_kernels.dispatch import settings
+from trellm_kernels.linear import cpu_operator
+
+SITES = ("qkv", "o", "gate_up", "down")
+BIASES = {"qkv": "qkv_bias", "o": "o_bias", "gate_up": "gate_up_bias", "down": "down_bias"}
+
+
+class DecodeStack:
+    def __init__(self, model, stack, kinds: list[int]):
+        self._model = model
+        self._stack = stack
+        self._kinds = kinds                   # the operator of each linear, layer by layer in SITES order
+        self._takes: dict[int, bool] = {}     # token count -> every linear runs the stack's operator there
+
+    @classmethod
+    def build(cls, model) -> "DecodeStack | None":
+        """The stack for a loaded LlamaModel, or None where its layers need more than the C++ operators (see
+        the module docstring) or the operators are not built here."""
+        ops = cpu_ops.for_tensor(model.cos_sin)
+        if ops is None or not settings().decode_layers or not hasattr(ops, "DecodeLayers"):
+            return None
+        if (model.dtype not in (torch.float32, torch.bfloat16) or model.gelu or model.attention_cap
+                or model.long_rope_from is not None or model.cos_sin.dtype != torch.float32):
+            return None
+        for w in model.layers:
+            if (w.sparse is not None or w.q_norm is not None or w.attn_out_norm is not None or w.cos_sin is not None
+                    or w.input_norm.dtype != model.dtype or w.post_norm.dtype != model.dtype
+                    or any(cpu_operator(getattr(w, site), 1) is None for site in SITES)):
+                return None
+        cfg = model.cfg
+        stack = ops.DecodeLayers(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale,
+                                 model.cos_sin)
+        kinds = []
+        for w in model.layers:
+            stack.add_layer(w.input_norm, w.post_norm, w.window)
+            for site in SITES:
+                kind, weight, scales, group = cpu_operator(getattr(w, site), 1)
+                stack.add_linear(kind, weight, scales, getattr(w, BIASES[site]), group)
+                kinds.append(kind)
+        return cls(model, stack, kinds)
+
+    def takes(self, tokens: int, max_seqlen_q: int) -> bool:
+        """Whether a step of `tokens` rows, none longer than `max_seqlen_q` a sequence, runs here: the C++
+        attention takes its rows, and every linear runs the operator the stack holds at that count."""
+        if max_seqlen_q > CPU_OP_MAX_Q_LEN:
+            return False
+        ok = self._takes.get(tokens)
+        if ok is None:
+            ops = [cpu_operator(getattr(w, site), tokens) for w in self._model.layers for site in SITES]
+            ok = self._takes[tokens] = all(op is not None and op[0] == kind for op, kind in zip(ops, self._kinds))
+        return ok
+
+    def forward(self, h: torch.Tensor, meta, kv_cache: torch.Tensor,
+                kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) after the last layer, as LlamaModel's loop leaves them."""
+        return self._stack.forward(h, meta.positions, meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens,
+                                   meta.block_tables, kv_cache, kv_scales, meta.max_seqlen_q)

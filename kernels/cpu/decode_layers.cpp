@@ -1,0 +1,136 @@
+// A decoder's layers for a step of few rows (decodes, speculative verification, short chunks) in one call.
+//
+// Why: a layer of models/llama.py's forward makes about ten operator calls, and from Python each costs
+// microseconds of its own (the dispatch in kernels/*.py, argument conversion, the tensors' wrappers) beside the
+// operator's work, which for one token of a small model is microseconds too. Here the layers call the same
+// operators in the same order, on the same dtypes and with the same conversions as the Python path, so they give
+// the same hidden states to the bit; only the Python between the calls goes. models/decode_stack.py decides which
+// models and steps take this path and builds the stack from a loaded model.
+#include "decode_layers.h"
+
+#include <ATen/ATen.h>
+
+#include "operators.h"
+
+namespace trellm {
+
+namespace {
+
+constexpr int64_t kCpuOpMaxQLen = 16;   // kernels/attention.py's CPU_OP_MAX_Q_LEN: longer rows are not taken here
+
+bool is_quantized_cache(const at::Tensor& cache) {
+  return cache.scalar_type() == at::kChar || cache.scalar_type() == at::kFloat8_e4m3fn;
+}
+
+}  // namespace
+
+DecodeLayers::DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                           at::Tensor cos_sin)
+    : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+      cos_sin_(cos_sin.contiguous()) {
+  TORCH_CHECK(cos_sin_.scalar_type() == at::kFloat, "DecodeLayers: the rotary table must be float32");
+}
+
+void DecodeLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t window) {
+  layers_.push_back(StackLayer{input_norm.contiguous(), post_norm.contiguous(), {}, window});
+}
+
+void DecodeLayers::add_linear(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
+                              c10::optional<at::Tensor> bias, int64_t group) {
+  TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "DecodeLayers: four linears per layer");
+  TORCH_CHECK(kind >= 0 && kind <= static_cast<int64_t>(LinearKind::kGroup), "DecodeLayers: unknown kind ", kind);
+  StackLinear w;
+  w.kind = static_cast<LinearKind>(kind);
+  w.weight = weight;
+  w.group = group;
+  if (w.kind == LinearKind::kInt8 || w.kind == LinearKind::kGroup) {
+    TORCH_CHECK(scales.has_value(), "DecodeLayers: an int8 or group weight needs its scales");
+    // int8_linear takes float32 scales (kernels/linear.py widens other dtypes for each call)
+    w.scales = w.kind == LinearKind::kInt8 ? scales->to(at::kFloat).contiguous() : *scales;
+  }
+  if (bias.has_value()) {
+    w.bias = *bias;
+    w.bias_f32 = bias->to(at::kFloat).contiguous();
+  }
+  // Blocked layouts [out/B, in, B] and k-pairs [out/B, in/2, B, 2] both keep B outputs per block in dim 2.
+  w.out_features = weight.size(0) * weight.size(2);
+  layers_.back().linears.push_back(std::move(w));
+}
+
+// kernels/linear.py's packed_linear, int8_linear and group_linear for one held weight: x converted to the
+// operator's dtype, the result in float32 (with the bias where the Python path adds it) rounded back to x's dtype.
+at::Tensor DecodeLayers::linear(const StackLinear& w, const at::Tensor& x) const {
+  const auto in_dtype = w.kind == LinearKind::kBf16Pairs ? at::kBFloat16 : at::kFloat;
+  const at::Tensor x2 = x.to(in_dtype).contiguous();
+  at::Tensor y = at::empty({x2.size(0), w.out_features}, x2.options().dtype(at::kFloat));
+  switch (w.kind) {
+    case LinearKind::kFp32Packed: fp32_linear_cpu(y, x2, w.weight, w.bias_f32); break;
+    case LinearKind::kHalfPacked: half_linear_cpu(y, x2, w.weight, w.bias_f32); break;
+    case LinearKind::kBf16Pairs: bf16_linear_cpu(y, x2, w.weight, w.bias_f32); break;
+    case LinearKind::kInt8:
+    case LinearKind::kGroup:
+      if (w.kind == LinearKind::kInt8)
+        int8_linear_cpu(y, x2, w.weight, w.scales);
+      else
+        group_linear_cpu(y, x2, w.weight, w.scales, w.group);
+      if (w.bias.has_value()) y.add_(*w.bias);
+      break;
+  }
+  return y.to(x.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> DecodeLayers::forward(at::Tensor h, at::Tensor positions, at::Tensor slot_mapping,
+                                                         at::Tensor cu_seqlens_q, at::Tensor seq_lens,
+                                                         at::Tensor block_tables, at::Tensor kv_cache,
+                                                         c10::optional<at::Tensor> kv_scales,
+                                                         int64_t max_q_len) const {
+  TORCH_CHECK(max_q_len <= kCpuOpMaxQLen, "DecodeLayers: rows of at most ", kCpuOpMaxQLen, " tokens a sequence");
+  const int64_t T = h.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
+  const int64_t q_size = H * D, kv_size = KVH * D;
+  const at::Tensor pos = positions.to(at::kInt), slots = slot_mapping.to(at::kInt);
+  const at::Tensor cu = cu_seqlens_q.to(at::kInt), lens = seq_lens.to(at::kInt);
+  const at::Tensor tables = block_tables.to(at::kInt).contiguous();
+  at::Tensor residual;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const StackLayer& layer = layers_[i];
+    at::Tensor x = at::empty_like(h);
+    if (i == 0) {
+      residual = h;
+      rms_norm_cpu(x, h, layer.input_norm, eps_);
+    } else {
+      at::Tensor res_out = at::empty_like(residual);
+      fused_add_rms_norm_cpu(x, res_out, h, residual, layer.input_norm, eps_);
+      residual = res_out;
+    }
+    const at::Tensor qkv = linear(layer.linears[0], x);
+    at::Tensor q = qkv.narrow(1, 0, q_size).reshape({T, H, D}).contiguous();
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).reshape({T, KVH, D}).contiguous();
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).reshape({T, KVH, D});
+    rotary_cpu(q, k, pos, cos_sin_);
+    const at::Tensor k_cache = kv_cache.select(0, i).select(0, 0), v_cache = kv_cache.select(0, i).select(0, 1);
+    at::Tensor attn = at::empty_like(q);
+    if (is_quantized_cache(k_cache)) {
+      const bool is_int8 = k_cache.scalar_type() == at::kChar;
+      const at::Tensor k_scale = kv_scales->select(0, i).select(0, 0), v_scale = kv_scales->select(0, i).select(0, 1);
+      const at::Tensor k_bytes = k_cache.view(at::kChar), v_bytes = v_cache.view(at::kChar);
+      write_kv_quantized_cpu(k, v, k_bytes, v_bytes, k_scale, v_scale, slots, is_int8);
+      paged_attention_quantized_cpu(attn, q, k_bytes, v_bytes, k_scale, v_scale, cu, lens, tables, scale_,
+                                    kCpuOpMaxQLen, is_int8, layer.window, 0.0);
+    } else {
+      write_kv_cpu(k, v, k_cache, v_cache, slots);
+      paged_attention_cpu(attn, q, k_cache, v_cache, cu, lens, tables, scale_, kCpuOpMaxQLen, layer.window, 0.0);
+    }
+    h = linear(layer.linears[1], attn.reshape({T, q_size}));
+    x = at::empty_like(h);
+    at::Tensor res_out = at::empty_like(residual);
+    fused_add_rms_norm_cpu(x, res_out, h, residual, layer.post_norm, eps_);
+    residual = res_out;
+    const at::Tensor gate_up = linear(layer.linears[2], x);
+    at::Tensor act = at::empty({T, gate_up.size(1) / 2}, gate_up.options());
+    silu_and_mul_cpu(act, gate_up);
+    h = linear(layer.linears[3], act);
+  }
+  return {h, residual};
+}
+
+}  // namespace trellm

@@ -1,0 +1,102 @@
+"""The decoder's layers in one C++ call (models/decode_stack.py, kernels/cpu/decode_layers.cpp) give the same logits
+to the bit as the same layers run operator by operator from Python, over prefill, decode and verification steps of
+two sequences, for each kind of weight and KV cache it takes; and models or steps it does not take run the Python
+loop."""
+import pytest
+import torch
+
+from hf_models import model_dir_for
+from trellm_backend.engine.forward_inputs import StepInputs, allocate_kv_cache
+from trellm_backend.models.config import load_model_config
+from trellm_backend.models.llama import LlamaModel
+from trellm_backend.models.weights import load_state_dict
+from trellm_kernels import cpu_ops
+from trellm_kernels.linear import linear_path
+
+pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="the C++ CPU operators are not built here")
+
+BLOCK, BLOCKS_PER_SEQ = 16, 4
+
+
+def load(tmp_path, name: str, dtype: torch.dtype, quantization: str = "none") -> LlamaModel:
+    folder = model_dir_for(str(tmp_path), name)
+    return LlamaModel(load_model_config(folder), load_state_dict(folder, dtype), torch.device("cpu"), dtype,
+                      BLOCK * BLOCKS_PER_SEQ, quantization)
+
+
+def run_steps(model: LlamaModel, kv_dtype: torch.dtype, steps) -> list[torch.Tensor]:
+    """Each step's logits of every row, two sequences. steps: [(tokens of seq 0, tokens of seq 1)], appended."""
+    cache, scales = allocate_kv_cache(model.cfg, 2 * BLOCKS_PER_SEQ, BLOCK, kv_dtype, torch.device("cpu"))
+    tables = torch.arange(2 * BLOCKS_PER_SEQ, dtype=torch.int32).view(2, BLOCKS_PER_SEQ)
+    inputs, lengths, out = StepInputs(torch.device("cpu")), [0, 0], []
+    for chunk in steps:
+        q_lens = [len(c) for c in chunk]
+        rows = torch.arange(sum(q_lens), dtype=torch.int32)
+        ids, meta, logits_rows, _ = inputs.build([t for c in chunk for t in c], list(lengths), q_lens, tables, BLOCK,
+                                                 rows)
+        out.append(model.forward(ids, meta, cache, logits_rows, scales))
+        lengths = [n + q for n, q in zip(lengths, q_lens)]
+    return out
+
+
+def steps_of(vocab: int) -> list:
+    g = torch.Generator().manual_seed(0)
+
+    def tokens(n):
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+    return ([(tokens(20), tokens(7))]                  # prefill: a row longer than the C++ attention takes
+            + [(tokens(1), tokens(1)) for _ in range(5)]  # decodes
+            + [(tokens(3), tokens(2)), (tokens(1), tokens(1))])   # a verification of guesses, then a decode
+
+
+CASES = [   # (model, dtype, quantization, KV cache dtype)
+    ("qwen2-bias-gqa4", torch.float32, "none", torch.float32),        # q/k/v biases, GQA
+    ("qwen2-bias-gqa4", torch.bfloat16, "none", torch.bfloat16),
+    ("qwen2-bias-gqa4", torch.float32, "int8", torch.int8),           # INT8 weights beside an INT8 cache
+    ("llama-gqa4-hd128", torch.bfloat16, "int8", torch.float8_e4m3fn),
+    ("qwen2-bias-gqa4", torch.float32, "int4-g64", torch.float32),    # INT4 held in the group operator's blocks
+    ("mistral-sliding", torch.float32, "int8", torch.float32),        # a sliding window
+]
+
+
+@pytest.mark.parametrize("name,dtype,quantization,kv_dtype", CASES,
+                         ids=[f"{n}-{str(d)[6:]}-{q}-kv-{str(k)[6:]}" for n, d, q, k in CASES])
+def test_one_call_for_the_layers_gives_the_python_loops_logits_to_the_bit(tmp_path, kernel_settings, name, dtype,
+                                                                          quantization, kv_dtype):
+    kernel_settings(cpu_linear="cpp")      # the written-down rule: no timing, the same layout on every run
+    model = load(tmp_path, name, dtype, quantization)
+    if model.decode_stack is None:
+        # the float layers are C++ blocks on most hosts; a host whose rule holds them elsewhere says where
+        assert quantization == "none", "quantized weights always run the C++ operators"
+        pytest.skip(f"this host holds {dtype} weights elsewhere: {linear_path(model.layers[0].qkv)}")
+    steps = steps_of(model.cfg.vocab_size)
+    assert model.decode_stack.takes(2, 1) and model.decode_stack.takes(5, 3)
+    assert not model.decode_stack.takes(27, 20)
+    stacked = run_steps(model, kv_dtype, steps)
+    stack, model.decode_stack = model.decode_stack, None
+    loop = run_steps(model, kv_dtype, steps)
+    for i, (a, b) in enumerate(zip(stacked, loop)):
+        assert torch.equal(a, b), f"step {i}: the stack's logits differ from the loop's"
+    assert stack is not None
+
+
+def test_a_step_the_stack_takes_runs_in_it(tmp_path, kernel_settings, monkeypatch):
+    """The comparison above is meaningful only if the decodes ran in C++: count the Python loop's runs."""
+    kernel_settings(cpu_linear="cpp")
+    model = load(tmp_path, "qwen2-bias-gqa4", torch.float32, "int8")
+    loops = []
+    original = model._layers
+    monkeypatch.setattr(model, "_layers", lambda *a: loops.append(a[0].shape[0]) or original(*a))
+    run_steps(model, torch.float32, steps_of(model.cfg.vocab_size))
+    assert loops == [27], "only the prefill (rows of 20 tokens) runs the Python loop"
+
+
+@pytest.mark.parametrize("name", ["qwen3-qknorm-hd8", "gemma2-softcap", "mixtral-moe8", "phi3-longrope"])
+def test_layers_with_more_than_the_operators_run_the_python_loop(tmp_path, kernel_settings, name):
+    kernel_settings(cpu_linear="cpp")
+    assert load(tmp_path, name, torch.float32, "int8").decode_stack is None
+
+
+def test_turned_off_by_the_setting(tmp_path, kernel_settings):
+    kernel_settings(cpu_linear="cpp", decode_layers=False)
+    assert load(tmp_path, "qwen2-bias-gqa4", torch.float32, "int8").decode_stack is None

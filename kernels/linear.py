@@ -312,17 +312,22 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return dense_linear(x, w.dense, bias)
 
 
-# The C++ operators a CPU linear layer runs on, numbered as cpu/decode_layers.h's LinearKind.
-FP32_PACKED, HALF_PACKED, BF16_PAIRS, INT8_PACKED, GROUPS = range(5)
+# The operators a CPU linear layer runs on, numbered as cpu/decode_layers.h's LinearKind.
+FP32_PACKED, HALF_PACKED, BF16_PAIRS, INT8_PACKED, GROUPS, TORCH, ONEDNN = range(7)
 
 
 def cpu_operator(w: Weight, tokens: int) -> tuple[int, torch.Tensor, torch.Tensor | None, int] | None:
-    """Which C++ operator `linear` runs for w at `tokens` rows on a CPU with the operators built, as (kind, the
-    weight it reads, its scales, inputs per group); None where it runs anything else (oneDNN, torch, AMX tiles, a
-    dequantized weight). cpu/decode_layers.cpp calls that operator itself, so this follows `linear` branch by
-    branch."""
+    """Which operator `linear` runs for w at `tokens` rows of w's dtype on a CPU with the C++ operators built, as
+    (kind, the weight it reads, its scales, inputs per group); None where it runs something else (AMX tiles, a
+    widened or dequantized weight, W8A8). cpu/decode_layers.cpp calls that operator itself, so this follows `linear`
+    branch by branch."""
     if w.calls is not None:
-        return _packed_operator(w.packed) if w.calls[linear_choice.count_index(tokens)] == "cpp" else None
+        call = w.calls[linear_choice.count_index(tokens)]
+        if call == "onednn":
+            return ONEDNN, w.prepared, None, 0
+        if call == "torch" and w.dense is not None:
+            return TORCH, w.dense, None, 0
+        return _packed_operator(w.packed) if call == "cpp" else None
     if w.int4 is not None:
         g = w.int4
         if g.perm is not None or g.groups is None or g.padding:
@@ -332,10 +337,16 @@ def cpu_operator(w: Weight, tokens: int) -> tuple[int, torch.Tensor, torch.Tenso
         return (GROUPS, w.grouped.q, w.grouped.scales, w.grouped.group) if w.grouped.packed else None
     if w.scales is not None:
         return (INT8_PACKED, w.qweight, w.scales, 0) if not w.w8a8 and w.qweight.dim() == 3 else None
-    if w.packed is None or (tokens >= AMX_FROM_TOKENS and amx_takes(w.packed)) or (
-            w.packed.dim() == 3 and w.packed.dtype != torch.float32 and tokens >= HALF_UNPACKED_FROM_TOKENS):
-        return None
-    return _packed_operator(w.packed)
+    if w.packed is not None:
+        if (tokens >= AMX_FROM_TOKENS and amx_takes(w.packed)) or (
+                w.packed.dim() == 3 and w.packed.dtype != torch.float32 and tokens >= HALF_UNPACKED_FROM_TOKENS):
+            return None
+        return _packed_operator(w.packed)
+    if w.prepared is not None:
+        return ONEDNN, w.prepared, None, 0
+    if tokens < HALF_AS_FP32_FROM_TOKENS or not half_gemm_is_row_by_row(w.dense.dtype):   # dense_linear's branch
+        return TORCH, w.dense, None, 0
+    return None
 
 
 def _packed_operator(packed: torch.Tensor) -> tuple[int, torch.Tensor, None, int]:

@@ -178,20 +178,22 @@ def read_bandwidth(size_bytes: int, rounds: int = 5, round_s: float = 0.05) -> f
 
 def gemm_peak(dtype: str, n: int, rounds: int = 3) -> float | None:
     """FLOP (or int8 operations) a second of an n x n x n GEMM: torch.mm for float32/bfloat16, oneDNN's quantized
-    GEMM (s8 x s8, fp32 out, the weight prepacked as W8A8 holds it) for int8; None where it does not run here."""
+    GEMM for int8 as W8A8 calls it (u8 activations with a zero point of 128, s8 weights prepacked, fp32 out; signed
+    activations take oneDNN's reference path on some hosts, at a thousandth of the rate); None where it does not run
+    here."""
     g = torch.Generator().manual_seed(0)
     if dtype == "int8":
         from trellm_kernels import linear as lin
         if not lin.onednn_runs_w8a8():
             return None
-        a = torch.randint(-127, 128, (n, n), dtype=torch.int8, generator=g)
+        a = torch.randint(0, 256, (n, n), dtype=torch.uint8, generator=g)
         packed = torch.ops.onednn.qlinear_prepack(torch.randint(-127, 128, (n, n), dtype=torch.int8, generator=g),
                                                   [n, n])
         scales = torch.ones(n)
 
         def run():
-            return torch.ops.onednn.qlinear_pointwise.tensor(a, lin._ONE, lin._ZERO, packed, scales, lin._ZERO, None,
-                                                             1.0, 0, torch.float32, "none", [None], "")
+            return torch.ops.onednn.qlinear_pointwise.tensor(a, lin._ONE, lin._U8_ZERO, packed, scales, lin._ZERO,
+                                                             None, 1.0, 0, torch.float32, "none", [None], "")
     else:
         a = torch.randn(n, n, generator=g).to(getattr(torch, dtype))
         b = torch.randn(n, n, generator=g).to(a.dtype)

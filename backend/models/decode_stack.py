@@ -5,10 +5,10 @@ loop makes about ten calls, and from Python each costs microseconds of dispatch 
 The C++ stack calls the same operators in the same order on the same dtypes, so a step gives the same logits to
 the bit with or without it (tests/test_decode_stack.py holds it to that), and TRELLM_DECODE_LAYERS=0 turns it off.
 
-It takes the layers that have nothing but the C++ operators in them: dense MLPs with SiLU, no q/k norms, no
-Gemma norms or caps, one rope table, fp32 or bf16 activations, and linears that `linear` runs on one of the C++
-operators at that step's token count (kernels/linear.py's cpu_operator). Steps with LoRA, longrope's long
-factors or rows longer than the C++ attention takes run the Python loop.
+It takes dense layers (not MoE) in fp32 or bf16, of every family but longrope's Phi-3: q/k norms, Gemma's norms,
+GELU and attention caps, per-layer rope tables and windows included; with linears that `linear` runs at that
+step's token count on an operator the stack calls itself (kernels/linear.py's cpu_operator: the C++ operators,
+oneDNN's or torch's linear). Steps with LoRA or rows longer than the C++ attention takes run the Python loop.
 """
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ from trellm_kernels.linear import cpu_operator
 
 SITES = ("qkv", "o", "gate_up", "down")
 BIASES = {"qkv": "qkv_bias", "o": "o_bias", "gate_up": "gate_up_bias", "down": "down_bias"}
+
+
+def _held_as(w, dtype: torch.dtype) -> bool:
+    """A dense weight is in the activations' dtype (torch's linear would round it to theirs at every call)."""
+    return w.dense is None or w.dense.dtype == dtype
 
 
 class DecodeStack:
@@ -37,20 +42,22 @@ class DecodeStack:
         ops = cpu_ops.for_tensor(model.cos_sin)
         if ops is None or not settings().decode_layers or not hasattr(ops, "DecodeLayers"):
             return None
-        if (model.dtype not in (torch.float32, torch.bfloat16) or model.gelu or model.attention_cap
-                or model.long_rope_from is not None or model.cos_sin.dtype != torch.float32):
+        if model.dtype not in (torch.float32, torch.bfloat16) or model.long_rope_from is not None:
             return None
         for w in model.layers:
-            if (w.sparse is not None or w.q_norm is not None or w.attn_out_norm is not None or w.cos_sin is not None
-                    or w.input_norm.dtype != model.dtype or w.post_norm.dtype != model.dtype
-                    or any(cpu_operator(getattr(w, site), 1) is None for site in SITES)):
+            norms = (w.input_norm, w.post_norm, w.q_norm, w.k_norm, w.attn_out_norm, w.mlp_out_norm)
+            if (w.sparse is not None or any(n is not None and n.dtype != model.dtype for n in norms)
+                    or (w.cos_sin if w.cos_sin is not None else model.cos_sin).dtype != torch.float32
+                    or any(not _held_as(getattr(w, site), model.dtype) or cpu_operator(getattr(w, site), 1) is None
+                           for site in SITES)):
                 return None
         cfg = model.cfg
         stack = ops.DecodeLayers(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale,
-                                 model.cos_sin)
+                                 float(model.attention_cap), model.gelu)
         kinds = []
         for w in model.layers:
-            stack.add_layer(w.input_norm, w.post_norm, w.window)
+            stack.add_layer(w.input_norm, w.post_norm, w.q_norm, w.k_norm, w.attn_out_norm, w.mlp_out_norm,
+                            model.cos_sin if w.cos_sin is None else w.cos_sin, w.window)
             for site in SITES:
                 kind, weight, scales, group = cpu_operator(getattr(w, site), 1)
                 stack.add_linear(kind, weight, scales, getattr(w, BIASES[site]), group)

@@ -210,9 +210,9 @@ class LlamaModel:
             q = q.reshape(T, cfg.num_heads, cfg.head_dim)
             k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            if w.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm of each head before rotary
-                q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+            if w.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm of each head before rotary (on rows of their own)
+                q = rms_norm(q.contiguous(), w.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k.contiguous(), w.k_norm, cfg.rms_norm_eps)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
             cos_sin = self.cos_sin if w.cos_sin is None else w.cos_sin

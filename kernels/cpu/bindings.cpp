@@ -66,10 +66,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quantize k and v per token and head into an INT8 or FP8 cache (int8 views) and its float16 scales", no_gil);
   py::class_<trellm::DecodeLayers>(m, "DecodeLayers",
                                     "a decoder's layers for a step of few rows in one call (decode_layers.cpp)")
-      .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor>(), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("cos_sin"))
+      .def(py::init<int64_t, int64_t, int64_t, double, double, double, bool>(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("softcap"),
+           py::arg("gelu"))
       .def("add_layer", &trellm::DecodeLayers::add_layer, py::arg("input_norm"), py::arg("post_norm"),
-           py::arg("window"))
+           py::arg("q_norm"), py::arg("k_norm"), py::arg("attn_out_norm"), py::arg("mlp_out_norm"),
+           py::arg("cos_sin"), py::arg("window"))
       .def("add_linear", &trellm::DecodeLayers::add_linear, py::arg("kind"), py::arg("weight"), py::arg("scales"),
            py::arg("bias"), py::arg("group"))
       .def("forward", &trellm::DecodeLayers::forward, "(h, residual) after the last layer", no_gil);

@@ -9,6 +9,8 @@
 #include "decode_layers.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 
 #include "operators.h"
 
@@ -22,23 +24,44 @@ bool is_quantized_cache(const at::Tensor& cache) {
   return cache.scalar_type() == at::kChar || cache.scalar_type() == at::kFloat8_e4m3fn;
 }
 
+// torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], None), what kernels/linear.py calls on a prepacked
+// weight; through the dispatcher's boxed call, which does not depend on how this torch types the schema's strings.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, w, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue()};
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
 }  // namespace
 
 DecodeLayers::DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                           at::Tensor cos_sin)
+                           double softcap, bool gelu)
     : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-      cos_sin_(cos_sin.contiguous()) {
-  TORCH_CHECK(cos_sin_.scalar_type() == at::kFloat, "DecodeLayers: the rotary table must be float32");
-}
+      softcap_(softcap), gelu_(gelu) {}
 
-void DecodeLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t window) {
-  layers_.push_back(StackLayer{input_norm.contiguous(), post_norm.contiguous(), {}, window});
+void DecodeLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm, c10::optional<at::Tensor> q_norm,
+                             c10::optional<at::Tensor> k_norm, c10::optional<at::Tensor> attn_out_norm,
+                             c10::optional<at::Tensor> mlp_out_norm, at::Tensor cos_sin, int64_t window) {
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat, "DecodeLayers: the rotary table must be float32");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecodeLayers: q and k norms come together");
+  StackLayer layer;
+  layer.input_norm = input_norm.contiguous();
+  layer.post_norm = post_norm.contiguous();
+  layer.q_norm = q_norm;
+  layer.k_norm = k_norm;
+  layer.attn_out_norm = attn_out_norm;
+  layer.mlp_out_norm = mlp_out_norm;
+  layer.cos_sin = cos_sin.contiguous();
+  layer.window = window;
+  layers_.push_back(std::move(layer));
 }
 
 void DecodeLayers::add_linear(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                               c10::optional<at::Tensor> bias, int64_t group) {
   TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "DecodeLayers: four linears per layer");
-  TORCH_CHECK(kind >= 0 && kind <= static_cast<int64_t>(LinearKind::kGroup), "DecodeLayers: unknown kind ", kind);
+  TORCH_CHECK(kind >= 0 && kind <= static_cast<int64_t>(LinearKind::kOneDnn), "DecodeLayers: unknown kind ", kind);
   StackLinear w;
   w.kind = static_cast<LinearKind>(kind);
   w.weight = weight;
@@ -53,13 +76,16 @@ void DecodeLayers::add_linear(int64_t kind, at::Tensor weight, c10::optional<at:
     w.bias_f32 = bias->to(at::kFloat).contiguous();
   }
   // Blocked layouts [out/B, in, B] and k-pairs [out/B, in/2, B, 2] both keep B outputs per block in dim 2.
-  w.out_features = weight.size(0) * weight.size(2);
+  w.out_features = w.kind == LinearKind::kTorch || w.kind == LinearKind::kOneDnn ? 0 : weight.size(0) * weight.size(2);
   layers_.back().linears.push_back(std::move(w));
 }
 
-// kernels/linear.py's packed_linear, int8_linear and group_linear for one held weight: x converted to the
-// operator's dtype, the result in float32 (with the bias where the Python path adds it) rounded back to x's dtype.
+// kernels/linear.py's linear for one held weight. Torch's and oneDNN's take x as it is. For the C++ operators
+// (packed_linear, int8_linear, group_linear) x is converted to the operator's dtype, and the result comes in float32
+// (with the bias where the Python path adds it), rounded back to x's dtype.
 at::Tensor DecodeLayers::linear(const StackLinear& w, const at::Tensor& x) const {
+  if (w.kind == LinearKind::kTorch) return at::linear(x, w.weight, w.bias);
+  if (w.kind == LinearKind::kOneDnn) return onednn_linear(x, w.weight, w.bias);
   const auto in_dtype = w.kind == LinearKind::kBf16Pairs ? at::kBFloat16 : at::kFloat;
   const at::Tensor x2 = x.to(in_dtype).contiguous();
   at::Tensor y = at::empty({x2.size(0), w.out_features}, x2.options().dtype(at::kFloat));
@@ -75,8 +101,16 @@ at::Tensor DecodeLayers::linear(const StackLinear& w, const at::Tensor& x) const
         group_linear_cpu(y, x2, w.weight, w.scales, w.group);
       if (w.bias.has_value()) y.add_(*w.bias);
       break;
+    default: break;
   }
   return y.to(x.scalar_type());
+}
+
+// kernels/rmsnorm.py's rms_norm of contiguous rows.
+at::Tensor DecodeLayers::norm(const at::Tensor& x, const at::Tensor& weight) const {
+  at::Tensor out = at::empty_like(x);
+  rms_norm_cpu(out, x, weight, eps_);
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> DecodeLayers::forward(at::Tensor h, at::Tensor positions, at::Tensor slot_mapping,
@@ -93,20 +127,25 @@ std::tuple<at::Tensor, at::Tensor> DecodeLayers::forward(at::Tensor h, at::Tenso
   at::Tensor residual;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const StackLayer& layer = layers_[i];
-    at::Tensor x = at::empty_like(h);
+    at::Tensor x;
     if (i == 0) {
       residual = h;
-      rms_norm_cpu(x, h, layer.input_norm, eps_);
+      x = norm(h, layer.input_norm);
     } else {
+      x = at::empty_like(h);
       at::Tensor res_out = at::empty_like(residual);
       fused_add_rms_norm_cpu(x, res_out, h, residual, layer.input_norm, eps_);
       residual = res_out;
     }
     const at::Tensor qkv = linear(layer.linears[0], x);
     at::Tensor q = qkv.narrow(1, 0, q_size).reshape({T, H, D}).contiguous();
-    const at::Tensor k = qkv.narrow(1, q_size, kv_size).reshape({T, KVH, D}).contiguous();
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).reshape({T, KVH, D}).contiguous();
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).reshape({T, KVH, D});
-    rotary_cpu(q, k, pos, cos_sin_);
+    if (layer.q_norm.has_value()) {
+      q = norm(q, *layer.q_norm);
+      k = norm(k, *layer.k_norm);
+    }
+    rotary_cpu(q, k, pos, layer.cos_sin);
     const at::Tensor k_cache = kv_cache.select(0, i).select(0, 0), v_cache = kv_cache.select(0, i).select(0, 1);
     at::Tensor attn = at::empty_like(q);
     if (is_quantized_cache(k_cache)) {
@@ -115,20 +154,29 @@ std::tuple<at::Tensor, at::Tensor> DecodeLayers::forward(at::Tensor h, at::Tenso
       const at::Tensor k_bytes = k_cache.view(at::kChar), v_bytes = v_cache.view(at::kChar);
       write_kv_quantized_cpu(k, v, k_bytes, v_bytes, k_scale, v_scale, slots, is_int8);
       paged_attention_quantized_cpu(attn, q, k_bytes, v_bytes, k_scale, v_scale, cu, lens, tables, scale_,
-                                    kCpuOpMaxQLen, is_int8, layer.window, 0.0);
+                                    kCpuOpMaxQLen, is_int8, layer.window, softcap_);
     } else {
       write_kv_cpu(k, v, k_cache, v_cache, slots);
-      paged_attention_cpu(attn, q, k_cache, v_cache, cu, lens, tables, scale_, kCpuOpMaxQLen, layer.window, 0.0);
+      paged_attention_cpu(attn, q, k_cache, v_cache, cu, lens, tables, scale_, kCpuOpMaxQLen, layer.window,
+                          softcap_);
     }
     h = linear(layer.linears[1], attn.reshape({T, q_size}));
+    if (layer.attn_out_norm.has_value()) h = norm(h, *layer.attn_out_norm);
     x = at::empty_like(h);
     at::Tensor res_out = at::empty_like(residual);
     fused_add_rms_norm_cpu(x, res_out, h, residual, layer.post_norm, eps_);
     residual = res_out;
     const at::Tensor gate_up = linear(layer.linears[2], x);
-    at::Tensor act = at::empty({T, gate_up.size(1) / 2}, gate_up.options());
-    silu_and_mul_cpu(act, gate_up);
+    at::Tensor act;
+    if (gelu_) {   // kernels/activation.py's gelu_tanh_and_mul_reference, op for op
+      const auto halves = gate_up.chunk(2, -1);
+      act = at::gelu(halves[0], "tanh") * halves[1];
+    } else {
+      act = at::empty({T, gate_up.size(1) / 2}, gate_up.options());
+      silu_and_mul_cpu(act, gate_up);
+    }
     h = linear(layer.linears[3], act);
+    if (layer.mlp_out_norm.has_value()) h = norm(h, *layer.mlp_out_norm);
   }
   return {h, residual};
 }

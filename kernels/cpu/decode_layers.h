@@ -16,6 +16,8 @@ enum class LinearKind : int64_t {
   kBf16Pairs = 2,    // bf16_linear: bf16 k-pairs, bf16 activations
   kInt8 = 3,         // int8_linear: int8 blocks and a scale per output, float32 activations
   kGroup = 4,        // group_linear: integers with a scale (and a minimum) per group, float32 activations
+  kTorch = 5,        // torch's linear on the dense weight, in the activations' dtype
+  kOneDnn = 6,       // oneDNN's linear on its prepacked weight (mkldnn::_linear_pointwise)
 };
 
 struct StackLinear {
@@ -30,15 +32,22 @@ struct StackLinear {
 
 struct StackLayer {
   at::Tensor input_norm, post_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;               // Qwen3, Gemma 3: each head normed before rotary
+  c10::optional<at::Tensor> attn_out_norm, mlp_out_norm;  // Gemma: each block's output normed before the add
+  at::Tensor cos_sin;                 // the layer's rope table, float32
   std::vector<StackLinear> linears;   // qkv, o, gate_up, down
   int64_t window = 0;                 // sliding window of the attention; 0: full
 };
 
 class DecodeLayers {
  public:
-  DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-               at::Tensor cos_sin);
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t window);
+  // gelu: the MLP's activation is GELU's tanh approximation (Gemma), else SiLU; softcap > 0: attention scores
+  // capped by tanh (Gemma 2).
+  DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, double softcap,
+               bool gelu);
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, c10::optional<at::Tensor> q_norm,
+                 c10::optional<at::Tensor> k_norm, c10::optional<at::Tensor> attn_out_norm,
+                 c10::optional<at::Tensor> mlp_out_norm, at::Tensor cos_sin, int64_t window);
   // Appends a linear to the last layer added: qkv, o, gate_up, down in that order.
   void add_linear(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales, c10::optional<at::Tensor> bias,
                   int64_t group);
@@ -50,9 +59,10 @@ class DecodeLayers {
 
  private:
   at::Tensor linear(const StackLinear& w, const at::Tensor& x) const;
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const;
   int64_t num_heads_, num_kv_heads_, head_dim_;
-  double eps_, scale_;
-  at::Tensor cos_sin_;
+  double eps_, scale_, softcap_;
+  bool gelu_;
   std::vector<StackLayer> layers_;
 };
 

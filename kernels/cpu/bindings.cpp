@@ -64,7 +64,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil);
   m.def("write_kv_quantized", &write_kv_quantized_cpu,
         "quantize k and v per token and head into an INT8 or FP8 cache (int8 views) and its float16 scales", no_gil);
-  py::class_<trellm::DecodeLayers>(m, "DecodeLayers",
+  // module_local: each instruction-set build of this module (cpu_ops.load_isa) binds its own class of this name,
+  // and a process that loads several must not see them as one type
+  py::class_<trellm::DecodeLayers>(m, "DecodeLayers", py::module_local(),
                                     "a decoder's layers for a step of few rows in one call (decode_layers.cpp)")
       .def(py::init<int64_t, int64_t, int64_t, double, double, double, bool>(), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("softcap"),

@@ -75,8 +75,8 @@ def main():
                     times[path].append(step_ms(model, ids, meta, cache, scales, rows, args.steps))
         med = {p: statistics.median(t) for p, t in times.items()}
         print(f"batch {batch}: python {med['python']:.3f} ms (best {min(times['python']):.3f}), stack "
-              f"{med['stack']:.3f} ms (best {min(times['stack']):.3f}); python/stack {med['python'] / med['stack']:.2f}x;"
-              f" other processes {load.foreign_cores:.2f} cores")
+              f"{med['stack']:.3f} ms (best {min(times['stack']):.3f}); python/stack "
+              f"{med['python'] / med['stack']:.2f}x; other processes {load.foreign_cores:.2f} cores")
         model.decode_stack = stack
 
 

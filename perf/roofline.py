@@ -282,13 +282,15 @@ def decode_timing(engine, users: int, prompt_len: int, steps: int, warm: int, se
     """`users` requests of `prompt_len` random tokens: step until every one has its first token (prefill), run
     `warm` decode steps untimed, then time `steps` decode steps of all of them together (the requests are then
     aborted). Returns seconds a step, the mean context a step attended to, and with `time_linears` the seconds a
-    step spent in `linear`."""
+    step spent in `linear`: timed over `steps` more steps run layer by layer from Python, since within the decode
+    stack (models/decode_stack.py) the linears are not Python calls; their operators are the same."""
     import trellm_backend.models.llama as llama
     from trellm_backend.engine.request import SamplingParams
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(seed)
     extra = extra_tokens(users, prompt_len, engine.config.max_num_batched_tokens)
-    params = SamplingParams(max_tokens=warm + steps + extra, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=warm + steps * (2 if time_linears else 1) + extra, temperature=0.0,
+                            ignore_eos=True)
     ids = [f"{seed}-{i}" for i in range(users)]
     for rid in ids:
         engine.add_request(rid, torch.randint(10, vocab, (prompt_len,), generator=g).tolist(), params)
@@ -307,16 +309,19 @@ def decode_timing(engine, users: int, prompt_len: int, steps: int, warm: int, se
         linear_s[0] += time.perf_counter() - t
         return r
 
-    if time_linears:
-        llama.linear = timed_linear
-    try:
-        with linear_choice.LoadWatch() as load:
-            t = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            elapsed = time.perf_counter() - t
-    finally:
-        llama.linear = original
+    with linear_choice.LoadWatch() as load:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        elapsed = time.perf_counter() - t
+        if time_linears:
+            model = engine.runner.model
+            stack, model.decode_stack, llama.linear = model.decode_stack, None, timed_linear
+            try:
+                for _ in range(steps):
+                    engine.step()
+            finally:
+                model.decode_stack, llama.linear = stack, original
     running = len(engine.scheduler.running)
     for rid in ids:
         engine.abort(rid)

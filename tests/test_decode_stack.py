@@ -60,6 +60,7 @@ CASES = [   # (model, dtype, quantization, KV cache dtype, TRELLM_CPU_LINEAR)
     ("qwen3-qknorm-hd8", torch.float32, "none", torch.float32, "cpp"),       # q/k norms, head_dim 8
     ("gemma2-softcap", torch.float32, "none", torch.float32, "cpp"),         # GELU, capped scores, output norms
     ("gemma3-text", torch.bfloat16, "none", torch.bfloat16, "cpp"),          # sliding layers with their own rope
+    ("qwen2-bias-gqa4", torch.float32, "none", torch.float32, "auto"),       # the calls timed at load (the default)
 ]
 
 
@@ -76,7 +77,9 @@ def test_one_call_for_the_layers_gives_the_python_loops_logits_to_the_bit(tmp_pa
     layers = model._layers
     monkeypatch.setattr(model, "_layers", lambda *a: in_python.append(a[0].shape[0]) or layers(*a))
     stacked = run_steps(model, kv_dtype, steps)
-    assert 2 not in in_python, "the decodes of two sequences ran in the Python loop"
+    # the prefill's rows are too long for the stack; the verification's 5 rows run in it where every linear's
+    # operator at 5 tokens is the one it holds (not AMX tiles, not a widened weight)
+    assert in_python == ([27] if model.decode_stack.takes(5, 3) else [27, 5])
     model.decode_stack = None
     loop = run_steps(model, kv_dtype, steps)
     for i, (a, b) in enumerate(zip(stacked, loop)):
@@ -103,3 +106,55 @@ def test_sparse_layers_and_longrope_run_the_python_loop(tmp_path, kernel_setting
 def test_turned_off_by_the_setting(tmp_path, kernel_settings):
     kernel_settings(cpu_linear="cpp", decode_layers=False)
     assert load(tmp_path, "qwen2-bias-gqa4", torch.float32, "int8").decode_stack is None
+
+
+def test_the_stack_calls_the_operator_that_linear_calls(kernel_settings, monkeypatch):
+    """kernels/linear.py's cpu_operator says which operator `linear` runs for a weight at a token count; the stack
+    calls that one itself. For every way a CPU weight is held here and counts across each threshold, `linear` calls
+    exactly that operator on that very weight tensor, or (where cpu_operator says None) none of them on it."""
+    from trellm_kernels import linear as lin
+    ops = cpu_ops.load()
+    names = {lin.FP32_PACKED: "fp32_linear", lin.HALF_PACKED: "half_linear", lin.BF16_PAIRS: "bf16_linear",
+             lin.INT8_PACKED: "int8_linear", lin.GROUPS: "group_linear", lin.TORCH: "torch", lin.ONEDNN: "onednn"}
+    calls = []
+
+    def recorder(name, original, weight_at):
+        def record(*args, **kwargs):
+            calls.append((name, args[weight_at]))
+            return original(*args, **kwargs)
+        return record
+    for name in ("fp32_linear", "half_linear", "bf16_linear", "int8_linear", "group_linear", "bf16_amx_linear"):
+        monkeypatch.setattr(ops, name, recorder(name, getattr(ops, name), 2))
+    monkeypatch.setattr(torch.nn.functional, "linear", recorder("torch", torch.nn.functional.linear, 1))
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        recorder("onednn", torch.ops.mkldnn._linear_pointwise, 1))
+    g = torch.Generator().manual_seed(0)
+    weights = []
+    for dtype in (torch.float32, torch.bfloat16):
+        dense = torch.randn(64, 128, generator=g).to(dtype)
+        for mode in ("cpp", "onednn", "torch"):
+            kernel_settings(cpu_linear=mode)
+            held = lin.prepare_weight(dense)
+            weights.append(held)
+            layout = "cpp" if held.packed is not None else "onednn" if held.prepared is not None else "torch"
+            for call in lin.linear_choice.calls_of(layout, dtype, tuple(dense.shape)):   # each call a choice can name
+                weights.append(lin.Weight(held.dense, held.prepared, held.packed,
+                                          calls=(call,) * len(lin.linear_choice.COUNTS)))
+        for quantization in ("int8", "int4-g64"):
+            weights.append(lin.prepare_weight(dense, quantization))
+    taken = set()
+    for w in weights:
+        held = [t for t in (w.dense, w.prepared, w.packed, w.qweight, w.int4 and w.int4.groups and w.int4.groups.q)
+                if t is not None]
+        for tokens in (1, 2, 3, 4, 5, 8, 16, 33, 255, 256):
+            x = torch.randn(tokens, 128, generator=g).to(w.scales.dtype if w.scales is not None else held[0].dtype
+                                                          if held[0].is_floating_point() else torch.float32)
+            calls.clear()
+            lin.linear(x, w)
+            op = lin.cpu_operator(w, tokens)
+            if op is not None:
+                assert calls == [(names[op[0]], op[1])] and any(op[1] is t for t in held)
+                taken.add(op[0])
+            else:
+                assert not [c for c in calls if c[0] in names.values() and any(c[1] is t for t in held)], calls
+    assert {lin.INT8_PACKED, lin.GROUPS, lin.TORCH, lin.ONEDNN} <= taken

@@ -1,7 +1,7 @@
 """A decoder's layers in one C++ call for CPU steps of short rows (kernels/cpu/decode_layers.cpp).
 
 Why: at one user a small model's decode step is mostly the time between operators. Each layer of LlamaModel's
-loop makes about ten calls, and from Python each costs microseconds of dispatch beside microseconds of work.
+loop is a dozen calls, and from Python each pays for its dispatch about as much as the operator works.
 The C++ stack calls the same operators in the same order on the same dtypes, so a step gives the same logits to
 the bit with or without it (tests/test_decode_stack.py holds it to that), and TRELLM_DECODE_LAYERS=0 turns it off.
 
@@ -16,7 +16,7 @@ import torch
 
 from trellm_kernels import cpu_ops
 from trellm_kernels.attention import CPU_OP_MAX_Q_LEN
-from trellm_kernels.dispatch import settings
+from trellm_kernels.dispatch import settings, use_triton
 from trellm_kernels.linear import cpu_operator
 
 SITES = ("qkv", "o", "gate_up", "down")
@@ -40,7 +40,7 @@ class DecodeStack:
         """The stack for a loaded LlamaModel, or None where its layers need more than the C++ operators (see
         the module docstring) or the operators are not built here."""
         ops = cpu_ops.for_tensor(model.cos_sin)
-        if ops is None or not settings().decode_layers or not hasattr(ops, "DecodeLayers"):
+        if ops is None or use_triton(model.cos_sin) or not settings().decode_layers:
             return None
         if model.dtype not in (torch.float32, torch.bfloat16) or model.long_rope_from is not None:
             return None
@@ -53,7 +53,7 @@ class DecodeStack:
                 return None
         cfg = model.cfg
         stack = ops.DecodeLayers(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale,
-                                 float(model.attention_cap), model.gelu)
+                                 float(model.attention_cap), model.gelu, CPU_OP_MAX_Q_LEN)
         kinds = []
         for w in model.layers:
             stack.add_layer(w.input_norm, w.post_norm, w.q_norm, w.k_norm, w.attn_out_norm, w.mlp_out_norm,

@@ -21,6 +21,7 @@ from trellm_backend.models.rope import cos_sin_cache, long_rope_from
 from trellm_backend.models.weights import Checkpoint
 from trellm_kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from trellm_kernels.attention import paged_attention
+from trellm_kernels.dispatch import use_triton
 from trellm_kernels.kv_cache import rotary_and_write_kv
 from trellm_kernels.linear import Weight, linear, linear_path
 from trellm_kernels.rmsnorm import fused_add_rms_norm, rms_norm
@@ -210,9 +211,11 @@ class LlamaModel:
             q = q.reshape(T, cfg.num_heads, cfg.head_dim)
             k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            if w.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm of each head before rotary (on rows of their own)
-                q = rms_norm(q.contiguous(), w.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k.contiguous(), w.k_norm, cfg.rms_norm_eps)
+            if w.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm of each head before rotary
+                if not use_triton(q):   # the C++ operator takes rows of their own (the decode stack's too)
+                    q, k = q.contiguous(), k.contiguous()
+                q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
             cos_sin = self.cos_sin if w.cos_sin is None else w.cos_sin

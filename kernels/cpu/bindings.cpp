@@ -68,9 +68,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // and a process that loads several must not see them as one type
   py::class_<trellm::DecodeLayers>(m, "DecodeLayers", py::module_local(),
                                     "a decoder's layers for a step of few rows in one call (decode_layers.cpp)")
-      .def(py::init<int64_t, int64_t, int64_t, double, double, double, bool>(), py::arg("num_heads"),
+      .def(py::init<int64_t, int64_t, int64_t, double, double, double, bool, int64_t>(), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("softcap"),
-           py::arg("gelu"))
+           py::arg("gelu"), py::arg("max_q_len"))
       .def("add_layer", &trellm::DecodeLayers::add_layer, py::arg("input_norm"), py::arg("post_norm"),
            py::arg("q_norm"), py::arg("k_norm"), py::arg("attn_out_norm"), py::arg("mlp_out_norm"),
            py::arg("cos_sin"), py::arg("window"))

@@ -1,8 +1,8 @@
 // A decoder's layers for a step of few rows (decodes, speculative verification, short chunks) in one call.
 //
-// Why: a layer of models/llama.py's forward makes about ten operator calls, and from Python each costs
-// microseconds of its own (the dispatch in kernels/*.py, argument conversion, the tensors' wrappers) beside the
-// operator's work, which for one token of a small model is microseconds too. Here the layers call the same
+// Why: each layer of models/llama.py's forward is a dozen operator calls, and from Python each pays for the
+// dispatch in kernels/*.py, argument conversion and the tensors' wrappers, which for one token of a small model is
+// as long as the operator's own work (perf/RESULTS.md, "the decode stack"). Here the layers call the same
 // operators in the same order, on the same dtypes and with the same conversions as the Python path, so they give
 // the same hidden states to the bit; only the Python between the calls goes. models/decode_stack.py decides which
 // models and steps take this path and builds the stack from a loaded model.
@@ -18,18 +18,16 @@ namespace trellm {
 
 namespace {
 
-constexpr int64_t kCpuOpMaxQLen = 16;   // kernels/attention.py's CPU_OP_MAX_Q_LEN: longer rows are not taken here
-
 bool is_quantized_cache(const at::Tensor& cache) {
   return cache.scalar_type() == at::kChar || cache.scalar_type() == at::kFloat8_e4m3fn;
 }
 
-// torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], None), what kernels/linear.py calls on a prepacked
+// torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], ""), what kernels/linear.py calls on a prepacked
 // weight; through the dispatcher's boxed call, which does not depend on how this torch types the schema's strings.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, w, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), c10::IValue(std::string("none")),
-                          c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue()};
+                          c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string())};
   op.callBoxed(&stack);
   return stack.back().toTensor();
 }
@@ -37,9 +35,9 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
 }  // namespace
 
 DecodeLayers::DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                           double softcap, bool gelu)
+                           double softcap, bool gelu, int64_t max_q_len)
     : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-      softcap_(softcap), gelu_(gelu) {}
+      softcap_(softcap), gelu_(gelu), max_q_len_(max_q_len) {}
 
 void DecodeLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm, c10::optional<at::Tensor> q_norm,
                              c10::optional<at::Tensor> k_norm, c10::optional<at::Tensor> attn_out_norm,
@@ -118,7 +116,16 @@ std::tuple<at::Tensor, at::Tensor> DecodeLayers::forward(at::Tensor h, at::Tenso
                                                          at::Tensor block_tables, at::Tensor kv_cache,
                                                          c10::optional<at::Tensor> kv_scales,
                                                          int64_t max_q_len) const {
-  TORCH_CHECK(max_q_len <= kCpuOpMaxQLen, "DecodeLayers: rows of at most ", kCpuOpMaxQLen, " tokens a sequence");
+  TORCH_CHECK(max_q_len <= max_q_len_, "DecodeLayers: rows of at most ", max_q_len_, " tokens a sequence");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.size(0) == static_cast<int64_t>(layers_.size()) &&
+                  kv_cache.size(1) == 2, "DecodeLayers: a contiguous KV cache [layers, 2, ...] of this model");
+  TORCH_CHECK(!is_quantized_cache(kv_cache) || (kv_scales.has_value() && kv_scales->is_contiguous()),
+              "DecodeLayers: an INT8 or FP8 KV cache needs its contiguous scales");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && (layers_.empty() ||
+                  h.scalar_type() == layers_[0].input_norm.scalar_type()),
+              "DecodeLayers: h must be contiguous [T, hidden] rows in the model's dtype");
+  for (const auto& layer : layers_)
+    TORCH_CHECK(layer.linears.size() == 4, "DecodeLayers: a layer has ", layer.linears.size(), " linears, not 4");
   const int64_t T = h.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
   const int64_t q_size = H * D, kv_size = KVH * D;
   const at::Tensor pos = positions.to(at::kInt), slots = slot_mapping.to(at::kInt);
@@ -154,10 +161,10 @@ std::tuple<at::Tensor, at::Tensor> DecodeLayers::forward(at::Tensor h, at::Tenso
       const at::Tensor k_bytes = k_cache.view(at::kChar), v_bytes = v_cache.view(at::kChar);
       write_kv_quantized_cpu(k, v, k_bytes, v_bytes, k_scale, v_scale, slots, is_int8);
       paged_attention_quantized_cpu(attn, q, k_bytes, v_bytes, k_scale, v_scale, cu, lens, tables, scale_,
-                                    kCpuOpMaxQLen, is_int8, layer.window, softcap_);
+                                    max_q_len_, is_int8, layer.window, softcap_);
     } else {
       write_kv_cpu(k, v, k_cache, v_cache, slots);
-      paged_attention_cpu(attn, q, k_cache, v_cache, cu, lens, tables, scale_, kCpuOpMaxQLen, layer.window,
+      paged_attention_cpu(attn, q, k_cache, v_cache, cu, lens, tables, scale_, max_q_len_, layer.window,
                           softcap_);
     }
     h = linear(layer.linears[1], attn.reshape({T, q_size}));

@@ -42,9 +42,10 @@ struct StackLayer {
 class DecodeLayers {
  public:
   // gelu: the MLP's activation is GELU's tanh approximation (Gemma), else SiLU; softcap > 0: attention scores
-  // capped by tanh (Gemma 2).
+  // capped by tanh (Gemma 2); max_q_len: the longest row of a sequence the C++ attention takes (longer ones are
+  // kernels/attention.py's to finish, so the stack refuses them).
   DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, double softcap,
-               bool gelu);
+               bool gelu, int64_t max_q_len);
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, c10::optional<at::Tensor> q_norm,
                  c10::optional<at::Tensor> k_norm, c10::optional<at::Tensor> attn_out_norm,
                  c10::optional<at::Tensor> mlp_out_norm, at::Tensor cos_sin, int64_t window);
@@ -63,6 +64,7 @@ class DecodeLayers {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_, softcap_;
   bool gelu_;
+  int64_t max_q_len_;
   std::vector<StackLayer> layers_;
 };
 

@@ -6,7 +6,8 @@ Python, alternated in one process on the same weights and KV cache, at a few bat
 
 Prints, per batch size, each path's median and best milliseconds a step and the ratio of the medians. Rounds
 alternate the two paths, so a busy moment of the host falls on both; the CPU time other processes took meanwhile
-is printed beside them.
+is printed beside them. Then a few stack steps timed by part (the linears by site, attention, norms and
+activations, and the forward outside the layers: embedding, final norm, LM head).
 """
 from __future__ import annotations
 
@@ -78,6 +79,17 @@ def main():
               f"{med['stack']:.3f} ms (best {min(times['stack']):.3f}); python/stack "
               f"{med['python'] / med['stack']:.2f}x; other processes {load.foreign_cores:.2f} cores")
         model.decode_stack = stack
+        stack.set_timed(True)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(args.steps):
+                model.forward(ids, meta, cache, rows, scales)
+        step = (time.perf_counter() - t) / args.steps
+        stack.set_timed(False)
+        parts = stack.seconds()
+        print(f"  a timed stack step {step * 1e3:.3f} ms: " + ", ".join(
+            f"{name} {s / args.steps * 1e3:.3f}" for name, s in sorted(parts.items(), key=lambda p: -p[1]))
+            + f", outside the layers {(step - sum(parts.values()) / args.steps) * 1e3:.3f}")
 
 
 if __name__ == "__main__":

@@ -75,6 +75,15 @@ class DecodeStack:
             ok = self._takes[tokens] = all(op is not None and op[0] == kind for op, kind in zip(ops, self._kinds))
         return ok
 
+    def set_timed(self, timed: bool) -> None:
+        """Time the parts of each forward from now on (or stop): linears by site, attention (rotary and the KV write
+        included), the norms and activations."""
+        self._stack.set_timed(timed)
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds each part took over the timed forwards since the last call."""
+        return self._stack.seconds()
+
     def forward(self, h: torch.Tensor, meta, kv_cache: torch.Tensor,
                 kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, residual) after the last layer, as LlamaModel's loop leaves them."""

@@ -1,5 +1,6 @@
 // The Python module of the CPU operators (kernels/cpu_ops.py builds it). Every operator runs without the GIL:
 // the server's responder thread builds and sends responses meanwhile.
+#include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include "blocked_linear.h"
@@ -76,5 +77,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("cos_sin"), py::arg("window"))
       .def("add_linear", &trellm::DecodeLayers::add_linear, py::arg("kind"), py::arg("weight"), py::arg("scales"),
            py::arg("bias"), py::arg("group"))
-      .def("forward", &trellm::DecodeLayers::forward, "(h, residual) after the last layer", no_gil);
+      .def("forward", &trellm::DecodeLayers::forward, "(h, residual) after the last layer", no_gil)
+      .def("set_timed", &trellm::DecodeLayers::set_timed, py::arg("timed"))
+      .def("seconds", &trellm::DecodeLayers::seconds, "seconds of each part of the timed forwards since the last call");
 }

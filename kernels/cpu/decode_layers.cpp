@@ -14,9 +14,33 @@
 
 #include "operators.h"
 
+#include <chrono>
+
 namespace trellm {
 
 namespace {
+
+// The parts a timed forward splits its time into.
+enum Part { kQkv, kAttention, kO, kGateUp, kDown, kOther };
+constexpr const char* kPartNames[] = {"qkv", "attention", "o", "gate_up", "down", "norms and activation"};
+
+// Adds the time since the last lap to a part, when timing is on.
+class Laps {
+ public:
+  Laps(bool on, std::array<double, 6>& seconds) : on_(on), seconds_(seconds), last_(now()) {}
+  void to(Part part) {
+    if (!on_) return;
+    const auto t = now();
+    seconds_[part] += std::chrono::duration<double>(t - last_).count();
+    last_ = t;
+  }
+
+ private:
+  static std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
+  bool on_;
+  std::array<double, 6>& seconds_;
+  std::chrono::steady_clock::time_point last_;
+};
 
 bool is_quantized_cache(const at::Tensor& cache) {
   return cache.scalar_type() == at::kChar || cache.scalar_type() == at::kFloat8_e4m3fn;
@@ -132,6 +156,7 @@ std::tuple<at::Tensor, at::Tensor> DecodeLayers::forward(at::Tensor h, at::Tenso
   const at::Tensor cu = cu_seqlens_q.to(at::kInt), lens = seq_lens.to(at::kInt);
   const at::Tensor tables = block_tables.to(at::kInt).contiguous();
   at::Tensor residual;
+  Laps laps(timed_, seconds_);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const StackLayer& layer = layers_[i];
     at::Tensor x;
@@ -144,7 +169,9 @@ std::tuple<at::Tensor, at::Tensor> DecodeLayers::forward(at::Tensor h, at::Tenso
       fused_add_rms_norm_cpu(x, res_out, h, residual, layer.input_norm, eps_);
       residual = res_out;
     }
+    laps.to(kOther);
     const at::Tensor qkv = linear(layer.linears[0], x);
+    laps.to(kQkv);
     at::Tensor q = qkv.narrow(1, 0, q_size).reshape({T, H, D}).contiguous();
     at::Tensor k = qkv.narrow(1, q_size, kv_size).reshape({T, KVH, D}).contiguous();
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).reshape({T, KVH, D});
@@ -167,13 +194,17 @@ std::tuple<at::Tensor, at::Tensor> DecodeLayers::forward(at::Tensor h, at::Tenso
       paged_attention_cpu(attn, q, k_cache, v_cache, cu, lens, tables, scale_, max_q_len_, layer.window,
                           softcap_);
     }
+    laps.to(kAttention);
     h = linear(layer.linears[1], attn.reshape({T, q_size}));
+    laps.to(kO);
     if (layer.attn_out_norm.has_value()) h = norm(h, *layer.attn_out_norm);
     x = at::empty_like(h);
     at::Tensor res_out = at::empty_like(residual);
     fused_add_rms_norm_cpu(x, res_out, h, residual, layer.post_norm, eps_);
     residual = res_out;
+    laps.to(kOther);
     const at::Tensor gate_up = linear(layer.linears[2], x);
+    laps.to(kGateUp);
     at::Tensor act;
     if (gelu_) {   // kernels/activation.py's gelu_tanh_and_mul_reference, op for op
       const auto halves = gate_up.chunk(2, -1);
@@ -182,10 +213,20 @@ std::tuple<at::Tensor, at::Tensor> DecodeLayers::forward(at::Tensor h, at::Tenso
       act = at::empty({T, gate_up.size(1) / 2}, gate_up.options());
       silu_and_mul_cpu(act, gate_up);
     }
+    laps.to(kOther);
     h = linear(layer.linears[3], act);
+    laps.to(kDown);
     if (layer.mlp_out_norm.has_value()) h = norm(h, *layer.mlp_out_norm);
   }
+  laps.to(kOther);
   return {h, residual};
+}
+
+std::map<std::string, double> DecodeLayers::seconds() {
+  std::map<std::string, double> out;
+  for (size_t i = 0; i < seconds_.size(); ++i) out[kPartNames[i]] = seconds_[i];
+  seconds_.fill(0.0);
+  return out;
 }
 
 }  // namespace trellm

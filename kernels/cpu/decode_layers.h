@@ -4,6 +4,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <array>
+#include <map>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -57,6 +60,10 @@ class DecodeLayers {
                                              at::Tensor cu_seqlens_q, at::Tensor seq_lens, at::Tensor block_tables,
                                              at::Tensor kv_cache, c10::optional<at::Tensor> kv_scales,
                                              int64_t max_q_len) const;
+  // With timing on, forward adds each part's seconds to `seconds()` (read and reset by seconds()), so a profile
+  // can split a step the Python side does not see into.
+  void set_timed(bool timed) { timed_ = timed; }
+  std::map<std::string, double> seconds();
 
  private:
   at::Tensor linear(const StackLinear& w, const at::Tensor& x) const;
@@ -65,6 +72,8 @@ class DecodeLayers {
   double eps_, scale_, softcap_;
   bool gelu_;
   int64_t max_q_len_;
+  bool timed_ = false;
+  mutable std::array<double, 6> seconds_{};   // per Part (decode_layers.cpp)
   std::vector<StackLayer> layers_;
 };
 

@@ -60,6 +60,9 @@ class ModelRunner:
         state = load_state_dict(model_cfg.path, self.dtype)
         self.model = LlamaModel(model_cfg, state, self.device, self.dtype, max_model_len, cfg.quantization)
         log.info("linear layers: %s", self.model.linear_paths())
+        if self.device.type == "cpu":
+            log.info("short steps: %s", "the layers in one C++ call (models/decode_stack.py)"
+                     if self.model.decode_stack is not None else "layer by layer from Python")
         # The adapter sets of recent steps, stacked: {their ids: (the adapters, their stack)}.
         self._lora_stacks: dict[tuple[int, ...], tuple[tuple, AdapterStack]] = {}
         self.block_size = cfg.block_size

@@ -28,8 +28,6 @@ from trellm_backend.models.weights import load_state_dict  # noqa: E402
 from trellm_kernels.kv_cache import QMAX  # noqa: E402
 from trellm_kernels.linear_choice import LoadWatch  # noqa: E402
 
-BLOCK = 16
-
 
 def step_ms(model, ids, meta, cache, scales, rows, steps: int) -> float:
     for _ in range(3):
@@ -48,18 +46,20 @@ def main():
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"))
     ap.add_argument("--batches", default="1,4,16", help="comma-separated sequences per decode step")
     ap.add_argument("--context", type=int, default=256, help="tokens each sequence has in the cache")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=30, help="steps timed per path and round")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     kv_dtype = {"auto": dtype, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[args.kv_cache_dtype]
     model = LlamaModel(load_model_config(args.model), load_state_dict(args.model, dtype), torch.device("cpu"), dtype,
-                       args.context + BLOCK, args.quantization)
+                       args.context + args.block_size, args.quantization)
     stack = model.decode_stack
     print(f"{args.model} {args.dtype} quantization={args.quantization} kv={kv_dtype}; threads "
           f"{torch.get_num_threads()}; linear layers: {model.linear_paths()}")
     if stack is None:
         raise SystemExit("the decode stack does not take this model here (see models/decode_stack.py)")
+    BLOCK = args.block_size
     blocks = -(-(args.context + 1) // BLOCK)
     for batch in (int(b) for b in args.batches.split(",")):
         cache, scales = allocate_kv_cache(model.cfg, batch * blocks, BLOCK, kv_dtype, torch.device("cpu"))

@@ -44,25 +44,26 @@ class DecodeStack:
             return None
         if model.dtype not in (torch.float32, torch.bfloat16) or model.long_rope_from is not None:
             return None
+        operators = []    # each layer's linears' operators at one token
         for w in model.layers:
-            norms = (w.input_norm, w.post_norm, w.q_norm, w.k_norm, w.attn_out_norm, w.mlp_out_norm)
-            if (w.sparse is not None or any(n is not None and n.dtype != model.dtype for n in norms)
-                    or (w.cos_sin if w.cos_sin is not None else model.cos_sin).dtype != torch.float32
-                    or any(not _held_as(getattr(w, site), model.dtype) or cpu_operator(getattr(w, site), 1) is None
-                           for site in SITES)):
+            if w.sparse is not None:    # no dense MLP to hold
                 return None
+            norms = (w.input_norm, w.post_norm, w.q_norm, w.k_norm, w.attn_out_norm, w.mlp_out_norm)
+            layer_ops = [cpu_operator(getattr(w, site), 1) for site in SITES]
+            if (any(n is not None and n.dtype != model.dtype for n in norms)
+                    or (w.cos_sin if w.cos_sin is not None else model.cos_sin).dtype != torch.float32
+                    or any(not _held_as(getattr(w, site), model.dtype) for site in SITES) or None in layer_ops):
+                return None
+            operators.append(layer_ops)
         cfg = model.cfg
         stack = ops.DecodeLayers(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale,
                                  float(model.attention_cap), model.gelu, CPU_OP_MAX_Q_LEN)
-        kinds = []
-        for w in model.layers:
+        for w, layer_ops in zip(model.layers, operators):
             stack.add_layer(w.input_norm, w.post_norm, w.q_norm, w.k_norm, w.attn_out_norm, w.mlp_out_norm,
                             model.cos_sin if w.cos_sin is None else w.cos_sin, w.window)
-            for site in SITES:
-                kind, weight, scales, group = cpu_operator(getattr(w, site), 1)
+            for site, (kind, weight, scales, group) in zip(SITES, layer_ops):
                 stack.add_linear(kind, weight, scales, getattr(w, BIASES[site]), group)
-                kinds.append(kind)
-        return cls(model, stack, kinds)
+        return cls(model, stack, [op[0] for layer_ops in operators for op in layer_ops])
 
     def takes(self, tokens: int, max_seqlen_q: int) -> bool:
         """Whether a step of `tokens` rows, none longer than `max_seqlen_q` a sequence, runs here: the C++

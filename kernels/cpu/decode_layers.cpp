@@ -115,16 +115,12 @@ at::Tensor DecodeLayers::linear(const StackLinear& w, const at::Tensor& x) const
     case LinearKind::kFp32Packed: fp32_linear_cpu(y, x2, w.weight, w.bias_f32); break;
     case LinearKind::kHalfPacked: half_linear_cpu(y, x2, w.weight, w.bias_f32); break;
     case LinearKind::kBf16Pairs: bf16_linear_cpu(y, x2, w.weight, w.bias_f32); break;
-    case LinearKind::kInt8:
-    case LinearKind::kGroup:
-      if (w.kind == LinearKind::kInt8)
-        int8_linear_cpu(y, x2, w.weight, w.scales);
-      else
-        group_linear_cpu(y, x2, w.weight, w.scales, w.group);
-      if (w.bias.has_value()) y.add_(*w.bias);
-      break;
+    case LinearKind::kInt8: int8_linear_cpu(y, x2, w.weight, w.scales); break;
+    case LinearKind::kGroup: group_linear_cpu(y, x2, w.weight, w.scales, w.group); break;
     default: break;
   }
+  // int8_linear and group_linear take no bias: the Python path adds it to their float32 result
+  if ((w.kind == LinearKind::kInt8 || w.kind == LinearKind::kGroup) && w.bias.has_value()) y.add_(*w.bias);
   return y.to(x.scalar_type());
 }
 
@@ -133,6 +129,14 @@ at::Tensor DecodeLayers::norm(const at::Tensor& x, const at::Tensor& weight) con
   at::Tensor out = at::empty_like(x);
   rms_norm_cpu(out, x, weight, eps_);
   return out;
+}
+
+// kernels/rmsnorm.py's fused_add_rms_norm: (rms_norm(h + residual), h + residual).
+std::tuple<at::Tensor, at::Tensor> DecodeLayers::add_norm(const at::Tensor& h, const at::Tensor& residual,
+                                                          const at::Tensor& weight) const {
+  at::Tensor out = at::empty_like(h), res_out = at::empty_like(residual);
+  fused_add_rms_norm_cpu(out, res_out, h, residual, weight, eps_);
+  return {out, res_out};
 }
 
 std::tuple<at::Tensor, at::Tensor> DecodeLayers::forward(at::Tensor h, at::Tensor positions, at::Tensor slot_mapping,
@@ -164,10 +168,7 @@ std::tuple<at::Tensor, at::Tensor> DecodeLayers::forward(at::Tensor h, at::Tenso
       residual = h;
       x = norm(h, layer.input_norm);
     } else {
-      x = at::empty_like(h);
-      at::Tensor res_out = at::empty_like(residual);
-      fused_add_rms_norm_cpu(x, res_out, h, residual, layer.input_norm, eps_);
-      residual = res_out;
+      std::tie(x, residual) = add_norm(h, residual, layer.input_norm);
     }
     laps.to(kOther);
     const at::Tensor qkv = linear(layer.linears[0], x);
@@ -198,10 +199,7 @@ std::tuple<at::Tensor, at::Tensor> DecodeLayers::forward(at::Tensor h, at::Tenso
     h = linear(layer.linears[1], attn.reshape({T, q_size}));
     laps.to(kO);
     if (layer.attn_out_norm.has_value()) h = norm(h, *layer.attn_out_norm);
-    x = at::empty_like(h);
-    at::Tensor res_out = at::empty_like(residual);
-    fused_add_rms_norm_cpu(x, res_out, h, residual, layer.post_norm, eps_);
-    residual = res_out;
+    std::tie(x, residual) = add_norm(h, residual, layer.post_norm);
     laps.to(kOther);
     const at::Tensor gate_up = linear(layer.linears[2], x);
     laps.to(kGateUp);

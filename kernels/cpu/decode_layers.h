@@ -68,6 +68,8 @@ class DecodeLayers {
  private:
   at::Tensor linear(const StackLinear& w, const at::Tensor& x) const;
   at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const;
+  std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& h, const at::Tensor& residual,
+                                              const at::Tensor& weight) const;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_, softcap_;
   bool gelu_;

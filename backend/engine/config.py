@@ -49,6 +49,10 @@ class EngineConfig:
     max_lora_rank: int = 64               # adapters of a higher rank are refused at load
     max_loras: int = 4                    # most adapters in one step (requests of another one wait); 0: no limit
     max_cpu_loras: int = 0                # most adapters kept in memory (LRU; the others reread on use); 0: all
+    tensor_parallel_size: int = 1         # processes that each hold 1/N of every layer (models/sharding.py), on
+                                          # a CPU each with 1/N of the cores; the KV pool's budget is theirs together
+    tensor_parallel_timeout_s: float = 5.0   # most a rank waits for the others at a collective: past it the group
+                                             # counts as lost (distributed/group.py)
     shutdown_grace_s: float = 7.0         # once the server stops: how long requests in flight may go on before they
                                           # end with finish_reason abort (under the server's exit timeout, 10 s here)
 
@@ -60,6 +64,7 @@ class EngineConfig:
         if self.cpu_serving_threads not in ("idle", "normal"):
             raise ValueError(f"cpu_serving_threads={self.cpu_serving_threads!r} is not one of idle, normal")
         check_speculation(self)
+        check_tensor_parallel(self)
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> "EngineConfig":
@@ -110,3 +115,20 @@ def check_prompt_lookup(min_n: int, max_n: int) -> None:
     if not 1 <= min_n <= max_n:
         raise ValueError(f"prompt_lookup_min={min_n} and prompt_lookup_max={max_n} must satisfy "
                          "1 <= prompt_lookup_min <= prompt_lookup_max")
+
+
+def check_tensor_parallel(cfg: EngineConfig) -> None:
+    """Raise ValueError naming the setting that keeps the model from splitting across processes."""
+    n = cfg.tensor_parallel_size
+    if n == 1:
+        return
+    if n < 1:
+        raise ValueError(f"tensor_parallel_size={n} must be >= 1")
+    if cfg.tensor_parallel_timeout_s <= 0:
+        raise ValueError(f"tensor_parallel_timeout_s={cfg.tensor_parallel_timeout_s} must be > 0")
+    why = {"device": cfg.device not in ("cpu", "auto") and "runs on CPU processes only so far",
+           "speculative_method": cfg.speculative_method == "draft" and "draft models are not split across ranks",
+           "lora_adapters": bool(cfg.lora_adapters) and "LoRA adapters are not split across ranks"}
+    for key, reason in why.items():
+        if reason:
+            raise ValueError(f"tensor_parallel_size={n} with {key}={getattr(cfg, key)!r}: {reason} yet")

@@ -163,6 +163,17 @@ class LLMEngine:
                 out[o.request_id].extend(o.new_token_ids)
         return [out[rid] for rid in ids]
 
+    def on_worker_lost(self, callback) -> None:
+        """Call `callback(message)` once, on a thread of its own, if a tensor-parallel worker is lost (the engine
+        cannot step after that: each step raises GroupFailure)."""
+        if self.runner.workers is not None:
+            self.runner.workers.on_lost = callback
+
+    def close(self) -> None:
+        """End what the engine started outside this process (tensor-parallel workers); the engine cannot step
+        after it."""
+        self.runner.close()
+
     def kv_blocks_used(self) -> int:
         return self.kv.num_used
 

@@ -230,6 +230,7 @@ class EngineLoop:
         self._stopping = True
         self._inbox.put(Stop())
         self._thread.join(timeout=30)
+        self.engine.close()
         self._outbox.put(None)
         self._responder.join(timeout=10)
         self._watcher.join(timeout=5)

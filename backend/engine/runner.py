@@ -8,12 +8,15 @@ samples, which is what its proposer reads; the scheduler's `reset_ids` say which
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from trellm_backend.distributed.group import GroupFailure, TensorGroup
+from trellm_backend.distributed.workers import Workers, threads_per_rank
 from trellm_backend.engine.block_tables import BlockTables
 from trellm_backend.engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from trellm_backend.engine.draft import DraftModelProposer
@@ -29,6 +32,7 @@ from trellm_backend.engine.sampler import SampledToken, num_accepted, sample
 from trellm_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
 from trellm_backend.engine.structured_output import apply_masks
 from trellm_backend.models.lora import AdapterStack, LoraStep, stack_adapters, step_rows
+from trellm_backend.models.sharding import shard_config, shard_of, shard_tensor
 from trellm_backend.models.weights import load_state_dict
 from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
@@ -55,10 +59,9 @@ class ModelRunner:
         self.draft_cfg = draft_cfg
         self.device, self.dtype = resolve_device_dtype(cfg, model_cfg)
         self.kv_dtype = resolve_kv_cache_dtype(cfg, self.dtype)
-        if self.device.type == "cpu":
-            cpu_ops.load()   # build or load the C++ operators now, at model load, never on a request
-        state = load_state_dict(model_cfg.path, self.dtype)
-        self.model = LlamaModel(model_cfg, state, self.device, self.dtype, max_model_len, cfg.quantization)
+        self.workers = self._start_workers(max_model_len) if cfg.tensor_parallel_size > 1 else None
+        self.model = load_rank_model(cfg, model_cfg, max_model_len, self.device, self.dtype,
+                                     self.workers and self.workers.group)
         log.info("linear layers: %s", self.model.linear_paths())
         if self.device.type == "cpu":
             log.info("short steps: %s", "the layers in one C++ call (models/decode_stack.py)"
@@ -69,13 +72,18 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         # Padded decode steps write their padding rows into a scratch block past the managed ones.
         scratch = 0 if cfg.enforce_eager else 1
-        self.kv_cache, self.kv_scales = allocate_kv_cache(model_cfg, self.num_blocks + scratch, self.block_size,
+        self.kv_cache, self.kv_scales = allocate_kv_cache(self.model.cfg, self.num_blocks + scratch, self.block_size,
                                                           self.kv_dtype, self.device)
-        log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB, %s on %s", self.num_blocks,
+        log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB%s, %s on %s", self.num_blocks,
                  self.block_size, self.num_blocks * self.block_size, self.num_blocks * kv_bytes_per_block(
-                     model_cfg, self.block_size, self.kv_dtype) / 2**20,
+                     self.model.cfg, self.block_size, self.kv_dtype) / 2**20, " a rank" if self.workers else "",
                  str(self.kv_dtype).removeprefix("torch.") + (" (float16 scale per token and head)"
                                                               if self.kv_scales is not None else ""), self.device)
+        if self.workers is not None:
+            sizes = [self.model.weight_bytes()] + self.workers.start(self.num_blocks + scratch)
+            log.info("tensor parallel: %d ranks of %d threads, weights %s MiB a rank (%.1f MiB together)",
+                     len(sizes), torch.get_num_threads(), ", ".join(f"{b / 2**20:.1f}" for b in sizes),
+                     sum(sizes) / 2**20)
         self.proposer = self._proposer(max_model_len)
         self.token_ids: dict[str, list[int]] = {}   # with a proposer: each running request's tokens
         self.block_tables = BlockTables(cfg.max_num_seqs, blocks_for(max_model_len, self.block_size))
@@ -87,6 +95,34 @@ class ModelRunner:
         if self.padded is not None and self.device.type == "cuda" and not self.model.has_sparse_layers():
             self.graphs = DecodeGraphs(self.model, self.padded, self.kv_cache, self.kv_scales,
                                        self.padded.max_blocks * self.block_size)
+
+    def _start_workers(self, max_model_len: int) -> Workers:
+        """Ranks 1..N-1 of a tensor-parallel group, started and joined (they read their weights meanwhile)."""
+        if self.device.type != "cpu":
+            raise ValueError(f"tensor_parallel_size={self.cfg.tensor_parallel_size} runs on CPU processes only so "
+                             f"far; device={self.cfg.device!r} resolved to {self.device}")
+        world = self.cfg.tensor_parallel_size
+        torch.set_num_threads(threads_per_rank(world))
+        return Workers(dataclasses.asdict(self.cfg), shard_of(self.model_cfg, 0, world), max_model_len,
+                       self.cfg.tensor_parallel_timeout_s)
+
+    def close(self) -> None:
+        """End the tensor-parallel workers, if any."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def _forward(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor, lora=None) -> torch.Tensor:
+        """The model's forward over this step's inputs; with tensor parallelism the workers are sent the same
+        inputs first and run their shares alongside."""
+        if self.workers is None:
+            return self.model.forward(input_ids, meta, self.kv_cache, logits_indices, self.kv_scales, lora)
+        self.workers.send_step(input_ids, meta, logits_indices)
+        try:
+            logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices, self.kv_scales, lora)
+        except GroupFailure as e:
+            raise self.workers.step_failed(e) from None
+        self.workers.step_done()
+        return logits
 
     def _proposer(self, max_model_len: int) -> Proposer | None:
         cfg = self.cfg
@@ -166,8 +202,7 @@ class ModelRunner:
                 logits = self.graphs.replay(size)[:len(chunks)]
             else:
                 input_ids, meta = self.padded.inputs(size, max(starts) + 1)
-                logits = self.model.forward(input_ids, meta, self.kv_cache, self.padded.cu_seqlens_q[:size],
-                                            self.kv_scales, lora)[:len(chunks)]
+                logits = self._forward(input_ids, meta, self.padded.cu_seqlens_q[:size], lora)[:len(chunks)]
         else:
             logits = self._forward_as_scheduled(chunks, q_lens, block_tables)
         if logits is None:
@@ -186,8 +221,7 @@ class ModelRunner:
             [t for c in chunks for t in c.token_ids], [c.start for c in chunks], q_lens, block_tables,
             self.block_size, torch.tensor(rows, dtype=torch.int32),
             [c.rope_long for c in chunks] if self.model.long_rope_from is not None else None)
-        logits = self.model.forward(input_ids, meta, self.kv_cache, logits_rows, self.kv_scales,
-                                    self._lora_step(chunks, cu))
+        logits = self._forward(input_ids, meta, logits_rows, self._lora_step(chunks, cu))
         return logits if rows else None
 
     def _propose(self, chunks: list[ScheduledChunk], sampled: list[list[SampledToken]]) -> dict[str, list[int]]:
@@ -208,6 +242,19 @@ class ModelRunner:
                 wanted = c.guesses_wanted[len(rows) - 1]
             seqs.append(ProposalInput(c.request_id, tokens, c.start, self.block_tables.table(c.request_id), wanted))
         return {s.request_id: g for s, g in zip(seqs, self.proposer.propose(seqs)) if g}
+
+
+def load_rank_model(cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int, device: torch.device,
+                    dtype: torch.dtype, group: TensorGroup | None = None) -> LlamaModel:
+    """The model, or with a tensor-parallel `group` this rank's share of it (models/sharding.py)."""
+    if device.type == "cpu":
+        cpu_ops.load()   # build or load the C++ operators now, at model load, never on a request
+    if group is None:
+        return LlamaModel(model_cfg, load_state_dict(model_cfg.path, dtype), device, dtype, max_model_len,
+                          cfg.quantization)
+    shard = group.shard
+    state = load_state_dict(model_cfg.path, dtype, pick=lambda name, t: shard_tensor(model_cfg, shard, name, t))
+    return LlamaModel(shard_config(model_cfg, shard), state, device, dtype, max_model_len, cfg.quantization, group)
 
 
 def _lora_rows(chunks: list[ScheduledChunk], cu: torch.Tensor) -> list[tuple[object, list[tuple[int, int]]]]:

@@ -8,11 +8,13 @@ q/k/v and gate/up are merged into one matrix each, so a layer costs four matmuls
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
 
+from trellm_backend.distributed.group import TensorGroup
 from trellm_backend.models.config import ModelConfig, ModelConfigError
 from trellm_backend.models.decode_stack import DecodeStack
 from trellm_backend.models.gguf import GgufState
@@ -65,11 +67,14 @@ class LlamaModel:
     """Weights and forward. Not an nn.Module: there is nothing to train, and plain tensors keep it explicit."""
 
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 max_positions: int, quantization: str = "none"):
+                 max_positions: int, quantization: str = "none", group: TensorGroup | None = None):
         """The checkpoint's names mapped to the layers (weights.Checkpoint takes each tensor and prepares the
         linears). `quantization` applies to the layers' linears; the embedding and the LM head keep the dtype (as
-        GPTQ and AWQ checkpoints do: logits are the most sensitive)."""
+        GPTQ and AWQ checkpoints do: logits are the most sensitive). With a tensor-parallel `group`, `cfg` and
+        `state` are this rank's share (models/sharding.py): the partial sums of o and down are added across the
+        ranks, the embeddings looked up where they are held and the logits gathered."""
         self.cfg = cfg
+        self.group = group
         self.device = device
         self.dtype = dtype
         ck = Checkpoint(cfg, state, device, dtype, quantization)
@@ -135,8 +140,30 @@ class LlamaModel:
         self.attention_cap = (gemma and gemma.attn_logit_softcapping) or 0.0
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        # On a CPU, short steps run the layers in one C++ call where they hold nothing else (decode_stack.py)
-        self.decode_stack = DecodeStack.build(self) if device.type == "cpu" else None
+        # On a CPU, short steps run the layers in one C++ call where they hold nothing else (decode_stack.py); its
+        # layers have no collectives between them
+        self.decode_stack = DecodeStack.build(self) if device.type == "cpu" and group is None else None
+
+    def weight_bytes(self) -> int:
+        """Bytes of every tensor the model holds (each once), rope tables aside."""
+        seen, total = set(), 0
+
+        def visit(x):
+            nonlocal total
+            if isinstance(x, torch.Tensor):
+                key = id(x) if x.is_mkldnn else x.data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += x.numel() * x.element_size()
+            elif dataclasses.is_dataclass(x):
+                for f in dataclasses.fields(x):
+                    if f.name != "cos_sin":
+                        visit(getattr(x, f.name))
+            elif isinstance(x, (list, tuple)):
+                for item in x:
+                    visit(item)
+        visit([self.embed, self.layers, self.norm, self.lm_head])
+        return total
 
     def has_sparse_layers(self) -> bool:
         return any(layer.sparse is not None for layer in self.layers)
@@ -170,8 +197,12 @@ class LlamaModel:
         """
         cfg = self.cfg
         T = input_ids.shape[0]
-        h = self.embed[input_ids] if isinstance(self.embed, torch.Tensor) else \
-            self.embed.take_rows(input_ids).to(self.dtype)
+        if self.group is not None:
+            h = self.group.embed(self.embed, input_ids)
+        elif isinstance(self.embed, torch.Tensor):
+            h = self.embed[input_ids]
+        else:
+            h = self.embed.take_rows(input_ids).to(self.dtype)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         stack = self.decode_stack
@@ -184,6 +215,8 @@ class LlamaModel:
         residual = residual[logits_indices]
         x, _ = fused_add_rms_norm(h, residual, self.norm, cfg.rms_norm_eps)
         logits = linear(x, self.lm_head).float()
+        if self.group is not None:
+            logits = self.group.gather_vocab(logits)
         if self.logit_cap is not None:
             logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
         return logits
@@ -228,6 +261,8 @@ class LlamaModel:
             h = linear(attn, w.o, w.o_bias)
             if lora is not None:
                 lora.add(h, attn, i, "o")
+            if self.group is not None:
+                self.group.all_reduce(h)
             if w.attn_out_norm is not None:
                 h = rms_norm(h, w.attn_out_norm, cfg.rms_norm_eps)
             x, residual = fused_add_rms_norm(h, residual, w.post_norm, cfg.rms_norm_eps)
@@ -241,6 +276,8 @@ class LlamaModel:
             h = linear(act, w.down, w.down_bias)
             if lora is not None:
                 lora.add(h, act, i, "down")
+            if self.group is not None:
+                self.group.all_reduce(h)
             if w.mlp_out_norm is not None:
                 h = rms_norm(h, w.mlp_out_norm, cfg.rms_norm_eps)
         return h, residual

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -55,6 +56,7 @@ class TritonPythonModel:
         self.model_name = args["model_name"]
         self.loop = EngineLoop(self.engine, on_finished=self.metrics.record if self.metrics else None,
                                tracer=self.tracer)
+        self.engine.on_worker_lost(self._worker_lost)
         if self.loop.idle_helpers:
             # tritonserver's threads and the other stubs wake per streamed token: on a CPU they wait for the
             # compute's gaps (cores.py).
@@ -68,6 +70,15 @@ class TritonPythonModel:
             pb_utils, args["model_name"],
             lambda how: self.loop.shut_down(config.shutdown_grace_s, f"tritonserver is stopping ({how})"),
             self.serving)
+
+    def _worker_lost(self, message):
+        """A tensor-parallel worker is lost, so this model cannot step any more: its requests in flight fail (their
+        step raises), then this stub ends, so that no `llm` stays ready that cannot step; the launcher's supervisor
+        restarts the server with the models it had."""
+        logging.getLogger("trellm").error("%s: ending the llm stub (pid %d)", message, os.getpid())
+        time.sleep(1.0)   # the failed requests' errors go out first
+        self.engine.close()
+        os._exit(1)
 
     def execute(self, requests):
         self.serving.set()

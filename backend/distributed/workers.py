@@ -1,0 +1,241 @@
+"""Rank 0's side of a tensor-parallel group on one host: it starts ranks 1..N-1 as processes of their own (a fresh
+interpreter each, never a fork of a server process), joins the group with them, and before each forward sends them
+that step's plan (the forward's inputs: token ids, positions, KV slots, block tables, the rows to sample) over a
+local socket; the scheduler, the KV block manager and the sampler stay in rank 0.
+
+A lost worker is seen two ways: a collective of the step in progress fails at once when a peer's connection closes
+(it died) or at its deadline when a peer stopped (group.py), and between steps a watcher thread notices a worker
+that exited or stays stopped. Either way `failure` names the rank and what the group was doing, the next step
+raises GroupFailure, and `on_lost` (set by the server) is called once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from typing import Callable
+
+import numpy as np
+import torch
+
+from trellm_backend.distributed.group import GroupFailure, TensorGroup, create_region
+from trellm_backend.models.sharding import Shard
+
+log = logging.getLogger("trellm")
+
+LOAD_TIMEOUT_S = 3600.0   # to read a rank's share of the weights
+WATCH_INTERVAL_S = 0.2
+
+
+def send_msg(sock: socket.socket, obj) -> None:
+    data = pickle.dumps(obj, protocol=5)
+    sock.sendall(struct.pack("<Q", len(data)) + data)
+
+
+def recv_msg(sock: socket.socket):
+    """The next message, or None when the other side has closed the socket."""
+    head = _recv_exactly(sock, 8)
+    if head is None:
+        return None
+    body = _recv_exactly(sock, struct.unpack("<Q", head)[0])
+    return None if body is None else pickle.loads(body)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            return None
+        buf += part
+    return bytes(buf)
+
+
+def pack_step(input_ids: torch.Tensor, meta, logits_indices: torch.Tensor) -> dict:
+    """A forward's inputs as plain arrays (meta: models.llama.AttentionMetadata)."""
+    def plain(v):
+        return v.numpy() if isinstance(v, torch.Tensor) else v
+    return {"input_ids": plain(input_ids), "logits_indices": plain(logits_indices),
+            "meta": {f.name: plain(getattr(meta, f.name)) for f in dataclasses.fields(meta)}}
+
+
+def unpack_step(msg: dict, meta_type):
+    def tensor(v):
+        return torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+    return (tensor(msg["input_ids"]), meta_type(**{k: tensor(v) for k, v in msg["meta"].items()}),
+            tensor(msg["logits_indices"]))
+
+
+def python_executable() -> str:
+    """The interpreter to start a worker with: this one, or where this process embeds Python (a Triton stub), the
+    `python3` of its prefix."""
+    if os.path.basename(sys.executable).startswith("python"):
+        return sys.executable
+    candidate = os.path.join(sys.prefix, "bin", "python3")
+    return candidate if os.path.exists(candidate) else (shutil.which("python3") or "python3")
+
+
+def threads_per_rank(world: int) -> int:
+    return max(1, len(os.sched_getaffinity(0)) // world)
+
+
+def _describe_exit(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+class Workers:
+    def __init__(self, engine_config: dict, shard: Shard, max_model_len: int, timeout_s: float):
+        """Start ranks 1..world-1 and join the group with them (rank 0's `shard`). Each worker reads its own share of
+        the weights meanwhile; `start` then gives them the KV pool's size and waits for them to be ready."""
+        world = shard.world
+        self.timeout_s = timeout_s
+        self.failure: str | None = None
+        self.on_lost: Callable[[str], None] | None = None
+        self.doing = "loading"
+        self.steps = 0
+        self._closed = threading.Event()
+        self._region = create_region(world)
+        self._procs: list[subprocess.Popen] = []
+        self._socks: list[socket.socket] = []
+        self._finalizer = weakref.finalize(self, _close, self._procs, self._socks, self._region)
+        for rank in range(1, world):
+            ours, theirs = socket.socketpair()
+            proc = subprocess.Popen([python_executable(), "-m", "trellm_backend.distributed.worker",
+                                     str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            theirs.close()
+            self._procs.append(proc)
+            self._socks.append(ours)
+            send_msg(ours, {"rank": rank, "world": world, "region": self._region, "config": engine_config,
+                            "max_model_len": max_model_len, "timeout_s": timeout_s,
+                            "threads": threads_per_rank(world)})
+        self.group = TensorGroup(self._region, shard, timeout_s)
+
+    def _wait_for(self, done: Callable[[], bool], limit_s: float, what: str) -> None:
+        """Wait until `done()`, raising when a worker exits first or `limit_s` passes."""
+        deadline = time.monotonic() + limit_s
+        while not done():
+            for rank, proc in enumerate(self._procs, 1):
+                if proc.poll() is not None:
+                    self.close()
+                    raise RuntimeError(f"tensor-parallel rank {rank} (pid {proc.pid}) {_describe_exit(proc.returncode)} "
+                                       f"before it could {what}; its log lines are above")
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"tensor-parallel workers did not {what} within {limit_s:.0f} s")
+            time.sleep(0.05)
+
+    def start(self, num_blocks: int) -> list[int]:
+        """Give the workers the KV pool's size and wait until each has its weights and cache. Returns each worker's
+        bytes of weights."""
+        for sock in self._socks:
+            send_msg(sock, {"num_blocks": num_blocks})
+        answers: list = [None] * len(self._socks)
+
+        def read(i, sock):
+            answers[i] = recv_msg(sock)
+        readers = [threading.Thread(target=read, args=(i, s), daemon=True) for i, s in enumerate(self._socks)]
+        for r in readers:
+            r.start()
+        self._wait_for(lambda: all(not r.is_alive() for r in readers), LOAD_TIMEOUT_S, "load its weights")
+        for rank, answer in enumerate(answers, 1):
+            if not answer or "error" in answer:
+                self.close()
+                raise RuntimeError(f"tensor-parallel rank {rank}: {answer['error'] if answer else 'no answer'}")
+        os.unlink(self._region)   # every rank has it mapped; nothing is left behind once they end
+        self.doing = "waiting for a step"
+        threading.Thread(target=self._watch, daemon=True, name="tp-watch").start()
+        self.start_sizes = [a["weight_bytes"] for a in answers]
+        return self.start_sizes
+
+    def send_step(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor) -> None:
+        """Before rank 0's own forward: the step's plan to every worker."""
+        if self.failure is not None:
+            raise GroupFailure(self.failure)
+        self.steps += 1
+        self.doing = f"step {self.steps}"
+        msg = pack_step(input_ids, meta, logits_indices)
+        for rank, sock in enumerate(self._socks, 1):
+            try:
+                send_msg(sock, msg)
+            except OSError as e:
+                raise GroupFailure(self._lost(f"tensor-parallel rank {rank} cannot be sent step {self.steps} "
+                                              f"({e})")) from None
+
+    def step_done(self) -> None:
+        self.doing = "waiting for a step"
+
+    def step_failed(self, e: GroupFailure) -> GroupFailure:
+        """The error to raise for a collective that failed: which rank is lost, if the watcher can tell."""
+        return GroupFailure(self._lost(self._diagnose() or str(e)))
+
+    def _diagnose(self) -> str | None:
+        for rank, proc in enumerate(self._procs, 1):
+            if proc.poll() is not None:
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) {_describe_exit(proc.returncode)} during {self.doing}"
+            if _stopped(proc.pid):
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) is stopped (SIGSTOP) during {self.doing}"
+        return None
+
+    def _lost(self, message: str) -> str:
+        """Record the first loss, log it and tell `on_lost`; returns the recorded message."""
+        if self.failure is None and not self._closed.is_set():
+            self.failure = message
+            self.group.mark_lost()
+            log.error("%s; the model cannot step any more", message)
+            if self.on_lost is not None:
+                threading.Thread(target=self.on_lost, args=(message,), daemon=True, name="tp-lost").start()
+        return self.failure or message
+
+    def _watch(self) -> None:
+        stopped_since: dict[int, float] = {}
+        while not self._closed.wait(WATCH_INTERVAL_S) and self.failure is None:
+            for rank, proc in enumerate(self._procs, 1):
+                if proc.poll() is not None:
+                    self._lost(f"tensor-parallel rank {rank} (pid {proc.pid}) {_describe_exit(proc.returncode)} "
+                               f"while the group was {self.doing}")
+                    break
+                if not _stopped(proc.pid):
+                    stopped_since.pop(rank, None)
+                elif time.monotonic() - stopped_since.setdefault(rank, time.monotonic()) > self.timeout_s:
+                    self._lost(f"tensor-parallel rank {rank} (pid {proc.pid}) has been stopped (SIGSTOP) for "
+                               f"{self.timeout_s:.0f} s while the group was {self.doing}")
+                    break
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def close(self) -> None:
+        self._closed.set()
+        self._finalizer()
+
+
+def _close(procs: list[subprocess.Popen], socks: list[socket.socket], region: str) -> None:
+    """End the workers: their sockets close (a worker exits at the end of its input), then any left are killed."""
+    if os.path.exists(region):
+        os.unlink(region)
+    for sock in socks:
+        sock.close()
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

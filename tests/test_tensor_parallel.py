@@ -1,0 +1,159 @@
+"""Tensor parallelism (backend/distributed/, models/sharding.py): a model split across two processes gives
+transformers' greedy tokens for every dense family, and the tokens of one process with quantized weights and caches,
+prefix caching and speculation; each rank holds its share of the weights; what does not split yet is refused by
+name; a worker that dies or stops fails the step within the deadline, naming the rank, and leaves no process."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import replace
+
+import pytest
+
+from hf_models import hf_greedy, make_variant, model_dir_for, random_prompts
+from test_engine import ARRIVALS, GREEDY, LENGTHS, run_staggered
+from trellm_backend.distributed.group import GroupFailure
+from trellm_backend.engine.config import EngineConfig
+from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.request import SamplingParams
+from trellm_backend.models.config import ModelConfigError
+
+SMALL = dict(max_num_batched_tokens=48, block_size=16, kv_cache_bytes=8 << 20)
+
+
+def engine(folder: str, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_path=folder, **{**SMALL, **kwargs}))
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# Larger initial weights where the default ones give a greedy answer that a wrong split would not change (one
+# token over and over): with them a bias added on both ranks, or a rank's K/V rows taken from another head, changes it.
+SHARPER = {"llama3-rope-bias": {"initializer_range": 0.2}, "qwen2-bias-gqa4": {"initializer_range": 0.2}}
+
+
+# Each a different split: K/V heads fewer than ranks (shared), biases on o and down (added once), merged q/k/v and
+# gate/up with longrope (Phi-3), q/k norms and head_dim 8, Gemma's norms, caps and windows, tied embeddings.
+@pytest.mark.parametrize("name", ["llama-gqa4-hd128", "llama3-rope-bias", "phi3-longrope", "qwen3-qknorm-hd8",
+                                  "gemma2-softcap", "gemma3-text", "qwen2-bias-gqa4", "mistral-sliding"])
+def test_two_ranks_give_transformers_tokens(tmp_path, name):
+    folder = make_variant(name, str(tmp_path / name), changes=SHARPER.get(name))
+    prompts = random_prompts(0, 320, LENGTHS)
+    eng = engine(folder, tensor_parallel_size=2)
+    try:
+        got = run_staggered(eng, prompts, ARRIVALS, GREEDY)
+    finally:
+        eng.close()
+    assert got == hf_greedy(folder, prompts, GREEDY.max_tokens)
+
+
+def test_a_vocabulary_that_does_not_split_evenly(tmp_path):
+    folder = make_variant("qwen2-bias-gqa4", str(tmp_path / "m"), vocab_size=321)   # 161 + 160 rows, tied
+    prompts = random_prompts(1, 321, [5, 30])
+    prompts[0][-1] = 320   # the last row, held by rank 1 past its padding
+    eng = engine(folder, tensor_parallel_size=2)
+    try:
+        got = run_staggered(eng, prompts, [0, 0], GREEDY)
+    finally:
+        eng.close()
+    assert got == hf_greedy(folder, prompts, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(dtype="bfloat16", quantization="int8", kv_cache_dtype="int8"),
+    dict(enable_prefix_caching=True, speculative_method="ngram", num_speculative_tokens=3),
+    dict(quantization="int4", dtype="float32"),
+])
+def test_two_ranks_give_one_rank_tokens(tmp_path, settings):
+    folder = model_dir_for(str(tmp_path), "llama-gqa4-hd128" if "int4" in str(settings) else "qwen2-bias-gqa4")
+    # repeated prompts: the prefix cache and prompt lookup have something to find
+    prompts = random_prompts(2, 320, LENGTHS)
+    prompts += [p + p[:10] for p in prompts[3:5]]
+    out = {}
+    for tp in (1, 2):
+        eng = engine(folder, tensor_parallel_size=tp, **settings)
+        try:
+            out[tp] = run_staggered(eng, prompts, ARRIVALS + [12, 12], GREEDY)
+        finally:
+            eng.close()
+    assert out[2] == out[1]
+
+
+def test_each_rank_holds_its_share_of_the_weights(tmp_path):
+    folder = model_dir_for(str(tmp_path), "llama3-rope-bias")
+    one = engine(folder)
+    two = engine(folder, tensor_parallel_size=2)
+    try:
+        whole = one.runner.model.weight_bytes()
+        ranks = [two.runner.model.weight_bytes()] + two.runner.workers.start_sizes
+    finally:
+        two.close()
+    assert len(ranks) == 2
+    assert all(b <= whole / 2 * 1.1 for b in ranks), (ranks, whole)
+
+
+@pytest.mark.parametrize("name, settings, says", [
+    ("mixtral-moe8", {}, "mixture-of-experts"),
+    ("qwen3-qknorm-hd8", dict(tensor_parallel_size=4), "must divide num_attention_heads=6"),
+    ("qwen2-bias-gqa4", dict(speculative_method="draft", draft_model_path="x"), "draft models"),
+    ("qwen2-bias-gqa4", dict(lora_adapters='{"a": "x"}'), "LoRA adapters"),
+])
+def test_what_does_not_split_is_refused_by_name(tmp_path, name, settings, says):
+    folder = model_dir_for(str(tmp_path), name)
+    with pytest.raises((ValueError, ModelConfigError), match=says):
+        engine(folder, **{"tensor_parallel_size": 2, **settings})
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_lost_worker_fails_the_step_and_names_the_rank(tmp_path, how):
+    folder = model_dir_for(str(tmp_path), "qwen2-bias-gqa4")
+    eng = engine(folder, tensor_parallel_size=2, tensor_parallel_timeout_s=2.0)
+    lost = []
+    eng.on_worker_lost(lost.append)
+    [pid] = eng.runner.workers.pids()
+    try:
+        eng.add_request("a", random_prompts(3, 320, [20])[0], replace(GREEDY, max_tokens=200))
+        eng.step()
+        os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(GroupFailure) as e:
+            for _ in range(200):
+                eng.step()
+        assert time.monotonic() - start < 4.0
+        assert f"rank 1 (pid {pid})" in str(e.value)
+        assert ("killed by signal 9" if how == "kill" else "stopped") in str(e.value)
+        with pytest.raises(GroupFailure):   # and every later step
+            eng.step()
+        deadline = time.monotonic() + 2
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(lost) == 1 and f"pid {pid}" in lost[0]
+    finally:
+        eng.close()
+    assert not alive(pid)
+
+
+def test_a_worker_that_dies_between_steps_is_seen(tmp_path):
+    folder = model_dir_for(str(tmp_path), "qwen2-bias-gqa4")
+    eng = engine(folder, tensor_parallel_size=2)
+    lost = []
+    eng.on_worker_lost(lost.append)
+    [pid] = eng.runner.workers.pids()
+    try:
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 3
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lost and "waiting for a step" in lost[0]
+        eng.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
+        with pytest.raises(GroupFailure, match="killed by signal 9"):
+            eng.step()
+    finally:
+        eng.close()

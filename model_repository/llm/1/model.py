@@ -76,6 +76,7 @@ class TritonPythonModel:
         step raises), then this stub ends, so that no `llm` stays ready that cannot step; the launcher's supervisor
         restarts the server with the models it had."""
         logging.getLogger("trellm").error("%s: ending the llm stub (pid %d)", message, os.getpid())
+        self.loop.shut_down(60.0, reason=message)   # new requests: UNAVAILABLE, as from a server that restarts
         time.sleep(1.0)   # the failed requests' errors go out first
         self.engine.close()
         os._exit(1)

@@ -151,10 +151,12 @@ def cpu_list(cpus) -> str:
     return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in ranges)
 
 
-def vllm_variants(vllm_python: str) -> list[tuple[str, dict[str, str]]]:
-    """The two vLLM runs: its default settings, and OpenMP threads bound to the cores this process may use, with
-    the environment's libiomp5 preloaded (what vLLM's CPU docs advise)."""
-    bound = {"VLLM_CPU_OMP_THREADS_BIND": cpu_list(os.sched_getaffinity(0))}
+def vllm_variants(vllm_python: str, tensor_parallel_size: int = 1) -> list[tuple[str, dict[str, str], dict]]:
+    """The vLLM runs, (name, environment, LLM arguments) each: its default settings, and OpenMP threads bound to the
+    cores this process may use, with the environment's libiomp5 preloaded (what vLLM's CPU docs advise); with
+    `tensor_parallel_size` N > 1, also the bound run split N ways, each rank bound to 1/N of the cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    bound = {"VLLM_CPU_OMP_THREADS_BIND": cpu_list(cores)}
     prefix = os.path.dirname(os.path.dirname(vllm_python))
     iomp = os.path.join(prefix, "lib", "libiomp5.so")
     if os.path.isfile(iomp):
@@ -162,7 +164,14 @@ def vllm_variants(vllm_python: str) -> list[tuple[str, dict[str, str]]]:
     else:
         print(f"[baseline] no libiomp5.so in {prefix}/lib: the bound vLLM run uses its default OpenMP",
               file=sys.stderr)
-    return [("vllm_default", {}), ("vllm_bound", bound)]
+    variants = [("vllm_default", {}, {}), ("vllm_bound", bound, {})]
+    n = tensor_parallel_size
+    if n > 1:
+        share = len(cores) // n
+        split = "|".join(cpu_list(cores[r * share:(r + 1) * share]) for r in range(n))
+        variants.append((f"vllm_bound_tp{n}", {**bound, "VLLM_CPU_OMP_THREADS_BIND": split},
+                         {"tensor_parallel_size": n, "distributed_executor_backend": "mp"}))
+    return variants
 
 
 def vllm_env(settings: dict[str, str]) -> dict[str, str]:
@@ -174,16 +183,16 @@ def vllm_env(settings: dict[str, str]) -> dict[str, str]:
 
 
 def run_vllm(vllm_python: str, model_dir: str, requests: list[tuple[list[int], int]], dtype: str,
-             kv_cache_bytes: int, workdir: str) -> list[dict]:
+             kv_cache_bytes: int, workdir: str, tensor_parallel_size: int = 1) -> list[dict]:
     """vLLM's offline engine on `requests`, in its own environment (perf/vllm_baseline.py), once per variant.
 
     The KV cache is given a size: vLLM-CPU's default reserves 92% of the NUMA node's memory and refuses to start
     when less than that is free, which is the rule on a shared machine."""
     workdir = os.path.abspath(workdir)   # the subprocess runs there (not in the repository: see vllm_baseline.py)
     results = []
-    for name, env_extra in vllm_variants(vllm_python):
+    for name, env_extra, llm_kwargs in vllm_variants(vllm_python, tensor_parallel_size):
         spec = {"name": name, "model_dir": os.path.abspath(model_dir), "dtype": dtype,
-                "llm_kwargs": {"kv_cache_memory_bytes": kv_cache_bytes},
+                "llm_kwargs": {"kv_cache_memory_bytes": kv_cache_bytes, **llm_kwargs},
                 "requests": [{"prompt_ids": ids, "output_tokens": n} for ids, n in requests]}
         req_path, out_path = os.path.join(workdir, f"{name}_requests.json"), os.path.join(workdir, f"{name}.json")
         with open(req_path, "w") as f:
@@ -249,7 +258,7 @@ def vllm_server(vllm_python: str, model_dir: str, dtype: str, kv_cache_bytes: in
     """vLLM-CPU's OpenAI server on a free port, with the bound run's settings (threads bound, libiomp5); yields its
     URL and stops it on exit. It runs from `workdir` for the reason perf/vllm_baseline.py gives."""
     [port] = free_ports(1)
-    env = vllm_env(dict(vllm_variants(vllm_python))["vllm_bound"])
+    env = vllm_env({name: e for name, e, _ in vllm_variants(vllm_python)}["vllm_bound"])
     log_path = os.path.join(os.path.abspath(workdir), "vllm_served.log")
     cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model_dir),
            "--dtype", dtype, "--port", str(port), "--kv-cache-memory-bytes", str(kv_cache_bytes)]
@@ -329,7 +338,7 @@ def run_baselines(args, levels: list[dict], plan, out_dir: str) -> tuple[list[di
     if "vllm" in chosen:
         try:
             for r in run_vllm(args.vllm_python, args.model_dir, requests, args.vllm_dtype, args.vllm_kv_cache_bytes,
-                              out_dir):
+                              out_dir, args.vllm_tensor_parallel_size):
                 tokens[r["name"]] = r.pop("token_ids")
                 results.append(r)
         except RuntimeError as e:   # keep what was measured so far: the run still writes its JSON and table
@@ -385,6 +394,8 @@ def parse_args(argv):
                     help="the Python of vLLM-CPU's environment (default: .venv-vllm/bin/python)")
     ap.add_argument("--vllm-dtype", default="float32")
     ap.add_argument("--vllm-kv-cache-bytes", type=int, default=2 << 30, help="vLLM's KV cache size (default 2 GiB)")
+    ap.add_argument("--vllm-tensor-parallel-size", type=int, default=1, help="N > 1: a third vLLM run, split N ways "
+                    "(each rank's threads bound to 1/N of the cores)")
     ap.add_argument("--llamacpp-server", default=DEFAULT_LLAMACPP_SERVER,
                     help="llama.cpp's llama-server binary (the llamacpp_served baseline)")
     ap.add_argument("--gguf", default=None, help="the GGUF file llama-server serves (default: the one --model-dir "

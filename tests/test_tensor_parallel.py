@@ -4,6 +4,7 @@ prefix caching and speculation; each rank holds its share of the weights; what d
 name; a worker that dies or stops fails the step within the deadline, naming the rank, and leaves no process."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -11,8 +12,9 @@ from dataclasses import replace
 
 import pytest
 
-from hf_models import hf_greedy, make_variant, model_dir_for, random_prompts
+from hf_models import LORAS, hf_greedy, make_lora, make_variant, model_dir_for, random_prompts
 from test_engine import ARRIVALS, GREEDY, LENGTHS, run_staggered
+from test_lora import greedy as lora_greedy
 from trellm_backend.distributed.group import GroupFailure
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
@@ -40,9 +42,11 @@ SHARPER = {"llama3-rope-bias": {"initializer_range": 0.2}, "qwen2-bias-gqa4": {"
 
 
 # Each a different split: K/V heads fewer than ranks (shared), biases on o and down (added once), merged q/k/v and
-# gate/up with longrope (Phi-3), q/k norms and head_dim 8, Gemma's norms, caps and windows, tied embeddings.
+# gate/up with longrope (Phi-3), q/k norms and head_dim 8, Gemma's norms, caps and windows, tied embeddings; experts
+# (Mixtral's w1/w3/w2, Qwen's), Qwen2-MoE's shared expert and its dense layer.
 @pytest.mark.parametrize("name", ["llama-gqa4-hd128", "llama3-rope-bias", "phi3-longrope", "qwen3-qknorm-hd8",
-                                  "gemma2-softcap", "gemma3-text", "qwen2-bias-gqa4", "mistral-sliding"])
+                                  "gemma2-softcap", "gemma3-text", "qwen2-bias-gqa4", "mistral-sliding",
+                                  "mixtral-moe8", "qwen3-moe8-qknorm", "qwen2-moe-shared"])
 def test_two_ranks_give_transformers_tokens(tmp_path, name):
     folder = make_variant(name, str(tmp_path / name), changes=SHARPER.get(name))
     prompts = random_prompts(0, 320, LENGTHS)
@@ -100,10 +104,9 @@ def test_each_rank_holds_its_share_of_the_weights(tmp_path):
 
 
 @pytest.mark.parametrize("name, settings, says", [
-    ("mixtral-moe8", {}, "mixture-of-experts"),
+    ("qwen3-moe8-qknorm", dict(tensor_parallel_size=4), "must divide num_attention_heads=6"),
     ("qwen3-qknorm-hd8", dict(tensor_parallel_size=4), "must divide num_attention_heads=6"),
     ("qwen2-bias-gqa4", dict(speculative_method="draft", draft_model_path="x"), "draft models"),
-    ("qwen2-bias-gqa4", dict(lora_adapters='{"a": "x"}'), "LoRA adapters"),
 ])
 def test_what_does_not_split_is_refused_by_name(tmp_path, name, settings, says):
     folder = model_dir_for(str(tmp_path), name)
@@ -157,3 +160,23 @@ def test_a_worker_that_dies_between_steps_is_seen(tmp_path):
             eng.step()
     finally:
         eng.close()
+
+
+def test_lora_adapters_split_with_the_model(default_model_path, tmp_path):
+    """Every adapter, mixed in one batch with the base, gives one process's tokens; an adapter replaced under its
+    name while serving is read again by the workers."""
+    adapters = {n: make_lora(default_model_path, n, str(tmp_path / n)) for n in LORAS}
+    prompts = random_prompts(3, 4096, [5, 17, 40])
+    names = [None, *LORAS]
+    out = {}
+    for tp in (1, 2):
+        eng = LLMEngine(EngineConfig(default_model_path, lora_adapters=json.dumps(adapters), max_num_batched_tokens=64,
+                                     tensor_parallel_size=tp))
+        try:
+            out[tp] = lora_greedy(eng, prompts, names, 12)
+            eng.loras.apply({"attn-r8": adapters["all-r16"]}, [])
+            out[tp, "replaced"] = lora_greedy(eng, prompts, ["attn-r8"], 12)
+        finally:
+            eng.close()
+    assert out[2] == out[1]
+    assert out[2, "replaced"] == out[1][-len(prompts):], "attn-r8 now reads all-r16's folder"

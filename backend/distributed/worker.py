@@ -18,6 +18,7 @@ from trellm_backend.engine.limits import resolve_device_dtype, resolve_kv_cache_
 from trellm_backend.engine.runner import load_rank_model
 from trellm_backend.models.config import load_model_config
 from trellm_backend.models.llama import AttentionMetadata
+from trellm_backend.models.lora import LoraStep, load_adapter
 from trellm_backend.models.sharding import shard_config, shard_of
 
 log = logging.getLogger("trellm")
@@ -49,15 +50,34 @@ def main(fd: int) -> int:
         return 1
     send_msg(sock, {"weight_bytes": model.weight_bytes()})
     log.info("ready: %d threads, %.1f MiB of weights", hello["threads"], model.weight_bytes() / 2**20)
+    adapters = AdapterShards(model_cfg, cfg.max_lora_rank, dtype, device, shard)
     with torch.inference_mode():
         while (msg := recv_msg(sock)) is not None:
-            input_ids, meta, rows = unpack_step(msg, AttentionMetadata)
+            input_ids, meta, rows, lora = unpack_step(msg, AttentionMetadata)
+            lora = lora and LoraStep([(adapters.get(key), rows) for key, rows in lora])
             try:
-                model.forward(input_ids, meta, cache, rows, scales)
+                model.forward(input_ids, meta, cache, rows, scales, lora)
             except GroupFailure as e:   # another rank is lost: this one cannot go on either
                 log.error("%s; exiting", e)
                 return 1
     return 0
+
+
+class AdapterShards:
+    """This rank's share of the LoRA adapters the steps use, read from their folders on first use, by rank 0's key
+    (name, folder, object id: an adapter replaced under its name is read again); the least recently used go first."""
+    KEEP = 16
+
+    def __init__(self, model_cfg, max_rank: int, dtype, device, shard):
+        self._read = lambda name, path: load_adapter(name, path, model_cfg, max_rank, dtype, device, shard)
+        self._held: dict = {}
+
+    def get(self, key):
+        adapter = self._held.pop(key, None) or self._read(key[0], key[1])
+        self._held[key] = adapter
+        while len(self._held) > self.KEEP:
+            self._held.pop(next(iter(self._held)))
+        return adapter
 
 
 if __name__ == "__main__":

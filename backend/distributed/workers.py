@@ -60,19 +60,23 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def pack_step(input_ids: torch.Tensor, meta, logits_indices: torch.Tensor) -> dict:
-    """A forward's inputs as plain arrays (meta: models.llama.AttentionMetadata)."""
+def pack_step(input_ids: torch.Tensor, meta, logits_indices: torch.Tensor, lora=None) -> dict:
+    """A forward's inputs as plain data (meta: models.llama.AttentionMetadata; lora: models.lora.LoraStep, its
+    adapters named by (name, folder, rank 0's object id): a worker reads each once, and again if it is replaced)."""
     def plain(v):
         return v.numpy() if isinstance(v, torch.Tensor) else v
     return {"input_ids": plain(input_ids), "logits_indices": plain(logits_indices),
-            "meta": {f.name: plain(getattr(meta, f.name)) for f in dataclasses.fields(meta)}}
+            "meta": {f.name: plain(getattr(meta, f.name)) for f in dataclasses.fields(meta)},
+            "lora": None if lora is None else [((a.name, a.path, id(a)), plain(rows)) for a, rows in lora.groups]}
 
 
 def unpack_step(msg: dict, meta_type):
+    """(input_ids, meta, logits_indices, [(adapter key, its rows)] or None)."""
     def tensor(v):
         return torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+    lora = msg["lora"] and [(key, tensor(rows)) for key, rows in msg["lora"]]
     return (tensor(msg["input_ids"]), meta_type(**{k: tensor(v) for k, v in msg["meta"].items()}),
-            tensor(msg["logits_indices"]))
+            tensor(msg["logits_indices"]), lora)
 
 
 def python_executable() -> str:
@@ -164,13 +168,13 @@ class Workers:
         self.start_sizes = [a["weight_bytes"] for a in answers]
         return self.start_sizes
 
-    def send_step(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor) -> None:
+    def send_step(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor, lora=None) -> None:
         """Before rank 0's own forward: the step's plan to every worker."""
         if self.failure is not None:
             raise GroupFailure(self.failure)
         self.steps += 1
         self.doing = f"step {self.steps}"
-        msg = pack_step(input_ids, meta, logits_indices)
+        msg = pack_step(input_ids, meta, logits_indices, lora)
         for rank, sock in enumerate(self._socks, 1):
             try:
                 send_msg(sock, msg)

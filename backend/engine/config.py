@@ -127,8 +127,7 @@ def check_tensor_parallel(cfg: EngineConfig) -> None:
     if cfg.tensor_parallel_timeout_s <= 0:
         raise ValueError(f"tensor_parallel_timeout_s={cfg.tensor_parallel_timeout_s} must be > 0")
     why = {"device": cfg.device not in ("cpu", "auto") and "runs on CPU processes only so far",
-           "speculative_method": cfg.speculative_method == "draft" and "draft models are not split across ranks",
-           "lora_adapters": bool(cfg.lora_adapters) and "LoRA adapters are not split across ranks"}
+           "speculative_method": cfg.speculative_method == "draft" and "draft models are not split across ranks"}
     for key, reason in why.items():
         if reason:
             raise ValueError(f"tensor_parallel_size={n} with {key}={getattr(cfg, key)!r}: {reason} yet")

@@ -48,7 +48,7 @@ class LLMEngine:
                                    long_rope_from=long_rope_from(mc), eos_token_ids=self.eos_token_ids)
         self.pool_tokens = self.kv.num_blocks * config.block_size
         self.loras = AdapterRegistry(adapter_table(config.lora_adapters), mc, config.max_lora_rank,
-                                     config.max_cpu_loras, self.runner.dtype, self.runner.device)
+                                     config.max_cpu_loras, self.runner.dtype, self.runner.device, self.runner.shard)
         for why in self.loras.broken.values():
             log.error("%s", why)
         self._grammars: GrammarCompiler | None = None

@@ -59,7 +59,9 @@ class ModelRunner:
         self.draft_cfg = draft_cfg
         self.device, self.dtype = resolve_device_dtype(cfg, model_cfg)
         self.kv_dtype = resolve_kv_cache_dtype(cfg, self.dtype)
-        self.workers = self._start_workers(max_model_len) if cfg.tensor_parallel_size > 1 else None
+        # With tensor parallelism: this rank's share of the model (rank 0), and the workers that hold the others.
+        self.shard = shard_of(model_cfg, 0, cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else None
+        self.workers = self._start_workers(max_model_len) if self.shard is not None else None
         self.model = load_rank_model(cfg, model_cfg, max_model_len, self.device, self.dtype,
                                      self.workers and self.workers.group)
         log.info("linear layers: %s", self.model.linear_paths())
@@ -103,8 +105,7 @@ class ModelRunner:
                              f"far; device={self.cfg.device!r} resolved to {self.device}")
         world = self.cfg.tensor_parallel_size
         torch.set_num_threads(threads_per_rank(world))
-        return Workers(dataclasses.asdict(self.cfg), shard_of(self.model_cfg, 0, world), max_model_len,
-                       self.cfg.tensor_parallel_timeout_s)
+        return Workers(dataclasses.asdict(self.cfg), self.shard, max_model_len, self.cfg.tensor_parallel_timeout_s)
 
     def close(self) -> None:
         """End the tensor-parallel workers, if any."""
@@ -116,7 +117,7 @@ class ModelRunner:
         inputs first and run their shares alongside."""
         if self.workers is None:
             return self.model.forward(input_ids, meta, self.kv_cache, logits_indices, self.kv_scales, lora)
-        self.workers.send_step(input_ids, meta, logits_indices)
+        self.workers.send_step(input_ids, meta, logits_indices, lora)
         try:
             logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices, self.kv_scales, lora)
         except GroupFailure as e:

@@ -268,6 +268,8 @@ class LlamaModel:
             x, residual = fused_add_rms_norm(h, residual, w.post_norm, cfg.rms_norm_eps)
             if w.sparse is not None:
                 h = w.sparse(x)
+                if self.group is not None:
+                    self.group.all_reduce(h)
                 continue
             gu = linear(x, w.gate_up, w.gate_up_bias)
             if lora is not None:

@@ -21,9 +21,11 @@ import torch
 from safetensors import safe_open
 
 from trellm_backend.models.config import ModelConfig
+from trellm_backend.models.sharding import Shard, shard_config, shard_tensor
 from trellm_kernels.lora import lora_add, lora_expand, lora_shrink
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 # The fused linear each module's output lives in.
 SITE_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
            "up_proj": "gate_up", "down_proj": "down"}
@@ -64,9 +66,11 @@ class LoraAdapter:
 
 
 def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> LoraAdapter:
+                 device: torch.device, shard: Shard | None = None) -> LoraAdapter:
     """A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors), checked against the base model `cfg`:
-    every weight's shape, the target modules, the rank (<= max_rank). Raises AdapterError naming what is wrong."""
+    every weight's shape, the target modules, the rank (<= max_rank). Raises AdapterError naming what is wrong.
+    With a tensor-parallel `shard`, the rank's share: B's rows of the outputs its q/k/v and gate/up hold, A's columns
+    of the inputs its o and down hold (their partial terms are added with the base's partial sums)."""
     config_path = os.path.join(path, "adapter_config.json")
     weights_path = os.path.join(path, "adapter_model.safetensors")
     for p in (config_path, weights_path):
@@ -131,11 +135,19 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, dtype: t
             if got != want:
                 raise AdapterError(f"LoRA adapter {name!r}: {weights_path}: {where}.{part}.weight has shape "
                                    f"{list(got)}; the base model and r={rank} need {list(want)}")
-        a = ab["lora_A"].to(device=device, dtype=dtype).contiguous()
-        b = ab["lora_B"].to(device=device, dtype=dtype).contiguous()
-        adapter.weights[(layer, module)] = (a, b)
+        a, b = ab["lora_A"], ab["lora_B"]
+        if shard is not None:   # the base's split, on the matrix that touches the split dimension
+            base = f"model.layers.{layer}.{'self_attn' if module in ATTENTION else 'mlp'}.{module}.weight"
+            if module in ("o_proj", "down_proj"):
+                a = shard_tensor(cfg, shard, base, a)
+            else:
+                b = shard_tensor(cfg, shard, base, b)
+        adapter.weights[(layer, module)] = (a.to(device=device, dtype=dtype).contiguous(),
+                                            b.to(device=device, dtype=dtype).contiguous())
     if not adapter.weights:
         raise AdapterError(f"LoRA adapter {name!r}: {weights_path} holds no LoRA weights")
+    if shard is not None:
+        shapes = module_shapes(shard_config(cfg, shard))
     for layer in range(cfg.num_layers):
         for site in dict.fromkeys(SITE_OF.values()):
             mods = [m for m in MODULES if SITE_OF[m] == site and (layer, m) in adapter.weights]
@@ -180,9 +192,10 @@ class AdapterRegistry:
     Thread-safe: requests are made on Triton's threads."""
 
     def __init__(self, table: dict[str, str], cfg: ModelConfig, max_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, shard: Shard | None = None):
+        """`shard`: with tensor parallelism, rank 0's (each worker reads the adapters a step uses itself)."""
         self._table = dict(table)
-        self._read = lambda name, path: load_adapter(name, path, cfg, max_rank, dtype, device)
+        self._read = lambda name, path: load_adapter(name, path, cfg, max_rank, dtype, device, shard)
         self._load = lambda name: self._read(name, self._table[name])
         self.max_cpu_loras = max_cpu_loras
         self.broken: dict[str, str] = {}

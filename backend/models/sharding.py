@@ -3,6 +3,8 @@
 Each rank holds 1/N of every layer:
 - q/k/v and gate/up by their outputs (whole heads; whole rows of the MLP), o and down by their inputs, so each rank's
   o and down give partial sums that an all-reduce adds (their biases are added by rank 0 alone);
+- a mixture of experts' every expert, and Qwen2-MoE's shared expert, as a dense MLP (each rank holds 1/N of every
+  expert: all ranks route every token alike, from the whole router they each hold);
 - K/V heads split as the query heads are; with fewer K/V heads than ranks, each rank keeps the one its query heads
   read (ranks share it);
 - the embeddings and the LM head by vocabulary rows, padded to equal shares: a rank looks up the tokens of its rows
@@ -43,9 +45,6 @@ def check_shardable(cfg: ModelConfig, world: int) -> None:
     cfg_file = os.path.join(cfg.path, "config.json")
     if world == 1:
         return
-    if cfg.moe is not None:
-        raise ModelConfigError(f"{cfg_file}: tensor_parallel_size={world}: mixture-of-experts layers are not split "
-                               "across ranks yet; serve this model with tensor_parallel_size 1")
     if cfg.quant is not None:
         raise ModelConfigError(f"{cfg_file}: tensor_parallel_size={world}: {cfg.quant.method} checkpoints are not "
                                "split across ranks yet; serve a float checkpoint with quantization=int4 instead")
@@ -58,9 +57,14 @@ def check_shardable(cfg: ModelConfig, world: int) -> None:
     if cfg.num_kv_heads % world and world % cfg.num_kv_heads:
         raise ModelConfigError(f"{cfg_file}: tensor_parallel_size={world} must divide num_key_value_heads="
                                f"{cfg.num_kv_heads} or be a multiple of it")
-    if cfg.intermediate_size % world:
-        raise ModelConfigError(f"{cfg_file}: tensor_parallel_size={world} must divide intermediate_size="
-                               f"{cfg.intermediate_size}")
+    sizes = {"intermediate_size": cfg.intermediate_size}
+    if cfg.moe is not None:
+        sizes["moe_intermediate_size (each expert's)"] = cfg.moe.intermediate_size
+        if cfg.moe.shared_intermediate_size:
+            sizes["shared_expert_intermediate_size"] = cfg.moe.shared_intermediate_size
+    for key, size in sizes.items():
+        if size % world:
+            raise ModelConfigError(f"{cfg_file}: tensor_parallel_size={world} must divide {key}={size}")
 
 
 def shard_of(cfg: ModelConfig, rank: int, world: int) -> Shard:
@@ -75,8 +79,10 @@ def shard_of(cfg: ModelConfig, rank: int, world: int) -> Shard:
 
 def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     """The model as one rank holds it: its heads, MLP rows and vocabulary rows."""
+    moe = cfg.moe and replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // shard.world,
+                              shared_intermediate_size=cfg.moe.shared_intermediate_size // shard.world)
     return replace(cfg, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads,
-                   intermediate_size=shard.intermediate, vocab_size=shard.vocab_rows)
+                   intermediate_size=shard.intermediate, vocab_size=shard.vocab_rows, moe=moe)
 
 
 def shard_tensor(cfg: ModelConfig, s: Shard, name: str, t) -> torch.Tensor:
@@ -85,7 +91,12 @@ def shard_tensor(cfg: ModelConfig, s: Shard, name: str, t) -> torch.Tensor:
     d = cfg.head_dim
     q_rows = (s.rank * s.num_heads * d, s.num_heads * d)
     kv_rows = (s.first_kv_head * d, s.num_kv_heads * d)
-    mlp_rows = (s.rank * s.intermediate, s.intermediate)
+    mlp_size = cfg.intermediate_size   # this MLP's rows: a dense layer's, an expert's or the shared expert's
+    if ".experts." in name:
+        mlp_size = cfg.moe.intermediate_size
+    elif ".shared_expert." in name:
+        mlp_size = cfg.moe.shared_intermediate_size
+    mlp_rows = (s.rank * mlp_size // s.world, mlp_size // s.world)
     q_total, kv_total = cfg.num_heads * d, cfg.num_kv_heads * d
     leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
 
@@ -97,11 +108,11 @@ def shard_tensor(cfg: ModelConfig, s: Shard, name: str, t) -> torch.Tensor:
         return rows(kv_rows)
     if leaf == "qkv_proj":   # Phi-3: q, k and v stored one after the other
         return rows(q_rows, (q_total + kv_rows[0], kv_rows[1]), (q_total + kv_total + kv_rows[0], kv_rows[1]))
-    if leaf in ("gate_proj", "up_proj"):
+    if leaf in ("gate_proj", "up_proj", "w1", "w3"):   # w1, w3, w2: Mixtral's experts' gate, up and down
         return rows(mlp_rows)
     if leaf == "gate_up_proj":   # Phi-3: gate, then up
-        return rows(mlp_rows, (cfg.intermediate_size + mlp_rows[0], mlp_rows[1]))
-    if leaf in ("o_proj", "down_proj"):
+        return rows(mlp_rows, (mlp_size + mlp_rows[0], mlp_rows[1]))
+    if leaf in ("o_proj", "down_proj", "w2"):
         if name.endswith(".bias"):   # added once, after the partial sums meet
             return t[:] if s.rank == 0 else torch.zeros_like(t[:])
         start, n = q_rows if leaf == "o_proj" else mlp_rows

@@ -5,8 +5,10 @@ until the socket closes. Any error ends it (rank 0 notices: its collectives fail
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import sys
+import time
 
 import torch
 
@@ -22,6 +24,8 @@ from trellm_backend.models.lora import LoraStep, load_adapter
 from trellm_backend.models.sharding import shard_config, shard_of
 
 log = logging.getLogger("trellm")
+
+POLL_BETWEEN_STEPS_S = 5e-3
 
 
 def main(fd: int) -> int:
@@ -52,7 +56,7 @@ def main(fd: int) -> int:
     log.info("ready: %d threads, %.1f MiB of weights", hello["threads"], model.weight_bytes() / 2**20)
     adapters = AdapterShards(model_cfg, cfg.max_lora_rank, dtype, device, shard)
     with torch.inference_mode():
-        while (msg := recv_msg(sock)) is not None:
+        while wait_for_step(sock) and (msg := recv_msg(sock)) is not None:
             input_ids, meta, rows, lora = unpack_step(msg, AttentionMetadata)
             lora = lora and LoraStep([(adapters.get(key), rows) for key, rows in lora])
             try:
@@ -61,6 +65,16 @@ def main(fd: int) -> int:
                 log.error("%s; exiting", e)
                 return 1
     return 0
+
+
+def wait_for_step(sock: socket.socket) -> bool:
+    """Poll for the next step's plan for a while before blocking on it: steps follow each other within a
+    millisecond or two while requests run, and a process woken from a blocking read can start that much later (a
+    virtual CPU that halted). Returns True (the blocking read comes next)."""
+    deadline = time.monotonic() + POLL_BETWEEN_STEPS_S
+    while time.monotonic() < deadline and not select.select([sock], [], [], 0)[0]:
+        pass
+    return True
 
 
 class AdapterShards:

@@ -31,7 +31,7 @@ def workers() -> list[int]:
 def test_a_split_llm_streams_transformers_text_and_comes_back_after_losing_a_worker(default_model_path, tmp_path):
     repo = str(tmp_path / "model_repository")
     private_repository(os.path.join(REPO, "model_repository"), repo,
-                       {"llm": {"tensor_parallel_size": "2", "tensor_parallel_timeout_s": "3"}})
+                       {"llm": {"tensor_parallel_size": "2", "parallel_timeout_s": "3"}})
     http, grpc, metrics = free_ports(3)
     err_path = str(tmp_path / "launcher.err")
     log_path = tmp_path / "server.log"

@@ -92,11 +92,11 @@ def threads_per_rank(world: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // world)
 
 
-def _describe_exit(code: int) -> str:
+def describe_exit(code: int) -> str:
     return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
-def _stopped(pid: int) -> bool:
+def is_stopped(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
@@ -104,68 +104,46 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-class Workers:
-    def __init__(self, engine_config: dict, shard: Shard, max_model_len: int, timeout_s: float):
-        """Start ranks 1..world-1 and join the group with them (rank 0's `shard`). Each worker reads its own share of
-        the weights meanwhile; `start` then gives them the KV pool's size and waits for them to be ready."""
-        world = shard.world
+class WorkerSet:
+    """Rank 0's record of the processes that hold the rest of a model (`kind` names one in messages, e.g.
+    "tensor-parallel rank"): their sockets, what the group is doing, the first loss; and the plan of each step."""
+    kind = "rank"
+
+    def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.failure: str | None = None
         self.on_lost: Callable[[str], None] | None = None
         self.doing = "loading"
         self.steps = 0
         self._closed = threading.Event()
-        self._region = create_region(world)
-        self._procs: list[subprocess.Popen] = []
-        self._socks: list[socket.socket] = []
-        self._finalizer = weakref.finalize(self, _close, self._procs, self._socks, self._region)
-        for rank in range(1, world):
-            ours, theirs = socket.socketpair()
-            proc = subprocess.Popen([python_executable(), "-m", "trellm_backend.distributed.worker",
-                                     str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
-            theirs.close()
-            self._procs.append(proc)
-            self._socks.append(ours)
-            send_msg(ours, {"rank": rank, "world": world, "region": self._region, "config": engine_config,
-                            "max_model_len": max_model_len, "timeout_s": timeout_s,
-                            "threads": threads_per_rank(world)})
-        self.group = TensorGroup(self._region, shard, timeout_s)
+        self._procs: dict[int, subprocess.Popen] = {}   # the workers started here, by rank
+        self._socks: dict[int, socket.socket] = {}      # every worker's, by rank
+        self._files: list[str] = []                     # removed at close, if still there
+        self._finalizer = weakref.finalize(self, _close, self._procs, self._socks, self._files)
 
-    def _wait_for(self, done: Callable[[], bool], limit_s: float, what: str) -> None:
-        """Wait until `done()`, raising when a worker exits first or `limit_s` passes."""
-        deadline = time.monotonic() + limit_s
-        while not done():
-            for rank, proc in enumerate(self._procs, 1):
-                if proc.poll() is not None:
-                    self.close()
-                    raise RuntimeError(f"tensor-parallel rank {rank} (pid {proc.pid}) {_describe_exit(proc.returncode)} "
-                                       f"before it could {what}; its log lines are above")
-            if time.monotonic() > deadline:
+    def _start(self, rank: int, args: list[str], **popen) -> None:
+        self._procs[rank] = subprocess.Popen([python_executable(), "-m", "trellm_backend.distributed.worker", *args],
+                                             stdin=subprocess.DEVNULL, **popen)
+
+    def _check_started(self, what: str) -> None:
+        """Raise RuntimeError (after closing everything) if a worker started here has exited before `what`."""
+        for rank, proc in self._procs.items():
+            if proc.poll() is not None:
                 self.close()
-                raise RuntimeError(f"tensor-parallel workers did not {what} within {limit_s:.0f} s")
-            time.sleep(0.05)
+                raise RuntimeError(f"{self.kind} {rank} (pid {proc.pid}) {describe_exit(proc.returncode)} before it "
+                                   f"could {what}; its log lines are above")
 
-    def start(self, num_blocks: int) -> list[int]:
-        """Give the workers the KV pool's size and wait until each has its weights and cache. Returns each worker's
-        bytes of weights."""
-        for sock in self._socks:
-            send_msg(sock, {"num_blocks": num_blocks})
-        answers: list = [None] * len(self._socks)
-
-        def read(i, sock):
-            answers[i] = recv_msg(sock)
-        readers = [threading.Thread(target=read, args=(i, s), daemon=True) for i, s in enumerate(self._socks)]
-        for r in readers:
-            r.start()
-        self._wait_for(lambda: all(not r.is_alive() for r in readers), LOAD_TIMEOUT_S, "load its weights")
-        for rank, answer in enumerate(answers, 1):
+    def _ready(self, answers: dict[int, dict | None]) -> list[int]:
+        """After every worker answered `start` (its weights and cache are ready): their bytes of weights, in rank
+        order, and the watchers started; RuntimeError naming a worker that failed instead."""
+        for rank, answer in sorted(answers.items()):
             if not answer or "error" in answer:
                 self.close()
-                raise RuntimeError(f"tensor-parallel rank {rank}: {answer['error'] if answer else 'no answer'}")
-        os.unlink(self._region)   # every rank has it mapped; nothing is left behind once they end
+                raise RuntimeError(f"{self.kind} {rank}: {answer['error'] if answer else 'closed its connection'}")
         self.doing = "waiting for a step"
-        threading.Thread(target=self._watch, daemon=True, name="tp-watch").start()
-        self.start_sizes = [a["weight_bytes"] for a in answers]
+        if self._procs:
+            threading.Thread(target=self._watch, daemon=True, name="split-watch").start()
+        self.start_sizes = [answers[r]["weight_bytes"] for r in sorted(answers)]
         return self.start_sizes
 
     def send_step(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor, lora=None) -> None:
@@ -175,69 +153,125 @@ class Workers:
         self.steps += 1
         self.doing = f"step {self.steps}"
         msg = pack_step(input_ids, meta, logits_indices, lora)
-        for rank, sock in enumerate(self._socks, 1):
+        for rank, sock in self._socks.items():
             try:
                 send_msg(sock, msg)
             except OSError as e:
-                raise GroupFailure(self._lost(f"tensor-parallel rank {rank} cannot be sent step {self.steps} "
-                                              f"({e})")) from None
+                raise GroupFailure(self._lost(f"{self.kind} {rank} cannot be sent step {self.steps} ({e})")) from None
 
     def step_done(self) -> None:
         self.doing = "waiting for a step"
 
     def step_failed(self, e: GroupFailure) -> GroupFailure:
-        """The error to raise for a collective that failed: which rank is lost, if the watcher can tell."""
+        """The error to raise for a collective or transfer that failed: which worker is lost, if it can be told."""
         return GroupFailure(self._lost(self._diagnose() or str(e)))
 
     def _diagnose(self) -> str | None:
-        for rank, proc in enumerate(self._procs, 1):
+        for rank, proc in self._procs.items():
             if proc.poll() is not None:
-                return f"tensor-parallel rank {rank} (pid {proc.pid}) {_describe_exit(proc.returncode)} during {self.doing}"
-            if _stopped(proc.pid):
-                return f"tensor-parallel rank {rank} (pid {proc.pid}) is stopped (SIGSTOP) during {self.doing}"
+                return f"{self.kind} {rank} (pid {proc.pid}) {describe_exit(proc.returncode)} during {self.doing}"
+            if is_stopped(proc.pid):
+                return f"{self.kind} {rank} (pid {proc.pid}) is stopped (SIGSTOP) during {self.doing}"
         return None
+
+    def _on_loss(self) -> None:
+        """What else a loss must do at once (a subclass's)."""
 
     def _lost(self, message: str) -> str:
         """Record the first loss, log it and tell `on_lost`; returns the recorded message."""
         if self.failure is None and not self._closed.is_set():
             self.failure = message
-            self.group.mark_lost()
+            self._on_loss()
             log.error("%s; the model cannot step any more", message)
             if self.on_lost is not None:
-                threading.Thread(target=self.on_lost, args=(message,), daemon=True, name="tp-lost").start()
+                threading.Thread(target=self.on_lost, args=(message,), daemon=True, name="split-lost").start()
         return self.failure or message
 
     def _watch(self) -> None:
+        """Between steps too: a worker started here that exits, or stays stopped past the deadline."""
         stopped_since: dict[int, float] = {}
         while not self._closed.wait(WATCH_INTERVAL_S) and self.failure is None:
-            for rank, proc in enumerate(self._procs, 1):
+            for rank, proc in self._procs.items():
                 if proc.poll() is not None:
-                    self._lost(f"tensor-parallel rank {rank} (pid {proc.pid}) {_describe_exit(proc.returncode)} "
-                               f"while the group was {self.doing}")
+                    self._lost(f"{self.kind} {rank} (pid {proc.pid}) {describe_exit(proc.returncode)} while the "
+                               f"group was {self.doing}")
                     break
-                if not _stopped(proc.pid):
+                if not is_stopped(proc.pid):
                     stopped_since.pop(rank, None)
                 elif time.monotonic() - stopped_since.setdefault(rank, time.monotonic()) > self.timeout_s:
-                    self._lost(f"tensor-parallel rank {rank} (pid {proc.pid}) has been stopped (SIGSTOP) for "
+                    self._lost(f"{self.kind} {rank} (pid {proc.pid}) has been stopped (SIGSTOP) for "
                                f"{self.timeout_s:.0f} s while the group was {self.doing}")
                     break
 
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return [p.pid for p in self._procs.values()]
 
     def close(self) -> None:
         self._closed.set()
         self._finalizer()
 
 
-def _close(procs: list[subprocess.Popen], socks: list[socket.socket], region: str) -> None:
+class Workers(WorkerSet):
+    """Ranks 1..N-1 of a tensor-parallel group, started here, each on a socket pair with rank 0."""
+    kind = "tensor-parallel rank"
+
+    def __init__(self, engine_config: dict, shard: Shard, max_model_len: int, timeout_s: float):
+        """Start ranks 1..world-1 and join the group with them (rank 0's `shard`). Each worker reads its own share of
+        the weights meanwhile; `start` then gives them the KV pool's size and waits for them to be ready."""
+        super().__init__(timeout_s)
+        world = shard.world
+        self._region = create_region(world)
+        self._files.append(self._region)
+        for rank in range(1, world):
+            ours, theirs = socket.socketpair()
+            self._start(rank, [str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+            theirs.close()
+            self._socks[rank] = ours
+            send_msg(ours, {"rank": rank, "world": world, "region": self._region, "config": engine_config,
+                            "max_model_len": max_model_len, "timeout_s": timeout_s,
+                            "threads": threads_per_rank(world)})
+        self.group = TensorGroup(self._region, shard, timeout_s)
+
+    def start(self, num_blocks: int) -> list[int]:
+        """Give the workers the KV pool's size and wait until each has its weights and cache. Returns each worker's
+        bytes of weights."""
+        for sock in self._socks.values():
+            send_msg(sock, {"num_blocks": num_blocks})
+        answers: dict[int, dict | None] = {}
+
+        def read(rank, sock):
+            answers[rank] = recv_msg(sock)
+        readers = [threading.Thread(target=read, args=item, daemon=True) for item in self._socks.items()]
+        for r in readers:
+            r.start()
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while any(r.is_alive() for r in readers):
+            self._check_started("load its weights")
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"tensor-parallel workers did not load their weights within {LOAD_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+        sizes = self._ready(answers)
+        os.unlink(self._region)   # every rank has it mapped; nothing is left behind once they end
+        return sizes
+
+    def _on_loss(self) -> None:
+        self.group.mark_lost()   # a collective waiting on the lost rank fails now
+
+
+def _close(procs: dict[int, subprocess.Popen], socks: dict[int, socket.socket], files: list[str]) -> None:
     """End the workers: their sockets close (a worker exits at the end of its input), then any left are killed."""
-    if os.path.exists(region):
-        os.unlink(region)
-    for sock in socks:
+    for path in files:
+        if os.path.exists(path):
+            os.unlink(path)
+    for sock in socks.values():
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         sock.close()
     deadline = time.monotonic() + 5.0
-    for proc in procs:
+    for proc in procs.values():
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

@@ -1,6 +1,7 @@
 """Engine settings. In Triton they come from the `llm` model's config.pbtxt parameters (docs/operating.md)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 from trellm_backend.engine.request import parse_bool
@@ -51,8 +52,12 @@ class EngineConfig:
     max_cpu_loras: int = 0                # most adapters kept in memory (LRU; the others reread on use); 0: all
     tensor_parallel_size: int = 1         # processes that each hold 1/N of every layer (models/sharding.py), on
                                           # a CPU each with 1/N of the cores; the KV pool's budget is theirs together
-    tensor_parallel_timeout_s: float = 5.0   # most a rank waits for the others at a collective: past it the group
-                                             # counts as lost (distributed/group.py)
+    pipeline_parallel_size: int = 1       # processes that each run a run of the decoder's layers, in turn
+                                          # (distributed/pipeline.py); the KV pool's budget is theirs together
+    distributed_init: str = ""            # with a pipeline: tcp://HOST:PORT where the stages started on other hosts
+                                          # join rank 0; empty: rank 0 starts them on this host
+    parallel_timeout_s: float = 5.0       # most a rank waits for another at a collective or a transfer: past it
+                                          # the group counts as lost (distributed/group.py, pipeline.py)
     shutdown_grace_s: float = 7.0         # once the server stops: how long requests in flight may go on before they
                                           # end with finish_reason abort (under the server's exit timeout, 10 s here)
 
@@ -119,15 +124,25 @@ def check_prompt_lookup(min_n: int, max_n: int) -> None:
 
 def check_tensor_parallel(cfg: EngineConfig) -> None:
     """Raise ValueError naming the setting that keeps the model from splitting across processes."""
-    n = cfg.tensor_parallel_size
-    if n == 1:
+    tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
+    for key, n in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if n < 1:
+            raise ValueError(f"{key}={n} must be >= 1")
+    if cfg.distributed_init and pp == 1:
+        raise ValueError(f"distributed_init={cfg.distributed_init!r} is for a pipeline across hosts; it needs "
+                         "pipeline_parallel_size > 1")
+    if tp == 1 and pp == 1:
         return
-    if n < 1:
-        raise ValueError(f"tensor_parallel_size={n} must be >= 1")
-    if cfg.tensor_parallel_timeout_s <= 0:
-        raise ValueError(f"tensor_parallel_timeout_s={cfg.tensor_parallel_timeout_s} must be > 0")
-    why = {"device": cfg.device not in ("cpu", "auto") and "runs on CPU processes only so far",
+    if cfg.parallel_timeout_s <= 0:
+        raise ValueError(f"parallel_timeout_s={cfg.parallel_timeout_s} must be > 0")
+    split = f"tensor_parallel_size={tp}, pipeline_parallel_size={pp}"
+    why = {"tensor_parallel_size": tp > 1 and pp > 1 and "a model is split one way or the other, not both,",
+           "device": cfg.device not in ("cpu", "auto") and "a split model runs on CPU processes only",
            "speculative_method": cfg.speculative_method == "draft" and "draft models are not split across ranks"}
     for key, reason in why.items():
         if reason:
-            raise ValueError(f"tensor_parallel_size={n} with {key}={getattr(cfg, key)!r}: {reason} yet")
+            raise ValueError(f"{split} with {key}={getattr(cfg, key)!r}: {reason} so far")
+    cores = len(os.sched_getaffinity(0))
+    if not cfg.distributed_init and tp * pp > cores:
+        raise ValueError(f"{split}: {tp * pp} processes on this host, which lets this server use {cores} cores; "
+                         "each needs one at least")

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from trellm_backend.distributed.group import GroupFailure, TensorGroup
+from trellm_backend.distributed.pipeline import Pipeline, check_stages, stage_holds
 from trellm_backend.distributed.workers import Workers, threads_per_rank
 from trellm_backend.engine.block_tables import BlockTables
 from trellm_backend.engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
@@ -59,11 +60,17 @@ class ModelRunner:
         self.draft_cfg = draft_cfg
         self.device, self.dtype = resolve_device_dtype(cfg, model_cfg)
         self.kv_dtype = resolve_kv_cache_dtype(cfg, self.dtype)
-        # With tensor parallelism: this rank's share of the model (rank 0), and the workers that hold the others.
+        # Split across processes: with tensor parallelism this rank's share of every layer (rank 0) and the workers
+        # that hold the others; with a pipeline the stages after this one (stage 0).
         self.shard = shard_of(model_cfg, 0, cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else None
-        self.workers = self._start_workers(max_model_len) if self.shard is not None else None
-        self.model = load_rank_model(cfg, model_cfg, max_model_len, self.device, self.dtype,
-                                     self.workers and self.workers.group)
+        self.pipeline = cfg.pipeline_parallel_size > 1
+        self.workers = self._start_workers(max_model_len) if self.shard is not None or self.pipeline else None
+        if self.pipeline:
+            self.model = load_stage_model(cfg, model_cfg, max_model_len, self.device, self.dtype,
+                                          self.workers.layers)
+        else:
+            self.model = load_rank_model(cfg, model_cfg, max_model_len, self.device, self.dtype,
+                                         self.workers and self.workers.group)
         log.info("linear layers: %s", self.model.linear_paths())
         if self.device.type == "cpu":
             log.info("short steps: %s", "the layers in one C++ call (models/decode_stack.py)"
@@ -74,18 +81,20 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         # Padded decode steps write their padding rows into a scratch block past the managed ones.
         scratch = 0 if cfg.enforce_eager else 1
-        self.kv_cache, self.kv_scales = allocate_kv_cache(self.model.cfg, self.num_blocks + scratch, self.block_size,
+        # the K/V heads and layers this process holds
+        kv_cfg = replace(self.model.cfg, num_layers=len(self.model.layer_ids))
+        self.kv_cache, self.kv_scales = allocate_kv_cache(kv_cfg, self.num_blocks + scratch, self.block_size,
                                                           self.kv_dtype, self.device)
         log.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB%s, %s on %s", self.num_blocks,
                  self.block_size, self.num_blocks * self.block_size, self.num_blocks * kv_bytes_per_block(
-                     self.model.cfg, self.block_size, self.kv_dtype) / 2**20, " a rank" if self.workers else "",
+                     kv_cfg, self.block_size, self.kv_dtype) / 2**20, " a rank" if self.workers else "",
                  str(self.kv_dtype).removeprefix("torch.") + (" (float16 scale per token and head)"
                                                               if self.kv_scales is not None else ""), self.device)
         if self.workers is not None:
             sizes = [self.model.weight_bytes()] + self.workers.start(self.num_blocks + scratch)
-            log.info("tensor parallel: %d ranks of %d threads, weights %s MiB a rank (%.1f MiB together)",
-                     len(sizes), torch.get_num_threads(), ", ".join(f"{b / 2**20:.1f}" for b in sizes),
-                     sum(sizes) / 2**20)
+            log.info("%s: %d ranks, rank 0 with %d threads, weights %s MiB a rank (%.1f MiB together)",
+                     "pipeline" if self.pipeline else "tensor parallel", len(sizes), torch.get_num_threads(),
+                     ", ".join(f"{b / 2**20:.1f}" for b in sizes), sum(sizes) / 2**20)
         self.proposer = self._proposer(max_model_len)
         self.token_ids: dict[str, list[int]] = {}   # with a proposer: each running request's tokens
         self.block_tables = BlockTables(cfg.max_num_seqs, blocks_for(max_model_len, self.block_size))
@@ -98,14 +107,22 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.padded, self.kv_cache, self.kv_scales,
                                        self.padded.max_blocks * self.block_size)
 
-    def _start_workers(self, max_model_len: int) -> Workers:
-        """Ranks 1..N-1 of a tensor-parallel group, started and joined (they read their weights meanwhile)."""
+    def _start_workers(self, max_model_len: int) -> Workers | Pipeline:
+        """Ranks 1..N-1 of a tensor-parallel group, or the pipeline's stages 1..P-1, started (or joined) and
+        connected; they read their weights meanwhile."""
+        cfg = self.cfg
         if self.device.type != "cpu":
-            raise ValueError(f"tensor_parallel_size={self.cfg.tensor_parallel_size} runs on CPU processes only so "
-                             f"far; device={self.cfg.device!r} resolved to {self.device}")
-        world = self.cfg.tensor_parallel_size
-        torch.set_num_threads(threads_per_rank(world))
-        return Workers(dataclasses.asdict(self.cfg), self.shard, max_model_len, self.cfg.tensor_parallel_timeout_s)
+            raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size}, pipeline_parallel_size="
+                             f"{cfg.pipeline_parallel_size}: a split model runs on CPU processes only so far; "
+                             f"device={cfg.device!r} resolved to {self.device}")
+        if self.pipeline:
+            check_stages(self.model_cfg, cfg.pipeline_parallel_size)
+            stages = Pipeline(dataclasses.asdict(cfg), max_model_len, self.model_cfg.num_layers,
+                              cfg.parallel_timeout_s)
+            torch.set_num_threads(stages.threads)
+            return stages
+        torch.set_num_threads(threads_per_rank(cfg.tensor_parallel_size))
+        return Workers(dataclasses.asdict(cfg), self.shard, max_model_len, cfg.parallel_timeout_s)
 
     def close(self) -> None:
         """End the tensor-parallel workers, if any."""
@@ -120,6 +137,8 @@ class ModelRunner:
         self.workers.send_step(input_ids, meta, logits_indices, lora)
         try:
             logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices, self.kv_scales, lora)
+            if self.pipeline:   # stage 0's hidden states on; the last stage's logits back
+                logits = self.workers.exchange(logits, len(logits_indices), self.model_cfg.vocab_size)
         except GroupFailure as e:
             raise self.workers.step_failed(e) from None
         self.workers.step_done()
@@ -256,6 +275,17 @@ def load_rank_model(cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: in
     shard = group.shard
     state = load_state_dict(model_cfg.path, dtype, pick=lambda name, t: shard_tensor(model_cfg, shard, name, t))
     return LlamaModel(shard_config(model_cfg, shard), state, device, dtype, max_model_len, cfg.quantization, group)
+
+
+def load_stage_model(cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int, device: torch.device,
+                     dtype: torch.dtype, layers: range) -> LlamaModel:
+    """A pipeline stage's model: the decoder `layers` it runs (models/llama.py), reading only their tensors."""
+    if device.type == "cpu":
+        cpu_ops.load()
+    tied, n = model_cfg.tie_word_embeddings, model_cfg.num_layers
+    state = load_state_dict(model_cfg.path, dtype,
+                            pick=lambda name, t: t[:] if stage_holds(name, layers, n, tied) else None)
+    return LlamaModel(model_cfg, state, device, dtype, max_model_len, cfg.quantization, layers=layers)
 
 
 def _lora_rows(chunks: list[ScheduledChunk], cu: torch.Tensor) -> list[tuple[object, list[tuple[int, int]]]]:

@@ -67,14 +67,19 @@ class LlamaModel:
     """Weights and forward. Not an nn.Module: there is nothing to train, and plain tensors keep it explicit."""
 
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 max_positions: int, quantization: str = "none", group: TensorGroup | None = None):
+                 max_positions: int, quantization: str = "none", group: TensorGroup | None = None,
+                 layers: range | None = None):
         """The checkpoint's names mapped to the layers (weights.Checkpoint takes each tensor and prepares the
         linears). `quantization` applies to the layers' linears; the embedding and the LM head keep the dtype (as
         GPTQ and AWQ checkpoints do: logits are the most sensitive). With a tensor-parallel `group`, `cfg` and
         `state` are this rank's share (models/sharding.py): the partial sums of o and down are added across the
-        ranks, the embeddings looked up where they are held and the logits gathered."""
+        ranks, the embeddings looked up where they are held and the logits gathered. A pipeline stage holds only the
+        decoder `layers` it runs (the first stage the embeddings, the last the final norm and the LM head)."""
         self.cfg = cfg
         self.group = group
+        self.layer_ids = layers if layers is not None else range(cfg.num_layers)
+        self.first_stage = self.layer_ids.start == 0
+        self.last_stage = self.layer_ids.stop == cfg.num_layers
         self.device = device
         self.dtype = dtype
         ck = Checkpoint(cfg, state, device, dtype, quantization)
@@ -85,8 +90,10 @@ class LlamaModel:
             # Gemma stores its norms' weights as w and scales by 1 + w
             return take(name) + 1 if gemma is not None else take(name)
 
-        self.embed = ck.embeddings()     # a tensor, or a GGUF file's blocks (GroupWeight)
-        if tuple(self.embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+        # a tensor, or a GGUF file's blocks (GroupWeight); on the last stage of a pipeline only for a tied LM head
+        held = self.first_stage or (self.last_stage and cfg.tie_word_embeddings)
+        self.embed = ck.embeddings() if held else None
+        if held and tuple(self.embed.shape) != (cfg.vocab_size, cfg.hidden_size):
             raise ModelConfigError(f"{source}: model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
                                    f"config.json says vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}")
         self.cos_sin = cos_sin_cache(cfg, max_positions).to(device)
@@ -95,7 +102,7 @@ class LlamaModel:
             local_cos_sin = cos_sin_cache(replace(cfg, rope_theta=gemma.local_rope_theta, rope_scaling=None),
                                           max_positions).to(device)
         self.layers: list[LayerWeights] = []
-        for i in range(cfg.num_layers):
+        for i in self.layer_ids:
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
             sparse = cfg.moe is not None and cfg.moe.is_sparse(i)
@@ -123,8 +130,10 @@ class LlamaModel:
                 cos_sin=local_cos_sin if gemma and gemma.layer_types[i] == "sliding_attention" else None,
                 window=cfg.layer_windows[i] if cfg.layer_windows else 0,
             ))
-        self.norm = norm("model.norm.weight")
-        self.lm_head = ck.lm_head(self.embed)
+        self.norm = norm("model.norm.weight") if self.last_stage else None
+        self.lm_head = ck.lm_head(self.embed) if self.last_stage else None
+        if not self.first_stage:
+            self.embed = None
         unread = state.leftover() if isinstance(state, GgufState) else []
         if unread:
             raise ModelConfigError(f"{state.file}: tensors {', '.join(unread)} are not read by the {cfg.family} "
@@ -142,7 +151,8 @@ class LlamaModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         # On a CPU, short steps run the layers in one C++ call where they hold nothing else (decode_stack.py); its
         # layers have no collectives between them
-        self.decode_stack = DecodeStack.build(self) if device.type == "cpu" and group is None else None
+        whole = group is None and layers is None
+        self.decode_stack = DecodeStack.build(self) if device.type == "cpu" and whole else None
 
     def weight_bytes(self) -> int:
         """Bytes of every tensor the model holds (each once), rope tables aside."""
@@ -183,12 +193,15 @@ class LlamaModel:
         if sparse:
             parts.append(f"experts in {len(sparse)} of {len(self.layers)} layers: " + (
                 "Triton fused MoE" if sparse[0].stacked is not None else linear_path(sparse[0].gate_up[0])))
-        return "; ".join(parts + [f"lm_head: {linear_path(self.lm_head)}"])
+        return "; ".join(parts + ([f"lm_head: {linear_path(self.lm_head)}"] if self.lm_head is not None else []))
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                 logits_indices: torch.Tensor, kv_scales: torch.Tensor | None = None,
-                lora: LoraStep | None = None) -> torch.Tensor:
+                lora: LoraStep | None = None, carried: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] -> logits [len(logits_indices), vocab] (fp32) of the selected tokens.
+
+        A pipeline stage after the first starts from `carried`, the hidden states and residuals [2, T, hidden] the
+        stage before it returned; a stage before the last returns its own instead of logits.
 
         kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; new K/V are written into it.
         kv_scales: with an INT8/FP8 kv_cache, its float16 scales [num_layers, 2, num_blocks, block_size,
@@ -197,19 +210,25 @@ class LlamaModel:
         """
         cfg = self.cfg
         T = input_ids.shape[0]
-        if self.group is not None:
+        if carried is not None:
+            h, residual = carried[0], carried[1]
+        elif self.group is not None:
             h = self.group.embed(self.embed, input_ids)
         elif isinstance(self.embed, torch.Tensor):
             h = self.embed[input_ids]
         else:
             h = self.embed.take_rows(input_ids).to(self.dtype)
-        if self.embed_scale is not None:
-            h = h * self.embed_scale
+        if carried is None:
+            residual = None
+            if self.embed_scale is not None:
+                h = h * self.embed_scale
         stack = self.decode_stack
         if stack is not None and lora is None and meta.rope_long is None and stack.takes(T, meta.max_seqlen_q):
             h, residual = stack.forward(h, meta, kv_cache, kv_scales)
         else:
-            h, residual = self._layers(h, meta, kv_cache, kv_scales, lora)
+            h, residual = self._layers(h, residual, meta, kv_cache, kv_scales, lora)
+        if not self.last_stage:
+            return torch.stack([h, residual])
         # Only the rows that will be sampled go through the final norm and the vocabulary projection.
         h = h[logits_indices]
         residual = residual[logits_indices]
@@ -221,17 +240,18 @@ class LlamaModel:
             logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
         return logits
 
-    def _layers(self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
-                kv_scales: torch.Tensor | None, lora: LoraStep | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder layers from Python, operator by operator: (h, residual) after the last one."""
+    def _layers(self, h: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
+                lora: LoraStep | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers from Python, operator by operator: (h, residual) after the last one (`residual` None
+        before the first layer). kv_cache holds this model's layers only, in order."""
         cfg = self.cfg
         T = h.shape[0]
         rope_rows = meta.positions
         if meta.rope_long is not None:
             # longrope: the long factors are the table's second half (the scheduler decides which tokens take them)
             rope_rows = meta.positions + meta.rope_long.to(meta.positions.dtype) * self.max_positions
-        residual = None
-        for i, w in enumerate(self.layers):
+        for j, (i, w) in enumerate(zip(self.layer_ids, self.layers)):
             if residual is None:
                 residual = h
                 x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
@@ -249,8 +269,8 @@ class LlamaModel:
                     q, k = q.contiguous(), k.contiguous()
                 q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[i, 0], kv_scales[i, 1])
+            k_cache, v_cache = kv_cache[j, 0], kv_cache[j, 1]
+            k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[j, 0], kv_scales[j, 1])
             cos_sin = self.cos_sin if w.cos_sin is None else w.cos_sin
             q = rotary_and_write_kv(q.contiguous(), k, v, rope_rows, cos_sin, k_cache, v_cache, meta.slot_mapping,
                                     k_scale, v_scale)

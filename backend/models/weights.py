@@ -58,7 +58,8 @@ def tensor_header(file: str) -> dict[str, tuple[list[int], str]]:
 def load_state_dict(path: str, dtype: torch.dtype, pick=None) -> dict[str, torch.Tensor] | GgufState:
     """All tensors of the folder on CPU, the floating ones cast to `dtype` (a GPTQ/AWQ checkpoint's packed int32
     weights keep their type); a GGUF folder's are read as they are taken (gguf.GgufState). `pick(name, part)`: the
-    part of each tensor to read, from safetensors' slice of it (a rank's share: sharding.shard_tensor)."""
+    part of each tensor to read, from safetensors' slice of it (a rank's share: sharding.shard_tensor), or None to
+    leave it (a pipeline stage's tensors: pipeline.stage_holds)."""
     if gguf_file_of(path) is not None:
         return GgufState(path)
     state = {}
@@ -67,6 +68,8 @@ def load_state_dict(path: str, dtype: torch.dtype, pick=None) -> dict[str, torch
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     t = f.get_tensor(name) if pick is None else pick(name, f.get_slice(name))
+                    if t is None:   # not this process's
+                        continue
                     state[name] = t.to(dtype) if t.is_floating_point() else t
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
             raise ModelConfigError(f"{file}: cannot read weights ({e})") from None

@@ -49,6 +49,8 @@ def main():
                     "decode steps to a batch-size bucket over persistent inputs (default: the engine's, true)")
     ap.add_argument("--tensor-parallel-size", type=int, default=None, help="the llm parameter: processes that split "
                     "the model (default: the engine's, 1)")
+    ap.add_argument("--pipeline-parallel-size", type=int, default=None, help="the llm parameter: stages that split "
+                    "the model's layers (default: the engine's, 1)")
     ap.add_argument("--profile-step", action="store_true", help="profile one decode step of the whole batch")
     ap.add_argument("--anchor", action="store_true", help="the anchor profile's requests, time by step kind")
     ap.add_argument("--by-op", action="store_true", help="with --anchor: seconds per forward operation and step kind; "
@@ -59,6 +61,7 @@ def main():
     extra = {k: v for k, v in (("kv_cache_bytes", args.kv_cache_bytes), ("block_size", args.block_size),
                                ("quantization", args.quantization), ("kv_cache_dtype", args.kv_cache_dtype),
                                ("dtype", args.dtype), ("tensor_parallel_size", args.tensor_parallel_size),
+                               ("pipeline_parallel_size", args.pipeline_parallel_size),
                                ("enforce_eager", None if args.enforce_eager is None else args.enforce_eager == "true"))
              if v is not None}
     engine = LLMEngine(EngineConfig(model_path=args.model, max_num_seqs=args.max_num_seqs,

@@ -20,6 +20,7 @@ from test_tensor_parallel import SHARPER
 from trellm_backend.distributed.pipeline import stage_layers
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.runner import micro_batches
 from trellm_backend.models.config import ModelConfigError
 
 SMALL = dict(max_num_batched_tokens=48, block_size=16, kv_cache_bytes=8 << 20)
@@ -32,6 +33,20 @@ def engine(folder: str, **kwargs) -> LLMEngine:
 def test_stages_take_every_layer_once_the_earlier_ones_more():
     assert [list(stage_layers(7, 3, s)) for s in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
     assert [list(stage_layers(2, 2, s)) for s in range(2)] == [[0], [1]]
+
+
+def test_a_step_splits_into_contiguous_micro_batches_of_about_equal_tokens():
+    import random
+    rng = random.Random(0)
+    for _ in range(500):
+        q_lens = [rng.choice([1, 1, 1, 4, 16, 128, 512]) for _ in range(rng.randint(1, 40))]
+        most = rng.randint(1, 6)
+        parts = micro_batches(q_lens, most)
+        assert len(parts) == min(most, len(q_lens))
+        assert parts[0][0] == 0 and parts[-1][1] == len(q_lens)
+        assert all(a < b for a, b in parts) and all(p[1] == q[0] for p, q in zip(parts, parts[1:]))
+        largest = max(sum(q_lens[a:b]) for a, b in parts)
+        assert largest <= sum(q_lens) / len(parts) + max(q_lens), (q_lens, most, parts)
 
 
 # Tied embeddings (the last stage holds them for its LM head), Gemma's scaled embeddings and capped logits, Phi-3's
@@ -82,6 +97,7 @@ RANK0 = textwrap.dedent("""
     import json, sys, time
     from trellm_backend.engine.config import EngineConfig
     from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine.runner import micro_batches
     from trellm_backend.engine.request import SamplingParams
     folder, init, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     eng = LLMEngine(EngineConfig(folder, pipeline_parallel_size=2, distributed_init=init, block_size=16,

@@ -92,12 +92,18 @@ class Transfers:
         except RuntimeError as e:
             raise GroupFailure(f"pipeline {what} on stage {self.rank} failed: {e}") from None
 
-    def send(self, t: torch.Tensor, to: int) -> None:
-        self._wait(self.pg.send([t.contiguous()], to, 0), f"send to stage {to}")
+    def isend(self, t: torch.Tensor, to: int, tag: int):
+        """Start sending `t` to stage `to`; wait_all ends it (the tensor is kept alive until then)."""
+        t = t.contiguous()
+        return self.pg.send([t], to, tag), t, to
 
-    def recv(self, shape, dtype: torch.dtype, source: int) -> torch.Tensor:
+    def wait_all(self, sends) -> None:
+        for work, _, to in sends:
+            self._wait(work, f"send to stage {to}")
+
+    def recv(self, shape, dtype: torch.dtype, source: int, tag: int) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype)
-        self._wait(self.pg.recv([t], source, 0), f"receive from stage {source}")
+        self._wait(self.pg.recv([t], source, tag), f"receive from stage {source}")
         return t
 
 
@@ -185,12 +191,15 @@ class Pipeline(WorkerSet):
         finally:
             sock.settimeout(None)
 
-    def exchange(self, carried: torch.Tensor, num_rows: int, vocab: int) -> torch.Tensor:
-        """Stage 0's hidden states [2, T, hidden] to stage 1; the last stage's logits [num_rows, vocab] back."""
-        self.transfers.send(carried, 1)
+    def pass_on(self, carried: torch.Tensor, batch: int):
+        """Stage 0's hidden states [2, T, hidden] of micro-batch `batch` to stage 1 (sent while stage 0 goes on)."""
+        return self.transfers.isend(carried, 1, batch)
+
+    def logits_of(self, batch: int, num_rows: int, vocab: int) -> torch.Tensor:
+        """The last stage's logits [num_rows, vocab] of micro-batch `batch`."""
         if not num_rows:
             return torch.empty(0, vocab)
-        return self.transfers.recv((num_rows, vocab), torch.float32, self.stages - 1)
+        return self.transfers.recv((num_rows, vocab), torch.float32, self.stages - 1, batch)
 
     def _watch_socket(self, stage: int, sock: socket.socket) -> None:
         """A stage never writes after its start: anything here is its connection ending (a stage on another host

@@ -57,7 +57,8 @@ def tensor_rank(sock: socket.socket) -> int:
     def load(cfg, device, dtype):
         return load_rank_model(cfg, model_cfg, hello["max_model_len"], device, dtype, group)
 
-    def step(model, cache, scales, input_ids, meta, rows, lora):
+    def step(model, cache, scales, batches):
+        [(input_ids, meta, rows, lora)] = batches
         model.forward(input_ids, meta, cache, rows, scales, lora)
     return serve(sock, hello, f"rank {hello['rank']}", load, shard_config(model_cfg, shard), shard, step)
 
@@ -79,13 +80,18 @@ def pipeline_stage(url: str, rank: int) -> int:
     def load(cfg, device, dtype):
         return load_stage_model(cfg, model_cfg, hello["max_model_len"], device, dtype, layers)
 
-    def step(model, cache, scales, input_ids, meta, rows, lora):
-        carried = transfers.recv((2, input_ids.shape[0], model_cfg.hidden_size), model.dtype, rank - 1)
-        out = model.forward(input_ids, meta, cache, rows, scales, lora, carried=carried)
-        if not model.last_stage:
-            transfers.send(out, rank + 1)
-        elif rows.numel():
-            transfers.send(out, 0)
+    def step(model, cache, scales, batches):
+        """Each micro-batch in turn: its hidden states from the stage before, its layers here, the result on (the
+        last stage's logits to rank 0) while the next one is received."""
+        sends = []
+        for k, (input_ids, meta, rows, lora) in enumerate(batches):
+            carried = transfers.recv((2, input_ids.shape[0], model_cfg.hidden_size), model.dtype, rank - 1, k)
+            out = model.forward(input_ids, meta, cache, rows, scales, lora, carried=carried)
+            if not model.last_stage:
+                sends.append(transfers.isend(out, rank + 1, k))
+            elif rows.numel():
+                sends.append(transfers.isend(out, 0, k))
+        transfers.wait_all(sends)
     return serve(sock, hello, f"stage {rank}", load, replace(model_cfg, num_layers=len(layers)), None, step)
 
 
@@ -113,10 +119,12 @@ def serve(sock: socket.socket, hello: dict, name: str, load, kv_cfg, shard, step
     adapters = AdapterShards(load_model_config(cfg.model_path), cfg.max_lora_rank, dtype, device, shard)
     with torch.inference_mode():
         while wait_for_step(sock) and (msg := recv_msg(sock)) is not None:
-            input_ids, meta, rows, lora = unpack_step(msg, AttentionMetadata)
-            lora = lora and LoraStep([(adapters.get(key), rows) for key, rows in lora])
+            batches = []
+            for packed in msg:
+                input_ids, meta, rows, lora = unpack_step(packed, AttentionMetadata)
+                batches.append((input_ids, meta, rows, lora and LoraStep([(adapters.get(key), r) for key, r in lora])))
             try:
-                step(model, cache, scales, input_ids, meta, rows, lora)
+                step(model, cache, scales, batches)
             except GroupFailure as e:   # another rank is lost: this one cannot go on either
                 log.error("%s; exiting", e)
                 return 1

@@ -119,7 +119,7 @@ class WorkerSet:
         self._procs: dict[int, subprocess.Popen] = {}   # the workers started here, by rank
         self._socks: dict[int, socket.socket] = {}      # every worker's, by rank
         self._files: list[str] = []                     # removed at close, if still there
-        self._finalizer = weakref.finalize(self, _close, self._procs, self._socks, self._files)
+        self._finalizer = weakref.finalize(self, _close, self._closed, self._procs, self._socks, self._files)
 
     def _start(self, rank: int, args: list[str], **popen) -> None:
         self._procs[rank] = subprocess.Popen([python_executable(), "-m", "trellm_backend.distributed.worker", *args],
@@ -146,13 +146,14 @@ class WorkerSet:
         self.start_sizes = [answers[r]["weight_bytes"] for r in sorted(answers)]
         return self.start_sizes
 
-    def send_step(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor, lora=None) -> None:
-        """Before rank 0's own forward: the step's plan to every worker."""
+    def send_step(self, batches) -> None:
+        """Before rank 0's own forward: the step's plan to every worker, each (micro-)batch's inputs
+        (input_ids, meta, logits_indices, lora)."""
         if self.failure is not None:
             raise GroupFailure(self.failure)
         self.steps += 1
         self.doing = f"step {self.steps}"
-        msg = pack_step(input_ids, meta, logits_indices, lora)
+        msg = [pack_step(*batch) for batch in batches]
         for rank, sock in self._socks.items():
             try:
                 send_msg(sock, msg)
@@ -207,7 +208,6 @@ class WorkerSet:
         return [p.pid for p in self._procs.values()]
 
     def close(self) -> None:
-        self._closed.set()
         self._finalizer()
 
 
@@ -259,8 +259,11 @@ class Workers(WorkerSet):
         self.group.mark_lost()   # a collective waiting on the lost rank fails now
 
 
-def _close(procs: dict[int, subprocess.Popen], socks: dict[int, socket.socket], files: list[str]) -> None:
-    """End the workers: their sockets close (a worker exits at the end of its input), then any left are killed."""
+def _close(closed: threading.Event, procs: dict[int, subprocess.Popen], socks: dict[int, socket.socket],
+           files: list[str]) -> None:
+    """End the workers: their sockets close (a worker exits at the end of its input), then any left are killed.
+    `closed` is set first, so that the watchers do not take those exits for losses (at interpreter exit too)."""
+    closed.set()
     for path in files:
         if os.path.exists(path):
             os.unlink(path)

@@ -98,7 +98,8 @@ class ModelRunner:
         self.proposer = self._proposer(max_model_len)
         self.token_ids: dict[str, list[int]] = {}   # with a proposer: each running request's tokens
         self.block_tables = BlockTables(cfg.max_num_seqs, blocks_for(max_model_len, self.block_size))
-        self.inputs = StepInputs(self.device)
+        # one per micro-batch of a pipeline's step (their tensors live until the step ends); one elsewhere
+        self.inputs_of_batch = [StepInputs(self.device) for _ in range(cfg.pipeline_parallel_size)]
         self.padded = None if cfg.enforce_eager or self.model.long_rope_from is not None else PaddedDecode(
             cfg.max_num_seqs, blocks_for(max_model_len + MAX_SPECULATIVE_TOKENS, self.block_size) + 1,
             self.num_blocks, self.block_size, self.device)
@@ -129,16 +130,26 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.close()
 
-    def _forward(self, input_ids: torch.Tensor, meta, logits_indices: torch.Tensor, lora=None) -> torch.Tensor:
-        """The model's forward over this step's inputs; with tensor parallelism the workers are sent the same
-        inputs first and run their shares alongside."""
+    def _forward(self, *batches: tuple) -> torch.Tensor:
+        """The model's forward over this step's inputs, `batches` of (input_ids, meta, logits_indices, lora): the
+        logits of every batch's selected rows, in order. With tensor parallelism (one batch) the workers are sent the
+        same inputs first and run their shares alongside. A pipeline takes the step in micro-batches: stage 0 runs
+        each and passes its hidden states on, so the next stage works on one while stage 0 runs the next, and the
+        last stage's logits come back."""
         if self.workers is None:
-            return self.model.forward(input_ids, meta, self.kv_cache, logits_indices, self.kv_scales, lora)
-        self.workers.send_step(input_ids, meta, logits_indices, lora)
+            [(input_ids, meta, rows, lora)] = batches
+            return self.model.forward(input_ids, meta, self.kv_cache, rows, self.kv_scales, lora)
+        self.workers.send_step(batches)
         try:
-            logits = self.model.forward(input_ids, meta, self.kv_cache, logits_indices, self.kv_scales, lora)
-            if self.pipeline:   # stage 0's hidden states on; the last stage's logits back
-                logits = self.workers.exchange(logits, len(logits_indices), self.model_cfg.vocab_size)
+            if self.pipeline:
+                sends = [self.workers.pass_on(self.model.forward(ids, meta, self.kv_cache, rows, self.kv_scales, lora),
+                                              k) for k, (ids, meta, rows, lora) in enumerate(batches)]
+                logits = torch.cat([self.workers.logits_of(k, len(rows), self.model_cfg.vocab_size)
+                                    for k, (_, _, rows, _) in enumerate(batches)])
+                self.workers.transfers.wait_all(sends)
+            else:
+                [(input_ids, meta, rows, lora)] = batches
+                logits = self.model.forward(input_ids, meta, self.kv_cache, rows, self.kv_scales, lora)
         except GroupFailure as e:
             raise self.workers.step_failed(e) from None
         self.workers.step_done()
@@ -222,7 +233,7 @@ class ModelRunner:
                 logits = self.graphs.replay(size)[:len(chunks)]
             else:
                 input_ids, meta = self.padded.inputs(size, max(starts) + 1)
-                logits = self._forward(input_ids, meta, self.padded.cu_seqlens_q[:size], lora)[:len(chunks)]
+                logits = self._forward((input_ids, meta, self.padded.cu_seqlens_q[:size], lora))[:len(chunks)]
         else:
             logits = self._forward_as_scheduled(chunks, q_lens, block_tables)
         if logits is None:
@@ -235,14 +246,18 @@ class ModelRunner:
                               block_tables: torch.Tensor) -> torch.Tensor | None:
         """The logits of each sampling chunk's last row, and with guesses of one row per guess before it too
         (None when no chunk samples)."""
-        ends = list(itertools.accumulate(q_lens))
-        rows = [r for c, e in zip(chunks, ends) for r in range(e - len(c.sampling), e)]
-        input_ids, meta, logits_rows, cu = self.inputs.build(
-            [t for c in chunks for t in c.token_ids], [c.start for c in chunks], q_lens, block_tables,
-            self.block_size, torch.tensor(rows, dtype=torch.int32),
-            [c.rope_long for c in chunks] if self.model.long_rope_from is not None else None)
-        logits = self._forward(input_ids, meta, logits_rows, self._lora_step(chunks, cu))
-        return logits if rows else None
+        batches, any_rows = [], False
+        for k, (a, b) in enumerate(micro_batches(q_lens, len(self.inputs_of_batch))):
+            ends = list(itertools.accumulate(q_lens[a:b]))
+            rows = [r for c, e in zip(chunks[a:b], ends) for r in range(e - len(c.sampling), e)]
+            any_rows = any_rows or bool(rows)
+            input_ids, meta, logits_rows, cu = self.inputs_of_batch[k].build(
+                [t for c in chunks[a:b] for t in c.token_ids], [c.start for c in chunks[a:b]], q_lens[a:b],
+                block_tables[a:b], self.block_size, torch.tensor(rows, dtype=torch.int32),
+                [c.rope_long for c in chunks[a:b]] if self.model.long_rope_from is not None else None)
+            batches.append((input_ids, meta, logits_rows, self._lora_step(chunks[a:b], cu)))
+        logits = self._forward(*batches)
+        return logits if any_rows else None
 
     def _propose(self, chunks: list[ScheduledChunk], sampled: list[list[SampledToken]]) -> dict[str, list[int]]:
         """Bring each chunk's request record up to date (its chunk's tokens, less the rejected guesses, plus the
@@ -275,6 +290,19 @@ def load_rank_model(cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: in
     shard = group.shard
     state = load_state_dict(model_cfg.path, dtype, pick=lambda name, t: shard_tensor(model_cfg, shard, name, t))
     return LlamaModel(shard_config(model_cfg, shard), state, device, dtype, max_model_len, cfg.quantization, group)
+
+
+def micro_batches(q_lens: list[int], most: int) -> list[tuple[int, int]]:
+    """The step's chunks as up to `most` runs [start, end) of about equal tokens (each a micro-batch)."""
+    total, n = sum(q_lens), min(most, len(q_lens))
+    bounds, done, a = [], 0, 0
+    for i, q in enumerate(q_lens):
+        done += q
+        left = len(q_lens) - i - 1
+        if len(bounds) < n - 1 and (done * n >= total * (len(bounds) + 1) or left == n - 1 - len(bounds)):
+            bounds.append((a, i + 1))
+            a = i + 1
+    return bounds + [(a, len(q_lens))]
 
 
 def load_stage_model(cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int, device: torch.device,

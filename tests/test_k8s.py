@@ -357,3 +357,54 @@ def listening(port: int) -> bool:
             return r.status == 200
     except OSError:
         return False
+
+
+def pipeline() -> dict[str, dict]:
+    return {d["kind"]: d for d in render("pipeline")}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_the_pipeline_manifest_validates(version):
+    """The LeaderWorkerSet's own schema is its controller's CRD: its two pod templates validate as Pods."""
+    docs = pipeline()
+    assert set(docs) == {"LeaderWorkerSet", "Service"}
+    kubernetes_validate.validate(docs["Service"], version, strict=True)
+    lws = docs["LeaderWorkerSet"]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    for name, template in lws["spec"]["leaderWorkerTemplate"].items():
+        if name.endswith("Template"):
+            pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name.lower(), **template["metadata"]},
+                   "spec": template["spec"]}
+            kubernetes_validate.validate(pod, version, strict=True)
+
+
+@pytest.mark.unit
+def test_the_pipeline_leader_writes_a_model_whose_stages_meet_where_the_workers_join(default_model_path, tmp_path):
+    """The leader's command, run here with the group's variables set as the controller sets them, writes an entry
+    whose llm runs a stage per pod and meets them at the address and port each worker joins; the Service sends to the
+    leader only, on its named ports; both pods read the model from the same place."""
+    spec = pipeline()["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]
+    (leader,) = spec["leaderTemplate"]["spec"]["containers"]
+    (worker,) = spec["workerTemplate"]["spec"]["containers"]
+    env = {**os.environ, "LWS_GROUP_SIZE": str(spec["size"]), "LWS_LEADER_ADDRESS": "leader.example",
+           "LWS_WORKER_INDEX": "1"}
+    add = leader["command"][-1].split(" && exec ")[0].replace("python3", sys.executable)
+    add = add.replace("/opt/trellm/hf_models/my-model", default_model_path).replace("/var/run/trellm", str(tmp_path))
+    done = subprocess.run(["sh", "-c", add], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    from trellm_backend.tools.repository import read_config
+    params = {k: v.string_value for k, v in read_config(str(tmp_path / "repository" / "chat_llm" /
+                                                                "config.pbtxt")).parameters.items()}
+    assert params["pipeline_parallel_size"] == str(spec["size"])
+    join = subprocess.run(["sh", "-c", "echo " + worker["command"][-1].split("worker", 1)[1]], env=env,
+                          capture_output=True, text=True).stdout.split()
+    assert join == ["--join", params["distributed_init"], "--rank", "1"]
+    port = int(params["distributed_init"].rsplit(":", 1)[1])
+    assert {"name": "stages", "containerPort": port} in leader["ports"]
+    service = pipeline()["Service"]["spec"]
+    assert service["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    assert {p["targetPort"] for p in service["ports"]} <= {p["name"] for p in leader["ports"]}
+    assert "--model-repository=/var/run/trellm/repository" in leader["command"][-1]
+    mounts = [{m["name"]: m for m in c["volumeMounts"]}["models"] for c in (leader, worker)]
+    assert mounts[0] == mounts[1]

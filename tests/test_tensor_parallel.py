@@ -15,12 +15,14 @@ from dataclasses import replace
 import pytest
 
 from hf_models import LORAS, hf_greedy, make_lora, make_variant, model_dir_for, random_prompts
-from test_engine import ARRIVALS, GREEDY, LENGTHS, run_staggered
+from test_engine import ARRIVALS, GREEDY, LENGTHS, run, run_staggered
 from test_lora import greedy as lora_greedy
+from test_structured_output import REGEX, SCHEMA, check
 from trellm_backend.distributed.group import GroupFailure
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.request import SamplingParams
+from trellm_backend.engine.structured_output import Guide
 from trellm_backend.models.config import ModelConfigError
 
 SMALL = dict(max_num_batched_tokens=48, block_size=16, kv_cache_bytes=8 << 20)
@@ -197,3 +199,21 @@ def test_lora_adapters_split_with_the_model(default_model_path, tmp_path, split)
             eng.close()
     assert out[2] == out[1]
     assert out[2, "replaced"] == out[1][-len(prompts):], "attn-r8 now reads all-r16's folder"
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_structured_output_on_a_split_model(default_model_path, tokenizer, split):
+    """Guides mask rank 0's logits: a split model's guided answers, greedy and sampled, are one process's."""
+    prompts = [tokenizer(p)["input_ids"] for p in ["Hello", "The answer is", "A list:"]]
+    guides = [Guide("regex", REGEX), Guide("json_schema", json.dumps(SCHEMA))]
+    out = {}
+    for n in (1, 2):
+        eng = LLMEngine(EngineConfig(default_model_path, **{split: n}), tokenizer)
+        try:
+            out[n] = run(eng, prompts * 2, None, params_of=lambda i: SamplingParams(
+                max_tokens=200, temperature=i % 2, seed=i, guide=guides[i % 2]))
+        finally:
+            eng.close()
+    assert [(o["tokens"], o["reason"]) for o in out[2]] == [(o["tokens"], o["reason"]) for o in out[1]]
+    for i, o in enumerate(out[2]):
+        check(guides[i % 2], o["text"])

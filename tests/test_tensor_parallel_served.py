@@ -1,6 +1,7 @@
-"""Tensor parallelism end to end: the shipped ensemble with `llm` split across two processes, on a real tritonserver
-under the launcher, streams transformers' text; a worker killed mid-stream fails every stream within seconds, and the
-supervisor has the server serving again, split again, within a minute."""
+"""A split model end to end: the shipped ensemble with `llm` split across two processes (tensor parallel, or a
+pipeline of two stages), on a real tritonserver under the launcher, streams transformers' text; a worker killed
+mid-stream fails every stream within seconds, and the supervisor has the server serving again, split again, within a
+minute."""
 import os
 import signal
 import subprocess
@@ -28,10 +29,12 @@ def workers() -> list[int]:
     return processes_mentioning(WORKER)
 
 
-def test_a_split_llm_streams_transformers_text_and_comes_back_after_losing_a_worker(default_model_path, tmp_path):
+@pytest.mark.parametrize("split, kind", [("tensor_parallel_size", "tensor-parallel rank"),
+                                         ("pipeline_parallel_size", "pipeline stage")])
+def test_a_split_llm_streams_transformers_text_and_comes_back_after_losing_a_worker(default_model_path, tmp_path,
+                                                                                     split, kind):
     repo = str(tmp_path / "model_repository")
-    private_repository(os.path.join(REPO, "model_repository"), repo,
-                       {"llm": {"tensor_parallel_size": "2", "parallel_timeout_s": "3"}})
+    private_repository(os.path.join(REPO, "model_repository"), repo, {"llm": {split: "2", "parallel_timeout_s": "3"}})
     http, grpc, metrics = free_ports(3)
     err_path = str(tmp_path / "launcher.err")
     log_path = tmp_path / "server.log"
@@ -47,7 +50,8 @@ def test_a_split_llm_streams_transformers_text_and_comes_back_after_losing_a_wor
             assert launcher.poll() is None and time.monotonic() < deadline, _read(err_path)
             time.sleep(0.5)
         log = log_path.read_text()
-        assert "tensor parallel: 2 ranks" in log and "[trellm rank 1] ready" in log, log[-3000:]
+        assert f"{'pipeline' if 'pipeline' in split else 'tensor parallel'}: 2 ranks" in log, log[-3000:]
+        assert f"[trellm {'stage' if 'pipeline' in split else 'rank'} 1] ready" in log, log[-3000:]
         expected = greedy_texts(default_model_path, PROMPTS, MAX_TOKENS)
         with LLMClient(f"localhost:{grpc}") as c:
             for p in PROMPTS:
@@ -91,7 +95,7 @@ def test_a_split_llm_streams_transformers_text_and_comes_back_after_losing_a_wor
                 assert "retry on another replica or after the restart" in str(e), e
                 assert time.monotonic() - killed < 60
                 time.sleep(0.5)
-        assert f"tensor-parallel rank 1 (pid {worker}) was killed by signal 9" in log_path.read_text()
+        assert f"{kind} 1 (pid {worker}) was killed by signal 9" in log_path.read_text()
         assert len(set(workers()) - before - {worker}) == 1, "the restarted llm is split again"
     finally:
         stop_launcher(launcher, repo)

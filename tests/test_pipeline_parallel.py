@@ -20,6 +20,7 @@ from test_tensor_parallel import SHARPER
 from trellm_backend.distributed.pipeline import stage_layers
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
+from trellm_backend.engine import runner
 from trellm_backend.engine.runner import micro_batches
 from trellm_backend.models.config import ModelConfigError
 
@@ -40,9 +41,9 @@ def test_a_step_splits_into_contiguous_micro_batches_of_about_equal_tokens():
     rng = random.Random(0)
     for _ in range(500):
         q_lens = [rng.choice([1, 1, 1, 4, 16, 128, 512]) for _ in range(rng.randint(1, 40))]
-        most = rng.randint(1, 6)
-        parts = micro_batches(q_lens, most)
-        assert len(parts) == min(most, len(q_lens))
+        most, least = rng.randint(1, 6), rng.choice([1, 64, 256])
+        parts = micro_batches(q_lens, most, least)
+        assert len(parts) == max(1, min(most, len(q_lens), sum(q_lens) // least))
         assert parts[0][0] == 0 and parts[-1][1] == len(q_lens)
         assert all(a < b for a, b in parts) and all(p[1] == q[0] for p, q in zip(parts, parts[1:]))
         largest = max(sum(q_lens[a:b]) for a, b in parts)
@@ -53,7 +54,8 @@ def test_a_step_splits_into_contiguous_micro_batches_of_about_equal_tokens():
 # longrope flags, a mixture of experts with a dense layer, sliding windows, biases.
 @pytest.mark.parametrize("name", ["llama-gqa4-hd128", "gemma3-text", "phi3-longrope", "qwen2-moe-shared",
                                   "mistral-sliding", "llama3-rope-bias"])
-def test_two_stages_give_transformers_tokens(tmp_path, name):
+def test_two_stages_give_transformers_tokens(tmp_path, name, monkeypatch):
+    monkeypatch.setattr(runner, "MIN_MICRO_BATCH_TOKENS", 1)   # every step of several chunks in micro-batches
     folder = make_variant(name, str(tmp_path / name), changes=SHARPER.get(name))
     prompts = random_prompts(0, 320, LENGTHS)
     eng = engine(folder, pipeline_parallel_size=2)
@@ -97,7 +99,6 @@ RANK0 = textwrap.dedent("""
     import json, sys, time
     from trellm_backend.engine.config import EngineConfig
     from trellm_backend.engine.engine import LLMEngine
-from trellm_backend.engine.runner import micro_batches
     from trellm_backend.engine.request import SamplingParams
     folder, init, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     eng = LLMEngine(EngineConfig(folder, pipeline_parallel_size=2, distributed_init=init, block_size=16,

@@ -247,7 +247,7 @@ class ModelRunner:
         """The logits of each sampling chunk's last row, and with guesses of one row per guess before it too
         (None when no chunk samples)."""
         batches, any_rows = [], False
-        for k, (a, b) in enumerate(micro_batches(q_lens, len(self.inputs_of_batch))):
+        for k, (a, b) in enumerate(micro_batches(q_lens, len(self.inputs_of_batch), MIN_MICRO_BATCH_TOKENS)):
             ends = list(itertools.accumulate(q_lens[a:b]))
             rows = [r for c, e in zip(chunks[a:b], ends) for r in range(e - len(c.sampling), e)]
             any_rows = any_rows or bool(rows)
@@ -292,9 +292,16 @@ def load_rank_model(cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: in
     return LlamaModel(shard_config(model_cfg, shard), state, device, dtype, max_model_len, cfg.quantization, group)
 
 
-def micro_batches(q_lens: list[int], most: int) -> list[tuple[int, int]]:
-    """The step's chunks as up to `most` runs [start, end) of about equal tokens (each a micro-batch)."""
-    total, n = sum(q_lens), min(most, len(q_lens))
+# A micro-batch reads the stage's weights again: below this many tokens a step (decodes) is bound by those reads and
+# runs whole, above it (prefill chunks) the stages' overlap pays (perf/RESULTS.md, "Pipeline parallelism").
+MIN_MICRO_BATCH_TOKENS = 256
+
+
+def micro_batches(q_lens: list[int], most: int, min_tokens: int) -> list[tuple[int, int]]:
+    """The step's chunks as up to `most` runs [start, end) of about equal tokens, each a micro-batch of at least
+    `min_tokens` tokens (one run when the step has fewer)."""
+    total = sum(q_lens)
+    n = max(1, min(most, len(q_lens), total // min_tokens))
     bounds, done, a = [], 0, 0
     for i, q in enumerate(q_lens):
         done += q

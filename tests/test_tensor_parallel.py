@@ -217,3 +217,24 @@ def test_structured_output_on_a_split_model(default_model_path, tokenizer, split
     assert [(o["tokens"], o["reason"]) for o in out[2]] == [(o["tokens"], o["reason"]) for o in out[1]]
     for i, o in enumerate(out[2]):
         check(guides[i % 2], o["text"])
+
+
+def test_messages_carry_arrays_and_never_run_what_a_sender_wrote():
+    """The sockets carry JSON and raw arrays (distributed/messages.py): a step's plan goes through whole, and a
+    pickle, which unpickling would run, is refused as a frame that is not ours."""
+    import pickle
+    import numpy as np
+    from trellm_backend.distributed.messages import BadMessage, decode, encode
+    msg = {"ids": np.arange(5, dtype=np.int32), "rows": slice(2, 4), "key": ("a", "/x", 7), "none": None,
+           "f": np.ones((2, 3), dtype=np.float32), "n": [1, 2.5, "s", True]}
+    back = decode(encode(msg))
+    assert back["key"] == ("a", "/x", 7) and back["rows"] == slice(2, 4) and back["n"] == [1, 2.5, "s", True]
+    assert back["ids"].tolist() == list(range(5)) and back["f"].shape == (2, 3) and back["none"] is None
+
+    class Runs:
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/should-not-exist",))
+    with pytest.raises(BadMessage):
+        decode(pickle.dumps(Runs()))
+    with pytest.raises(BadMessage):   # an object array would unpickle its items
+        decode(encode({"a": np.zeros(2)}).replace(b"<f8", b"|O8"))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import socket
 import threading
 import time
@@ -27,7 +26,8 @@ import torch.distributed as dist
 from trellm_backend.distributed.group import GroupFailure
 from trellm_backend.models.config import ModelConfigError
 from trellm_backend.models.gguf import gguf_file_of
-from trellm_backend.distributed.workers import LOAD_TIMEOUT_S, WorkerSet, recv_msg, send_msg, threads_per_rank
+from trellm_backend.distributed.messages import recv_msg, send_msg
+from trellm_backend.distributed.workers import LOAD_TIMEOUT_S, WorkerSet, threads_per_rank
 
 log = logging.getLogger("trellm")
 
@@ -156,7 +156,7 @@ class Pipeline(WorkerSet):
             sock.settimeout(10)
             try:
                 first = recv_msg(sock)
-            except (OSError, ValueError, EOFError, pickle.UnpicklingError):
+            except (OSError, ValueError):   # BadMessage included
                 first = None
             sock.settimeout(None)
             rank = first.get("rank") if isinstance(first, dict) else None
@@ -209,5 +209,5 @@ class Pipeline(WorkerSet):
         except OSError:
             pass
         if not self._closed.is_set():
-            self._lost(self._diagnose() or f"pipeline stage {stage}'s connection closed while the group was "
-                                            f"{self.doing}")
+            self._lost(self._diagnose(settle_s=1.0) or f"pipeline stage {stage}'s connection closed while the group "
+                                                        f"was {self.doing}")

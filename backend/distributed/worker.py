@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from trellm_backend.distributed.group import GroupFailure, TensorGroup
 from trellm_backend.distributed.pipeline import JOIN_TIMEOUT_S, PLAN_PORT_KEY, Transfers, gloo_group, parse_init
-from trellm_backend.distributed.workers import recv_msg, send_msg, threads_per_rank, unpack_step
+from trellm_backend.distributed.messages import recv_msg, send_msg, unpack_step
+from trellm_backend.distributed.workers import threads_per_rank
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.forward_inputs import allocate_kv_cache
 from trellm_backend.engine.limits import resolve_device_dtype, resolve_kv_cache_dtype

@@ -10,13 +10,10 @@ raises GroupFailure, and `on_lost` (set by the server) is called once.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import pickle
 import shutil
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -24,59 +21,14 @@ import time
 import weakref
 from typing import Callable
 
-import numpy as np
-import torch
-
 from trellm_backend.distributed.group import GroupFailure, TensorGroup, create_region
+from trellm_backend.distributed.messages import pack_step, recv_msg, send_msg
 from trellm_backend.models.sharding import Shard
 
 log = logging.getLogger("trellm")
 
 LOAD_TIMEOUT_S = 3600.0   # to read a rank's share of the weights
 WATCH_INTERVAL_S = 0.2
-
-
-def send_msg(sock: socket.socket, obj) -> None:
-    data = pickle.dumps(obj, protocol=5)
-    sock.sendall(struct.pack("<Q", len(data)) + data)
-
-
-def recv_msg(sock: socket.socket):
-    """The next message, or None when the other side has closed the socket."""
-    head = _recv_exactly(sock, 8)
-    if head is None:
-        return None
-    body = _recv_exactly(sock, struct.unpack("<Q", head)[0])
-    return None if body is None else pickle.loads(body)
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(n - len(buf))
-        if not part:
-            return None
-        buf += part
-    return bytes(buf)
-
-
-def pack_step(input_ids: torch.Tensor, meta, logits_indices: torch.Tensor, lora=None) -> dict:
-    """A forward's inputs as plain data (meta: models.llama.AttentionMetadata; lora: models.lora.LoraStep, its
-    adapters named by (name, folder, rank 0's object id): a worker reads each once, and again if it is replaced)."""
-    def plain(v):
-        return v.numpy() if isinstance(v, torch.Tensor) else v
-    return {"input_ids": plain(input_ids), "logits_indices": plain(logits_indices),
-            "meta": {f.name: plain(getattr(meta, f.name)) for f in dataclasses.fields(meta)},
-            "lora": None if lora is None else [((a.name, a.path, id(a)), plain(rows)) for a, rows in lora.groups]}
-
-
-def unpack_step(msg: dict, meta_type):
-    """(input_ids, meta, logits_indices, [(adapter key, its rows)] or None)."""
-    def tensor(v):
-        return torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-    lora = msg["lora"] and [(key, tensor(rows)) for key, rows in msg["lora"]]
-    return (tensor(msg["input_ids"]), meta_type(**{k: tensor(v) for k, v in msg["meta"].items()}),
-            tensor(msg["logits_indices"]), lora)
 
 
 def python_executable() -> str:
@@ -165,9 +117,15 @@ class WorkerSet:
 
     def step_failed(self, e: GroupFailure) -> GroupFailure:
         """The error to raise for a collective or transfer that failed: which worker is lost, if it can be told."""
-        return GroupFailure(self._lost(self._diagnose() or str(e)))
+        return GroupFailure(self._lost(self._diagnose(settle_s=1.0) or str(e)))
 
-    def _diagnose(self) -> str | None:
+    def _diagnose(self, settle_s: float = 0.0) -> str | None:
+        """Which worker started here has exited or is stopped. `settle_s`: how long to let one that is dying finish
+        (its connections close before it has exited)."""
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline and all(p.poll() is None and not is_stopped(p.pid)
+                                                  for p in self._procs.values()):
+            time.sleep(0.01)
         for rank, proc in self._procs.items():
             if proc.poll() is not None:
                 return f"{self.kind} {rank} (pid {proc.pid}) {describe_exit(proc.returncode)} during {self.doing}"

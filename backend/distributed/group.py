@@ -26,7 +26,8 @@ from trellm_backend.models.sharding import Shard
 SLOT_BYTES = 2 << 20      # a larger tensor goes through in pieces
 LINE = 64                 # bytes between two counters: each on a cache line of its own
 HEADER_BYTES = 4096
-SPIN_S = 50e-6            # wait this long without giving up the interpreter, then poll with sleeps
+SPIN_S = 50e-6            # wait this long without giving up the interpreter,
+SLEEP_AFTER_S = 2e-3      # then poll with sleep(0) until this long, then with real sleeps that leave the core
 
 
 class GroupFailure(RuntimeError):
@@ -88,7 +89,7 @@ class TensorGroup:
                     late = [r for r in range(world) if self._counters[r] < k]
                     raise GroupFailure(f"rank {self.shard.rank} waited {self.timeout_s:.0f} s at a collective for "
                                        f"rank(s) {late}")
-                time.sleep(0 if waited < 2e-3 else 50e-6)
+                time.sleep(0 if waited < SLEEP_AFTER_S else 50e-6)
         return slots
 
     def _rows_per_piece(self, x: torch.Tensor) -> int:

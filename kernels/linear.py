@@ -142,10 +142,11 @@ def cpp_packing(dtype: torch.dtype):
     return pack_pairs if dtype == torch.bfloat16 and ops is not None and ops.avx512_bf16 else pack_blocks
 
 
-def quantize_int8(w: torch.Tensor, packed: bool | None = None) -> Weight:
+def quantize_int8(w: torch.Tensor, packed: bool | None = None, row_amax: torch.Tensor | None = None) -> Weight:
     """Symmetric per-output-row INT8: scale = max |w| of the row / 127 (rows of zeros get scale 1). Packed for the
-    C++ operator (by default on a CPU where the outputs fill its blocks), else [out, in] rows."""
-    amax = w.detach().float().abs().amax(dim=1)
+    C++ operator (by default on a CPU where the outputs fill its blocks), else [out, in] rows. `row_amax`: each
+    row's max |w| where `w` holds only part of each row (a tensor-parallel rank's share of its inputs)."""
+    amax = w.detach().float().abs().amax(dim=1) if row_amax is None else row_amax.float()
     scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w.float() / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
     if packed is None:
@@ -153,10 +154,10 @@ def quantize_int8(w: torch.Tensor, packed: bool | None = None) -> Weight:
     return Weight(None, qweight=pack_blocks(q) if packed else q, scales=scales.to(w.dtype).contiguous())
 
 
-def quantize_w8a8(w: torch.Tensor, typical_tokens: int = 64) -> Weight:
+def quantize_w8a8(w: torch.Tensor, typical_tokens: int = 64, row_amax: torch.Tensor | None = None) -> Weight:
     """INT8 weights (quantize_int8's rounding) for W8A8: prepacked for oneDNN's quantized GEMM where this CPU runs
     it (onednn_runs_w8a8), else the rows."""
-    q = quantize_int8(w, packed=False)
+    q = quantize_int8(w, packed=False, row_amax=row_amax)
     q.w8a8 = True
     if w.device.type == "cpu" and onednn_runs_w8a8():
         q.prepared = torch.ops.onednn.qlinear_prepack(q.qweight, [typical_tokens, w.shape[1]])
@@ -175,14 +176,15 @@ def onednn_runs_w8a8() -> bool:
             and bool(set(INT8_DOT_FLAGS) & set(cpu_ops._cpu_flags().split())))
 
 
-def prepare_weight(w: torch.Tensor, quantization: str = "none", typical_tokens: int = 64) -> Weight:
+def prepare_weight(w: torch.Tensor, quantization: str = "none", typical_tokens: int = 64,
+                   row_amax: torch.Tensor | None = None) -> Weight:
     """Prepare W for `linear`; `typical_tokens` is oneDNN's hint for the layout (any token count works)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
     if quantization == "int8":
-        return quantize_int8(w)
+        return quantize_int8(w, row_amax=row_amax)
     if quantization == "w8a8":
-        return quantize_w8a8(w, typical_tokens)
+        return quantize_w8a8(w, typical_tokens, row_amax)
     if quantization in INT4_GROUPS:
         return prepare_int4(quantize_int4(w, INT4_GROUPS[quantization]))
     if w.device.type != "cpu" or not w.is_floating_point():

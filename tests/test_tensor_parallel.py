@@ -78,13 +78,13 @@ SPLITS = ["tensor_parallel_size", "pipeline_parallel_size"]
 
 
 # float32: a tensor-parallel split changes only the order of float32 sums. In bfloat16 it also rounds each rank's
-# partial sums to bfloat16 before adding them, which moved a near-tie of the sharp qwen2 variant; INT8 weights made at
-# load take each rank's o and down rows' scale over its half of the inputs, a finer quantization than one process's
-# (a pipeline changes no arithmetic: test_pipeline_parallel.py runs both). INT4's groups of 64 inputs fall within a
-# rank's half, so its quantization is the same. The quantized cases run the variant whose K/V head both ranks share.
+# partial sums to bfloat16 before adding them, which moved a near-tie of the sharp qwen2 variant (a pipeline changes
+# no arithmetic: test_pipeline_parallel.py runs it in bfloat16). INT8 weights take each o and down row's scale over
+# the whole row, and INT4's groups of 64 inputs fall within a rank's half, so both quantize as one process does. The
+# quantized cases run the variant whose K/V head both ranks share.
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("name, settings", [
-    ("llama-gqa4-hd128", dict(dtype="float32", kv_cache_dtype="int8")),
+    ("llama-gqa4-hd128", dict(dtype="float32", quantization="int8", kv_cache_dtype="int8")),
     ("qwen2-bias-gqa4", dict(enable_prefix_caching=True, speculative_method="ngram", num_speculative_tokens=3)),
     ("llama-gqa4-hd128", dict(quantization="int4", dtype="float32")),
 ])

@@ -33,7 +33,7 @@ from trellm_backend.engine.sampler import SampledToken, num_accepted, sample
 from trellm_backend.engine.scheduler import ScheduledChunk, SchedulerOutput
 from trellm_backend.engine.structured_output import apply_masks
 from trellm_backend.models.lora import AdapterStack, LoraStep, stack_adapters, step_rows
-from trellm_backend.models.sharding import shard_config, shard_of, shard_tensor
+from trellm_backend.models.sharding import shard_config, shard_of, shard_tensor, splits_inputs
 from trellm_backend.models.weights import load_state_dict
 from trellm_kernels import cpu_ops
 from trellm_kernels.dispatch import use_triton
@@ -288,7 +288,16 @@ def load_rank_model(cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: in
         return LlamaModel(model_cfg, load_state_dict(model_cfg.path, dtype), device, dtype, max_model_len,
                           cfg.quantization)
     shard = group.shard
-    state = load_state_dict(model_cfg.path, dtype, pick=lambda name, t: shard_tensor(model_cfg, shard, name, t))
+    row_amax = {}   # INT8 made here takes each row's scale over the whole row, as one process does
+
+    def pick(name, t):
+        if cfg.quantization in ("int8", "w8a8") and splits_inputs(name):
+            whole = t[:].to(dtype)
+            row_amax[name.removesuffix(".weight") + ".row_amax"] = whole.float().abs().amax(dim=1)
+            t = whole
+        return shard_tensor(model_cfg, shard, name, t)
+    state = load_state_dict(model_cfg.path, dtype, pick=pick)
+    state.update(row_amax)
     return LlamaModel(shard_config(model_cfg, shard), state, device, dtype, max_model_len, cfg.quantization, group)
 
 

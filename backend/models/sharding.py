@@ -85,6 +85,11 @@ def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
                    intermediate_size=shard.intermediate, vocab_size=shard.vocab_rows, moe=moe)
 
 
+def splits_inputs(name: str) -> bool:
+    """Whether the checkpoint's tensor `name` is a weight split by its inputs (o, down, Mixtral's w2)."""
+    return name.endswith(".weight") and name.rsplit(".", 2)[-2] in ("o_proj", "down_proj", "w2")
+
+
 def shard_tensor(cfg: ModelConfig, s: Shard, name: str, t) -> torch.Tensor:
     """Rank `s`'s share of the checkpoint's tensor `name`. `t`: the tensor, or safetensors' slice of it (read only
     where it is indexed, so a rank reads its share of the file, not the whole)."""

@@ -106,7 +106,9 @@ class Checkpoint:
         if isinstance(self.state, GgufState):
             return self.gguf_linear(names)
         if self.cfg.quant is None:
-            return prepare_weight(self.stacked(*(n + ".weight" for n in names)), self.quantization)
+            # a tensor-parallel share of each row's inputs comes with the whole rows' max |w| (sharding.py)
+            row_amax = self.state.pop(names[0] + ".row_amax", None) if len(names) == 1 else None
+            return prepare_weight(self.stacked(*(n + ".weight" for n in names)), self.quantization, row_amax=row_amax)
         source = self.cfg.path
         try:
             w = cat_outputs([take_int4(self.state, n, self.cfg.quant, source) for n in names], f"{source}: {names}")

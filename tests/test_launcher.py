@@ -371,6 +371,21 @@ def _ready(http: int) -> bool:
         return False
 
 
+def long_stream(grpc: int, outcomes: dict, i: int, after_three) -> None:
+    """A stream of 2,000 tokens from localhost:`grpc`: outcomes[i] = ("finished" or "error", responses, when it ended
+    [, the error]); `after_three()` once its third response has come."""
+    n = 0
+    try:
+        with LLMClient(f"localhost:{grpc}") as c:
+            for _ in c.stream("Once upon a time", max_tokens=2000, min_tokens=2000):
+                n += 1
+                if n == 3:
+                    after_three()
+        outcomes[i] = ("finished", n, time.monotonic())
+    except Exception as e:   # noqa: BLE001 - the error itself is what is checked
+        outcomes[i] = ("error", n, time.monotonic(), str(e))
+
+
 def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_the_server(tmp_path):
     """tritonserver 2.51 alone leaves a dead stub's streams hanging and reports READY forever; the launcher's
     supervisor must end those streams with an error, and serve again with the models that were loaded. An orderly
@@ -405,20 +420,7 @@ def test_a_killed_llm_stub_fails_its_streams_at_once_and_the_launcher_restarts_t
 
         outcomes: dict[int, tuple] = {}
         started = threading.Event()
-
-        def stream(i):
-            n = 0
-            try:
-                with LLMClient(f"localhost:{grpc}") as c:
-                    for _ in c.stream("Once upon a time", max_tokens=2000, min_tokens=2000):
-                        n += 1
-                        if n == 3:
-                            started.set()
-                outcomes[i] = ("finished", n, time.monotonic())
-            except Exception as e:   # noqa: BLE001 - the error itself is what is checked
-                outcomes[i] = ("error", n, time.monotonic(), str(e))
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        threads = [threading.Thread(target=long_stream, args=(grpc, outcomes, i, started.set)) for i in range(3)]
         for t in threads:
             t.start()
         assert started.wait(60)

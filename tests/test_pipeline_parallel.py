@@ -1,7 +1,7 @@
 """Pipeline parallelism (backend/distributed/pipeline.py): the decoder's layers split into two stages, in two
 processes on this host or across two network namespaces joined over TCP, give transformers' greedy tokens; what does
-not split is refused by name. (One process's tokens with quantization, speculation and LoRA, and a stage that dies
-or stops: test_tensor_parallel.py, beside the ranks.)"""
+not split is refused by name. (Transformers' tokens for each family, one process's tokens with quantization,
+speculation and LoRA, and a stage that dies or stops: test_tensor_parallel.py, beside the ranks.)"""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,6 @@ from test_tensor_parallel import SHARPER
 from trellm_backend.distributed.pipeline import stage_layers
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
-from trellm_backend.engine import runner
 from trellm_backend.engine.runner import micro_batches
 from trellm_backend.models.config import ModelConfigError
 
@@ -48,22 +47,6 @@ def test_a_step_splits_into_contiguous_micro_batches_of_about_equal_tokens():
         assert all(a < b for a, b in parts) and all(p[1] == q[0] for p, q in zip(parts, parts[1:]))
         largest = max(sum(q_lens[a:b]) for a, b in parts)
         assert largest <= sum(q_lens) / len(parts) + max(q_lens), (q_lens, most, parts)
-
-
-# Tied embeddings (the last stage holds them for its LM head), Gemma's scaled embeddings and capped logits, Phi-3's
-# longrope flags, a mixture of experts with a dense layer, sliding windows, biases.
-@pytest.mark.parametrize("name", ["llama-gqa4-hd128", "gemma3-text", "phi3-longrope", "qwen2-moe-shared",
-                                  "mistral-sliding", "llama3-rope-bias"])
-def test_two_stages_give_transformers_tokens(tmp_path, name, monkeypatch):
-    monkeypatch.setattr(runner, "MIN_MICRO_BATCH_TOKENS", 1)   # every step of several chunks in micro-batches
-    folder = make_variant(name, str(tmp_path / name), changes=SHARPER.get(name))
-    prompts = random_prompts(0, 320, LENGTHS)
-    eng = engine(folder, pipeline_parallel_size=2)
-    try:
-        got = run_staggered(eng, prompts, ARRIVALS, GREEDY)
-    finally:
-        eng.close()
-    assert got == hf_greedy(folder, prompts, GREEDY.max_tokens)
 
 
 def test_a_pipeline_in_bfloat16_gives_one_process_tokens(tmp_path):

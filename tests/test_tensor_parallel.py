@@ -19,6 +19,7 @@ from test_engine import ARRIVALS, GREEDY, LENGTHS, run, run_staggered
 from test_lora import greedy as lora_greedy
 from test_structured_output import REGEX, SCHEMA, check
 from trellm_backend.distributed.group import GroupFailure
+from trellm_backend.engine import runner
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.engine import LLMEngine
 from trellm_backend.engine.request import SamplingParams
@@ -45,16 +46,25 @@ def alive(pid: int) -> bool:
 SHARPER = {"llama3-rope-bias": {"initializer_range": 0.2}, "qwen2-bias-gqa4": {"initializer_range": 0.2}}
 
 
-# Each a different split: K/V heads fewer than ranks (shared), biases on o and down (added once), merged q/k/v and
-# gate/up with longrope (Phi-3), q/k norms and head_dim 8, Gemma's norms, caps and windows, tied embeddings; experts
-# (Mixtral's w1/w3/w2, Qwen's), Qwen2-MoE's shared expert and its dense layer.
-@pytest.mark.parametrize("name", ["llama-gqa4-hd128", "llama3-rope-bias", "phi3-longrope", "qwen3-qknorm-hd8",
-                                  "gemma2-softcap", "gemma3-text", "qwen2-bias-gqa4", "mistral-sliding",
-                                  "mixtral-moe8", "qwen3-moe8-qknorm", "qwen2-moe-shared"])
-def test_two_ranks_give_transformers_tokens(tmp_path, name):
+# Split two ways, each a different split: K/V heads fewer than ranks (shared), biases on o and down (added once),
+# merged q/k/v and gate/up with longrope (Phi-3), q/k norms and head_dim 8, Gemma's norms, caps and windows, tied
+# embeddings; experts (Mixtral's w1/w3/w2, Qwen's), Qwen2-MoE's shared expert and its dense layer.
+TWO_RANKS = ["llama-gqa4-hd128", "llama3-rope-bias", "phi3-longrope", "qwen3-qknorm-hd8", "gemma2-softcap",
+             "gemma3-text", "qwen2-bias-gqa4", "mistral-sliding", "mixtral-moe8", "qwen3-moe8-qknorm",
+             "qwen2-moe-shared"]
+# Two stages: tied embeddings (the last stage holds them for its LM head), Gemma's scaled embeddings and capped
+# logits, Phi-3's longrope flags, a mixture of experts with a dense layer, sliding windows, biases.
+TWO_STAGES = ["llama-gqa4-hd128", "gemma3-text", "phi3-longrope", "qwen2-moe-shared", "mistral-sliding",
+              "llama3-rope-bias"]
+
+
+@pytest.mark.parametrize("split, name", [("tensor_parallel_size", n) for n in TWO_RANKS]
+                         + [("pipeline_parallel_size", n) for n in TWO_STAGES])
+def test_a_split_model_gives_transformers_tokens(tmp_path, monkeypatch, split, name):
+    monkeypatch.setattr(runner, "MIN_MICRO_BATCH_TOKENS", 1)   # a pipeline's steps of several chunks in micro-batches
     folder = make_variant(name, str(tmp_path / name), changes=SHARPER.get(name))
     prompts = random_prompts(0, 320, LENGTHS)
-    eng = engine(folder, tensor_parallel_size=2)
+    eng = engine(folder, **{split: 2})
     try:
         got = run_staggered(eng, prompts, ARRIVALS, GREEDY)
     finally:

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, free_ports
 from repository_helpers import greedy_texts, processes_mentioning
-from test_launcher import _read, _ready, stop_launcher, wait_for_generate
+from test_launcher import _read, _ready, long_stream, stop_launcher, wait_for_generate
 from trellm_backend.tools.testbed import private_repository
 from trellm_client.client import LLMClient
 from tritonclient.utils import InferenceServerException
@@ -60,20 +60,8 @@ def test_a_split_llm_streams_transformers_text_and_comes_back_after_losing_a_wor
         [worker] = set(workers()) - before
         outcomes: dict[int, tuple] = {}
         started = threading.Barrier(3)
-
-        def stream(i):
-            n = 0
-            try:
-                with LLMClient(f"localhost:{grpc}") as c:
-                    for _ in c.stream("Once upon a time", max_tokens=2000, min_tokens=2000):
-                        n += 1
-                        if n == 3:
-                            started.wait(60)
-                outcomes[i] = ("finished", n, time.monotonic())
-            except Exception as e:   # noqa: BLE001 - the error itself is what is checked
-                outcomes[i] = ("error", n, time.monotonic(), str(e))
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        threads = [threading.Thread(target=long_stream, args=(grpc, outcomes, i, lambda: started.wait(60)))
+                   for i in range(2)]
         for t in threads:
             t.start()
         started.wait(60)

@@ -1,6 +1,6 @@
 """One rank's view of a tensor-parallel group on one host: the collectives the model's forward calls, over a shared
-memory region that every rank maps (as vLLM's CPU build does; gloo's TCP all-reduce took over a millisecond on
-loopback here, perf/RESULTS.md).
+memory region that every rank maps (as vLLM's CPU build does; gloo's TCP all-reduce is many times slower on
+loopback: perf/RESULTS.md, "Issue 61").
 
 The region holds a counter per rank and two sets of slots, one slot per rank. For its k-th collective a rank writes
 its part into its slot of set k % 2, publishes k in its counter, waits until every counter reaches k, and reads the

@@ -27,7 +27,7 @@ from trellm_backend.distributed.group import GroupFailure
 from trellm_backend.models.config import ModelConfigError
 from trellm_backend.models.gguf import gguf_file_of
 from trellm_backend.distributed.messages import recv_msg, send_msg
-from trellm_backend.distributed.workers import LOAD_TIMEOUT_S, WorkerSet, threads_per_rank
+from trellm_backend.distributed.workers import WorkerSet, threads_per_rank
 
 log = logging.getLogger("trellm")
 
@@ -168,28 +168,10 @@ class Pipeline(WorkerSet):
 
     def start(self, num_blocks: int) -> list[int]:
         """Give the stages the KV pool's size, wait until each has its layers and cache; each stage's weight bytes."""
-        for sock in self._socks.values():
-            send_msg(sock, {"num_blocks": num_blocks})
-        sizes = self._ready({s: self._answer(s, sock) for s, sock in self._socks.items()})
+        sizes = self._start_all(num_blocks)
         for s, sock in self._socks.items():
             threading.Thread(target=self._watch_socket, args=(s, sock), daemon=True, name=f"pp-watch-{s}").start()
         return sizes
-
-    def _answer(self, stage: int, sock: socket.socket):
-        """A stage's answer to `start`, waiting while a stage started here is alive (a joined one: up to the load
-        deadline)."""
-        sock.settimeout(0.5)
-        deadline = time.monotonic() + LOAD_TIMEOUT_S
-        try:
-            while True:
-                try:
-                    return recv_msg(sock)
-                except TimeoutError:
-                    proc = self._procs.get(stage)
-                    if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
-                        return None
-        finally:
-            sock.settimeout(None)
 
     def pass_on(self, carried: torch.Tensor, batch: int):
         """Stage 0's hidden states [2, T, hidden] of micro-batch `batch` to stage 1 (sent while stage 0 goes on)."""

@@ -25,7 +25,7 @@ from trellm_backend.distributed.workers import threads_per_rank
 from trellm_backend.engine.config import EngineConfig
 from trellm_backend.engine.forward_inputs import allocate_kv_cache
 from trellm_backend.engine.limits import resolve_device_dtype, resolve_kv_cache_dtype
-from trellm_backend.engine.runner import load_rank_model, load_stage_model
+from trellm_backend.engine.runner import load_model
 from trellm_backend.models.config import load_model_config
 from trellm_backend.models.llama import AttentionMetadata
 from trellm_backend.models.lora import LoraStep, load_adapter
@@ -56,7 +56,7 @@ def tensor_rank(sock: socket.socket) -> int:
     group = TensorGroup(hello["region"], shard, hello["timeout_s"])
 
     def load(cfg, device, dtype):
-        return load_rank_model(cfg, model_cfg, hello["max_model_len"], device, dtype, group)
+        return load_model(cfg, model_cfg, hello["max_model_len"], device, dtype, group=group)
 
     def step(model, cache, scales, batches):
         [(input_ids, meta, rows, lora)] = batches
@@ -79,7 +79,7 @@ def pipeline_stage(url: str, rank: int) -> int:
     model_cfg = load_model_config(hello["config"]["model_path"])
 
     def load(cfg, device, dtype):
-        return load_stage_model(cfg, model_cfg, hello["max_model_len"], device, dtype, layers)
+        return load_model(cfg, model_cfg, hello["max_model_len"], device, dtype, layers=layers)
 
     def step(model, cache, scales, batches):
         """Each micro-batch in turn: its hidden states from the stage before, its layers here, the result on (the
@@ -133,9 +133,9 @@ def serve(sock: socket.socket, hello: dict, name: str, load, kv_cfg, shard, step
 
 
 def wait_for_step(sock: socket.socket) -> bool:
-    """Poll for the next step's plan for a while before blocking on it: steps follow each other within a
-    millisecond or two while requests run, and a process woken from a blocking read can start that much later (a
-    virtual CPU that halted). Returns True (the blocking read comes next)."""
+    """Poll for the next step's plan for a while before blocking on it: while requests run, steps follow each other
+    closely, and a process woken from a blocking read can start late (a virtual CPU that halted). Returns True (the
+    blocking read comes next)."""
     deadline = time.monotonic() + POLL_BETWEEN_STEPS_S
     while time.monotonic() < deadline and not select.select([sock], [], [], 0)[0]:
         pass

@@ -1,4 +1,5 @@
-"""Rank 0's side of a tensor-parallel group on one host: it starts ranks 1..N-1 as processes of their own (a fresh
+"""Rank 0's side of a split model's workers (`WorkerSet`: what a tensor-parallel group and a pipeline share), and of a
+tensor-parallel group on one host (`Workers`): it starts ranks 1..N-1 as processes of their own (a fresh
 interpreter each, never a fork of a server process), joins the group with them, and before each forward sends them
 that step's plan (the forward's inputs: token ids, positions, KV slots, block tables, the rows to sample) over a
 local socket; the scheduler, the KV block manager and the sampler stay in rank 0.
@@ -85,9 +86,29 @@ class WorkerSet:
                 raise RuntimeError(f"{self.kind} {rank} (pid {proc.pid}) {describe_exit(proc.returncode)} before it "
                                    f"could {what}; its log lines are above")
 
-    def _ready(self, answers: dict[int, dict | None]) -> list[int]:
-        """After every worker answered `start` (its weights and cache are ready): their bytes of weights, in rank
-        order, and the watchers started; RuntimeError naming a worker that failed instead."""
+    def _start_all(self, num_blocks: int) -> list[int]:
+        """Give every worker the KV pool's size and wait until each has its weights and cache (a worker started here
+        that exits, or any past the load deadline, fails the load). Returns their bytes of weights in rank order,
+        with the watchers started; RuntimeError naming a worker that failed instead."""
+        for sock in self._socks.values():
+            send_msg(sock, {"num_blocks": num_blocks})
+        answers: dict[int, dict | None] = {}
+
+        def read(rank, sock):   # a blocking read each: a frame is never cut by a timeout
+            try:
+                answers[rank] = recv_msg(sock)
+            except (OSError, ValueError):   # BadMessage included
+                answers[rank] = None
+        readers = [threading.Thread(target=read, args=item, daemon=True) for item in self._socks.items()]
+        for r in readers:
+            r.start()
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while any(r.is_alive() for r in readers):
+            self._check_started("load its weights")
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"{self.kind}s did not load their weights within {LOAD_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
         for rank, answer in sorted(answers.items()):
             if not answer or "error" in answer:
                 self.close()
@@ -193,23 +214,7 @@ class Workers(WorkerSet):
     def start(self, num_blocks: int) -> list[int]:
         """Give the workers the KV pool's size and wait until each has its weights and cache. Returns each worker's
         bytes of weights."""
-        for sock in self._socks.values():
-            send_msg(sock, {"num_blocks": num_blocks})
-        answers: dict[int, dict | None] = {}
-
-        def read(rank, sock):
-            answers[rank] = recv_msg(sock)
-        readers = [threading.Thread(target=read, args=item, daemon=True) for item in self._socks.items()]
-        for r in readers:
-            r.start()
-        deadline = time.monotonic() + LOAD_TIMEOUT_S
-        while any(r.is_alive() for r in readers):
-            self._check_started("load its weights")
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"tensor-parallel workers did not load their weights within {LOAD_TIMEOUT_S:.0f} s")
-            time.sleep(0.05)
-        sizes = self._ready(answers)
+        sizes = self._start_all(num_blocks)
         os.unlink(self._region)   # every rank has it mapped; nothing is left behind once they end
         return sizes
 

@@ -164,13 +164,13 @@ class LLMEngine:
         return [out[rid] for rid in ids]
 
     def on_worker_lost(self, callback) -> None:
-        """Call `callback(message)` once, on a thread of its own, if a tensor-parallel worker is lost (the engine
-        cannot step after that: each step raises GroupFailure)."""
+        """Call `callback(message)` once, on a thread of its own, if a worker of a split model (a tensor-parallel rank
+        or a pipeline stage) is lost (the engine cannot step after that: each step raises GroupFailure)."""
         if self.runner.workers is not None:
             self.runner.workers.on_lost = callback
 
     def close(self) -> None:
-        """End what the engine started outside this process (tensor-parallel workers); the engine cannot step
+        """End what the engine started outside this process (a split model's workers); the engine cannot step
         after it."""
         self.runner.close()
 

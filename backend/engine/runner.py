@@ -65,12 +65,9 @@ class ModelRunner:
         self.shard = shard_of(model_cfg, 0, cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else None
         self.pipeline = cfg.pipeline_parallel_size > 1
         self.workers = self._start_workers(max_model_len) if self.shard is not None or self.pipeline else None
-        if self.pipeline:
-            self.model = load_stage_model(cfg, model_cfg, max_model_len, self.device, self.dtype,
-                                          self.workers.layers)
-        else:
-            self.model = load_rank_model(cfg, model_cfg, max_model_len, self.device, self.dtype,
-                                         self.workers and self.workers.group)
+        self.model = load_model(cfg, model_cfg, max_model_len, self.device, self.dtype,
+                                group=self.workers.group if self.shard is not None else None,
+                                layers=self.workers.layers if self.pipeline else None)
         log.info("linear layers: %s", self.model.linear_paths())
         if self.device.type == "cpu":
             log.info("short steps: %s", "the layers in one C++ call (models/decode_stack.py)"
@@ -126,7 +123,7 @@ class ModelRunner:
         return Workers(dataclasses.asdict(cfg), self.shard, max_model_len, cfg.parallel_timeout_s)
 
     def close(self) -> None:
-        """End the tensor-parallel workers, if any."""
+        """End the workers of a split model (tensor-parallel ranks or pipeline stages), if any."""
         if self.workers is not None:
             self.workers.close()
 
@@ -279,14 +276,18 @@ class ModelRunner:
         return {s.request_id: g for s, g in zip(seqs, self.proposer.propose(seqs)) if g}
 
 
-def load_rank_model(cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int, device: torch.device,
-                    dtype: torch.dtype, group: TensorGroup | None = None) -> LlamaModel:
-    """The model, or with a tensor-parallel `group` this rank's share of it (models/sharding.py)."""
+def load_model(cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int, device: torch.device,
+               dtype: torch.dtype, group: TensorGroup | None = None, layers: range | None = None) -> LlamaModel:
+    """The model; with a tensor-parallel `group` this rank's share of every layer (models/sharding.py); with a
+    pipeline stage's decoder `layers` only those (and the embeddings or the LM head where the stage holds them),
+    reading only their tensors."""
     if device.type == "cpu":
         cpu_ops.load()   # build or load the C++ operators now, at model load, never on a request
     if group is None:
-        return LlamaModel(model_cfg, load_state_dict(model_cfg.path, dtype), device, dtype, max_model_len,
-                          cfg.quantization)
+        tied, n = model_cfg.tie_word_embeddings, model_cfg.num_layers
+        pick = None if layers is None else lambda name, t: t[:] if stage_holds(name, layers, n, tied) else None
+        return LlamaModel(model_cfg, load_state_dict(model_cfg.path, dtype, pick), device, dtype, max_model_len,
+                          cfg.quantization, layers=layers)
     shard = group.shard
     row_amax = {}   # INT8 made here takes each row's scale over the whole row, as one process does
 
@@ -319,17 +320,6 @@ def micro_batches(q_lens: list[int], most: int, min_tokens: int) -> list[tuple[i
             bounds.append((a, i + 1))
             a = i + 1
     return bounds + [(a, len(q_lens))]
-
-
-def load_stage_model(cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int, device: torch.device,
-                     dtype: torch.dtype, layers: range) -> LlamaModel:
-    """A pipeline stage's model: the decoder `layers` it runs (models/llama.py), reading only their tensors."""
-    if device.type == "cpu":
-        cpu_ops.load()
-    tied, n = model_cfg.tie_word_embeddings, model_cfg.num_layers
-    state = load_state_dict(model_cfg.path, dtype,
-                            pick=lambda name, t: t[:] if stage_holds(name, layers, n, tied) else None)
-    return LlamaModel(model_cfg, state, device, dtype, max_model_len, cfg.quantization, layers=layers)
 
 
 def _lora_rows(chunks: list[ScheduledChunk], cu: torch.Tensor) -> list[tuple[object, list[tuple[int, int]]]]:

@@ -210,18 +210,7 @@ class LlamaModel:
         """
         cfg = self.cfg
         T = input_ids.shape[0]
-        if carried is not None:
-            h, residual = carried[0], carried[1]
-        elif self.group is not None:
-            h = self.group.embed(self.embed, input_ids)
-        elif isinstance(self.embed, torch.Tensor):
-            h = self.embed[input_ids]
-        else:
-            h = self.embed.take_rows(input_ids).to(self.dtype)
-        if carried is None:
-            residual = None
-            if self.embed_scale is not None:
-                h = h * self.embed_scale
+        h, residual = (carried[0], carried[1]) if carried is not None else (self._embed(input_ids), None)
         stack = self.decode_stack
         if stack is not None and lora is None and meta.rope_long is None and stack.takes(T, meta.max_seqlen_q):
             h, residual = stack.forward(h, meta, kv_cache, kv_scales)
@@ -239,6 +228,16 @@ class LlamaModel:
         if self.logit_cap is not None:
             logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
         return logits
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings (Gemma's scaled), from the rows this rank holds with tensor parallelism."""
+        if self.group is not None:
+            h = self.group.embed(self.embed, input_ids)
+        elif isinstance(self.embed, torch.Tensor):
+            h = self.embed[input_ids]
+        else:
+            h = self.embed.take_rows(input_ids).to(self.dtype)
+        return h if self.embed_scale is None else h * self.embed_scale
 
     def _layers(self, h: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,

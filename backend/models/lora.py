@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from trellm_backend.models.config import ModelConfig
-from trellm_backend.models.sharding import Shard, shard_config, shard_tensor
+from trellm_backend.models.sharding import Shard, shard_config, shard_tensor, splits_inputs
 from trellm_kernels.lora import lora_add, lora_expand, lora_shrink
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -138,7 +138,7 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int, dtype: t
         a, b = ab["lora_A"], ab["lora_B"]
         if shard is not None:   # the base's split, on the matrix that touches the split dimension
             base = f"model.layers.{layer}.{'self_attn' if module in ATTENTION else 'mlp'}.{module}.weight"
-            if module in ("o_proj", "down_proj"):
+            if splits_inputs(base):
                 a = shard_tensor(cfg, shard, base, a)
             else:
                 b = shard_tensor(cfg, shard, base, b)

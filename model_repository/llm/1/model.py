@@ -72,7 +72,7 @@ class TritonPythonModel:
             self.serving)
 
     def _worker_lost(self, message):
-        """A tensor-parallel worker is lost, so this model cannot step any more: its requests in flight fail (their
+        """A worker of the split model is lost, so this model cannot step any more: its requests in flight fail (their
         step raises), then this stub ends, so that no `llm` stays ready that cannot step; the launcher's supervisor
         restarts the server with the models it had."""
         logging.getLogger("trellm").error("%s: ending the llm stub (pid %d)", message, os.getpid())
